@@ -1,0 +1,222 @@
+"""The one module that imports vLLM.
+
+Everything kvsim drives of vLLM (its spec classes, its planner, its
+``BlockPool``/``KVCacheManager``/managers, its ``Request``) is imported here
+and re-exported, so the rest of kvsim never touches vLLM directly and an
+engineer can see at a glance which internals kvsim depends on.
+
+It also prepares the process for importing vLLM on a CPU-only machine, reports
+which vLLM is installed (upstream, or the fork with the side-cache layout), and
+is the only place that builds vLLM's engine-config object.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+
+def _prepare_environment() -> None:
+    """Set what vLLM needs before its first import on a CPU-only machine.
+
+    ``VLLM_TARGET_DEVICE=cpu`` lets config code infer a device; a fresh cache
+    root keeps a stale compile cache from hiding a missing module; the log
+    level keeps vLLM's INFO lines out of kvsim's own output.
+    """
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if "VLLM_CACHE_ROOT" not in os.environ:
+        os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="kvsim-vllm-cache-")
+
+
+_prepare_environment()
+
+# ruff: noqa: E402  (imports must follow the environment set-up above)
+import vllm
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.utils.math_utils import cdiv
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.core import kv_cache_planning as planning
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.core.kv_cache_utils import (
+    KVCacheBlock,
+    get_request_block_hasher,
+    init_none_hash,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import (
+    CircularBufferManager,
+    FullAttentionManager,
+    MambaManager,
+    SingleTypeKVCacheManager,
+)
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    CircularBufferSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    KVCacheTensor,
+    MambaSpec,
+    MLAAttentionSpec,
+    UniformTypeKVCacheSpecs,
+    compute_layout_strides,
+    get_kv_quant_mode,
+    get_mamba_prefill_checkpoint_position,
+    iter_layer_specs,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+from vllm.v1.request import Request, RequestStatus
+
+__all__ = [
+    "AttentionSpec",
+    "BlockPool",
+    "CircularBufferManager",
+    "CircularBufferSpec",
+    "FullAttentionManager",
+    "FullAttentionSpec",
+    "KVCacheBlock",
+    "KVCacheBlocks",
+    "KVCacheConfig",
+    "KVCacheGroupSpec",
+    "KVCacheLayout",
+    "KVCacheManager",
+    "KVCacheSpec",
+    "KVCacheSpecRegistry",
+    "KVCacheTensor",
+    "MLAAttentionSpec",
+    "MambaAttentionBackendEnum",
+    "MambaManager",
+    "MambaSpec",
+    "MambaStateShapeCalculator",
+    "Request",
+    "RequestStatus",
+    "SamplingParams",
+    "Scheduler",
+    "SingleTypeKVCacheManager",
+    "UniformTypeKVCacheSpecs",
+    "VllmInfo",
+    "cdiv",
+    "compute_layout_strides",
+    "engine_config",
+    "get_kv_quant_mode",
+    "get_mamba_prefill_checkpoint_position",
+    "get_request_block_hasher",
+    "init_none_hash",
+    "iter_layer_specs",
+    "kv_cache_utils",
+    "planning",
+    "sha256",
+    "vllm_info",
+]
+
+# The fork's patch 0088 adds these; upstream 0.33.0 has none of them.
+_FORK_MARKERS = ("_apply_side_cache_layout", "_choose_ring_slots")
+SIDE_CACHE_SWITCH = "VLLM_E2_SIDE_CACHE_LAYOUT"
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmInfo:
+    version: str
+    path: str
+    has_side_cache_layout: bool
+
+    @property
+    def flavour(self) -> str:
+        return "fork (side-cache layout built in)" if self.has_side_cache_layout else (
+            "upstream"
+        )
+
+    def describe(self) -> str:
+        return f"vllm {self.version} ({self.flavour}) from {self.path}"
+
+
+def fork_planning_module() -> Any | None:
+    """The fork's module that holds its side-cache layout pass, if installed."""
+    for module in (kv_cache_utils, planning):
+        if all(hasattr(module, name) for name in _FORK_MARKERS):
+            return module
+    return None
+
+
+def vllm_info() -> VllmInfo:
+    return VllmInfo(
+        version=str(getattr(vllm, "__version__", "unknown")),
+        path=os.path.dirname(vllm.__file__ or ""),
+        has_side_cache_layout=fork_planning_module() is not None,
+    )
+
+
+def engine_config(
+    *,
+    max_model_len: int,
+    max_num_seqs: int,
+    num_speculative_tokens: int,
+    pipeline_parallel_size: int,
+    tensor_parallel_size: int,
+    kv_cache_layout: str = "BLNHC",
+    num_gpu_blocks_override: int | None = None,
+    mamba_cache_mode: str = "align",
+    kv_transfer_config: Any = None,
+    hisparse_config: Any = None,
+    decode_context_parallel_size: int = 1,
+    total_num_hidden_layers: int = 48,
+) -> SimpleNamespace:
+    """The engine-config object vLLM's planner and capacity code read.
+
+    A real ``VllmConfig`` needs a model checkpoint and a device; the planner
+    only reads the attributes below, so kvsim hands it this stand-in (the
+    approach vLLM's and the fork's own CPU tests take). Every attribute here
+    is one the 0.33.0 planner reads.
+    """
+    layout = KVCacheLayout[kv_cache_layout]
+    cache = SimpleNamespace(
+        kv_cache_layout=kv_cache_layout,
+        num_gpu_blocks_override=num_gpu_blocks_override,
+        prefix_cache_retention_interval=0,
+        mamba_cache_mode=mamba_cache_mode,
+        get_resolved_kv_cache_layout=lambda: layout,
+    )
+    speculative = SimpleNamespace(
+        num_speculative_tokens=num_speculative_tokens,
+        method="mtp",
+        use_multi_module_mtp=lambda: False,
+        use_eagle=lambda: True,
+        use_eagle_block_drop=lambda: True,
+    )
+    return SimpleNamespace(
+        cache_config=cache,
+        num_prefill_lookahead_tokens=0,
+        speculative_config=speculative if num_speculative_tokens else None,
+        scheduler_config=SimpleNamespace(
+            disable_hybrid_kv_cache_manager=False,
+            max_num_encoder_input_tokens=0,
+            max_num_seqs=max_num_seqs,
+        ),
+        attention_config=SimpleNamespace(hisparse_config=hisparse_config),
+        model_config=SimpleNamespace(
+            original_max_model_len=max_model_len,
+            max_model_len=max_model_len,
+            hf_config=SimpleNamespace(model_type="qwen4_exp"),
+            get_total_num_hidden_layers=lambda: total_num_hidden_layers,
+            supports_kv_cache_grouping=False,
+        ),
+        device_config=SimpleNamespace(device_type="cuda"),
+        parallel_config=SimpleNamespace(
+            pipeline_parallel_size=pipeline_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            decode_context_parallel_size=decode_context_parallel_size,
+        ),
+        kv_transfer_config=kv_transfer_config,
+    )
