@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 
 from sim.vllm_bridge import (
     CircularBufferSpec,
+    MambaSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
@@ -24,19 +25,31 @@ from sim.vllm_bridge import (
 
 
 @dataclass(frozen=True, kw_only=True)
-class SlotPackedCircularBufferSpec(CircularBufferSpec):
-    """A QSA raw-key ring whose per-request block is one of ``slots_per_block``
-    equal slots of a shared pool block (fork: ``KVCacheGroupSpec.slots_per_block``).
+class RingSlotsSpec(CircularBufferSpec):
+    """A QSA raw-key ring as kvsim's ring manager serves it: each request's
+    ring block is one of ``slots_per_block`` equal slots of a shared pool
+    block (fork: ``KVCacheGroupSpec.slots_per_block``); 1 is the old layout's
+    whole block per request.
+
+    Worker configs carry it only for packed rings (so the old layout's
+    configs stay exactly vLLM's); the scheduler's view carries it for every
+    ring, which selects kvsim's ring manager through vLLM's spec registry.
     """
 
-    slots_per_block: int = 2
+    slots_per_block: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.slots_per_block < 2:
-            raise ValueError(
-                f"slots_per_block must be at least 2, got {self.slots_per_block}"
-            )
+        if self.slots_per_block < 1:
+            raise ValueError(f"slots_per_block must be positive, got {self.slots_per_block}")
+
+
+@dataclass(frozen=True)
+class RetainedCheckpointMambaSpec(MambaSpec):
+    """A Mamba group whose manager keeps each request's latest cached
+    checkpoint state (the fork's ``VLLM_E2_MAMBA_RETAIN_CHECKPOINT``).
+    Scheduler-side only: the worker sees the same block tables either way.
+    """
 
 
 @dataclass
@@ -92,21 +105,28 @@ def group_slots_per_block(group: KVCacheGroupSpec) -> int:
     carries it on the group itself.
     """
     spec = first_layer_spec(group)
-    if isinstance(spec, SlotPackedCircularBufferSpec):
+    if isinstance(spec, RingSlotsSpec):
         return spec.slots_per_block
     return int(getattr(group, "slots_per_block", 1))
 
 
-def as_slot_packed(spec: KVCacheSpec, slots_per_block: int) -> KVCacheSpec:
-    """``spec`` (a ring, or a uniform collection of rings) with ring slots."""
+def convert_spec(spec: KVCacheSpec, spec_cls: type, **extra: object) -> KVCacheSpec:
+    """``spec`` (or every layer of a uniform collection) as ``spec_cls``, a
+    kvsim subclass of its type, with the same field values plus ``extra``."""
     if isinstance(spec, UniformTypeKVCacheSpecs):
         return UniformTypeKVCacheSpecs(
             block_size=spec.block_size,
             kv_cache_specs={
-                name: as_slot_packed(layer_spec, slots_per_block)
+                name: convert_spec(layer_spec, spec_cls, **extra)
                 for name, layer_spec in spec.kv_cache_specs.items()
             },
         )
-    assert type(spec) is CircularBufferSpec, f"not a plain ring: {type(spec)}"
+    assert isinstance(spec, spec_cls.__mro__[1]), f"{type(spec)} is not a {spec_cls.__mro__[1]}"
     values = {f.name: getattr(spec, f.name) for f in fields(spec) if f.init}
-    return SlotPackedCircularBufferSpec(**values, slots_per_block=slots_per_block)
+    values.update(extra)
+    return spec_cls(**values)
+
+
+def as_slot_packed(spec: KVCacheSpec, slots_per_block: int) -> KVCacheSpec:
+    """``spec`` (a ring, or a uniform collection of rings) with ring slots."""
+    return convert_spec(spec, RingSlotsSpec, slots_per_block=slots_per_block)

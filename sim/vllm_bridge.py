@@ -96,6 +96,7 @@ __all__ = [
     "KVCacheSpecRegistry",
     "KVCacheTensor",
     "MLAAttentionSpec",
+    "MambaAlignedSplit",
     "MambaAttentionBackendEnum",
     "MambaManager",
     "MambaSpec",
@@ -220,3 +221,44 @@ def engine_config(
         ),
         kv_transfer_config=kv_transfer_config,
     )
+
+
+class MambaAlignedSplit:
+    """vLLM's own ``Scheduler._mamba_block_aligned_split``, bound to the few
+    scheduler attributes it reads (0.33.0), so kvsim's scheduler clips prefill
+    chunks exactly where vLLM's does without building a whole ``Scheduler``.
+
+    Hash block = block (no partial hits), no prefill checkpoint blocks and no
+    shared-prefix junction: the Flash-Next deployment's settings.
+    """
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        max_num_scheduled_tokens: int,
+        long_prefill_token_threshold: int = 0,
+        use_eagle_block_drop: bool = True,
+    ) -> None:
+        self._scheduler = SimpleNamespace(
+            block_size=block_size,
+            hash_block_size=block_size,
+            cache_config=SimpleNamespace(block_size=block_size),
+            use_eagle_block_drop=use_eagle_block_drop,
+            num_hash_lookahead_tokens=0,
+            max_num_scheduled_tokens=max_num_scheduled_tokens,
+            scheduler_config=SimpleNamespace(
+                long_prefill_token_threshold=long_prefill_token_threshold
+            ),
+            mamba_partial_cache_hit=False,
+            mamba_shared_prefix_checkpoint=False,
+            mamba_has_prefill_checkpoint_blocks=False,
+            mamba_prefill_checkpoint_alignment=None,
+        )
+
+    def __call__(
+        self, request: Request, num_new_tokens: int, num_new_local_computed_tokens: int = 0
+    ) -> int:
+        return Scheduler._mamba_block_aligned_split(
+            self._scheduler, request, num_new_tokens, num_new_local_computed_tokens
+        )

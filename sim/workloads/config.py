@@ -1,0 +1,294 @@
+"""The ``workload:`` section of a scenario file, and building a workload from it.
+
+No twin in vLLM. Strict like ``sim.config``: unknown keys and keys that the
+chosen trace format cannot use are errors, never silently ignored.
+
+``build_workload`` applies, in this order: load -> window -> sample ->
+limit (``max_requests``) -> time/rate scaling -> spread bursts -> clamps.
+Selection comes before scaling so that ``window_s`` is in the trace's own
+time (the times the trace README and the paper quote); spreading comes after
+scaling so the spread quantum is the scaled 3 s grid; clamps come last
+because they change lengths, not which requests run.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from sim.config import ConfigError
+from sim.workloads import distributions as dist
+from sim.workloads.loaders import (
+    detect_format,
+    load_azure,
+    load_mooncake,
+    load_sharegpt_lengths,
+)
+from sim.workloads.shipped import SHIPPED_TRACES
+from sim.workloads.synthetic import SYNTHETIC_PREFIX_UNIT, synthetic
+from sim.workloads.transforms import (
+    clamp_lengths,
+    limit,
+    sample,
+    scale_rate,
+    scale_time,
+    spread_bursts,
+    window,
+)
+from sim.workloads.spec import Workload
+
+TraceFormat = Literal["mooncake", "azure", "sharegpt", "synthetic"]
+# Mooncake arrival stamps sit on a grid of ~3 s (2,997-3,003 ms apart).
+MOONCAKE_QUANTUM_S = 3.0
+_Factor = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ArrivalConfig(_Strict):
+    """``process: gamma`` needs ``cv`` (1 is Poisson); the others take none."""
+
+    process: Literal["poisson", "gamma", "constant"] = "poisson"
+    rate_per_s: _Factor
+    cv: _Factor | None = None
+
+    @model_validator(mode="after")
+    def _cv_only_for_gamma(self) -> ArrivalConfig:
+        if (self.process == "gamma") != (self.cv is not None):
+            raise ValueError("cv: required for process gamma, and only for it")
+        return self
+
+    def build(self) -> dist.ArrivalProcess:
+        if self.process == "gamma":
+            assert self.cv is not None
+            return dist.Gamma(rate_per_s=self.rate_per_s, cv=self.cv)
+        if self.process == "constant":
+            return dist.Constant(rate_per_s=self.rate_per_s)
+        return dist.Poisson(rate_per_s=self.rate_per_s)
+
+
+class _Length(_Strict):
+    """Validated by building the distribution, so the rules live in one place."""
+
+    @model_validator(mode="after")
+    def _buildable(self) -> _Length:
+        self.build()
+        return self
+
+    def build(self) -> dist.LengthDistribution:
+        raise NotImplementedError
+
+
+class FixedLength(_Length):
+    distribution: Literal["fixed"]
+    tokens: int
+
+    def build(self) -> dist.LengthDistribution:
+        return dist.Fixed(tokens=self.tokens)
+
+
+class UniformLength(_Length):
+    distribution: Literal["uniform"]
+    lo: int
+    hi: int
+
+    def build(self) -> dist.LengthDistribution:
+        return dist.Uniform(lo=self.lo, hi=self.hi)
+
+
+class LogNormalLength(_Length):
+    distribution: Literal["lognormal"]
+    p50: float
+    p90: float
+
+    def build(self) -> dist.LengthDistribution:
+        return dist.LogNormal(p50=self.p50, p90=self.p90)
+
+
+class EmpiricalLength(_Length):
+    distribution: Literal["empirical"]
+    values: tuple[int, ...]
+
+    def build(self) -> dist.LengthDistribution:
+        return dist.Empirical(values=self.values)
+
+
+LengthConfig = Annotated[
+    FixedLength | UniformLength | LogNormalLength | EmpiricalLength,
+    Field(discriminator="distribution"),
+]
+
+
+class WorkloadConfig(_Strict):
+    """Which trace (or synthetic recipe) and which transformations.
+
+    ``trace``: ``default`` (the shipped Mooncake slice), another shipped name
+    (``mooncake-slice``, ``azure-code-slice``, ``sharegpt-lengths``),
+    ``synthetic``, or a path relative to the scenario file's directory.
+    ``format`` is inferred from the name, the extension or the CSV header.
+    """
+
+    trace: str = "default"
+    format: TraceFormat | None = None
+    arrival: ArrivalConfig | None = None
+    prompt: LengthConfig | None = None
+    output: LengthConfig | None = None
+    shared_prefix_tokens: int = Field(0, ge=0)
+    prefix_unit: int = Field(SYNTHETIC_PREFIX_UNIT, gt=0)
+    num_requests: int | None = Field(None, gt=0)
+    max_requests: int | None = Field(None, gt=0)
+    window_s: tuple[float, float] | None = None
+    time_scale: _Factor = 1.0
+    rate_scale: _Factor = 1.0
+    sample_fraction: float = Field(1.0, gt=0, le=1)
+    spread_bursts: bool = False
+    max_prompt_len: int | None = Field(None, gt=0)
+    max_output_len: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> WorkloadConfig:
+        if self.window_s is not None:
+            start_s, end_s = self.window_s
+            if not (math.isfinite(start_s) and 0 <= start_s < end_s):
+                raise ValueError("window_s: expected [start, end] with 0 <= start < end")
+        known = self.known_format()
+        if known is not None:
+            check_keys_for_format(self, known)
+        return self
+
+    def known_format(self) -> TraceFormat | None:
+        """The format if the config alone settles it, else None (read the file)."""
+        named = _named_format(self.trace)
+        if named is not None and self.format not in (None, named):
+            raise ValueError(f"format: {self.format} does not match trace {self.trace!r}")
+        if self.format == "synthetic" and "trace" in self.model_fields_set:
+            if named != "synthetic":
+                raise ValueError("trace: must be 'synthetic' (or left out) for format synthetic")
+        return self.format or named
+
+
+def _named_format(trace: str) -> TraceFormat | None:
+    if trace == "synthetic":
+        return "synthetic"
+    shipped = SHIPPED_TRACES.get(trace)
+    return None if shipped is None else shipped[1]  # type: ignore[return-value]
+
+
+_SYNTHETIC_ONLY = ("prompt", "output", "num_requests", "shared_prefix_tokens", "prefix_unit")
+
+
+def check_keys_for_format(cfg: WorkloadConfig, fmt: TraceFormat) -> None:
+    """Every key that is set must mean something for ``fmt``; ValueError names it."""
+    required = {
+        "synthetic": ("arrival", "prompt", "output", "num_requests"),
+        "sharegpt": ("arrival",),
+    }.get(fmt, ())
+    for key in required:
+        if getattr(cfg, key) is None:
+            raise ValueError(f"{key}: required for a {fmt} workload")
+    unusable = (*_SYNTHETIC_ONLY, "arrival") if fmt in ("mooncake", "azure") else ()
+    if fmt == "sharegpt":
+        unusable = _SYNTHETIC_ONLY
+    for key in unusable:
+        if key in cfg.model_fields_set and getattr(cfg, key) not in (None, 0):
+            raise ValueError(f"{key}: not used by a {fmt} trace (it has its own)")
+    if cfg.spread_bursts and fmt != "mooncake":
+        raise ValueError("spread_bursts: only for mooncake traces (3 s quantised stamps)")
+
+
+def resolve_trace(cfg: WorkloadConfig, base_dir: Path) -> tuple[Path | None, TraceFormat]:
+    """(trace file, format); the file is None for synthetic workloads."""
+    try:
+        known = cfg.known_format()
+    except ValueError as error:
+        raise ConfigError(f"workload: {error}") from None
+    if known == "synthetic":
+        return None, "synthetic"
+    if cfg.trace in SHIPPED_TRACES:
+        return SHIPPED_TRACES[cfg.trace][0], known or "mooncake"
+    path = Path(cfg.trace).expanduser()
+    path = path if path.is_absolute() else base_dir / path
+    if not path.is_file():
+        raise ConfigError(f"workload.trace: {path}: no such file")
+    return path, known or detect_format(path)  # type: ignore[return-value]
+
+
+def _load(
+    cfg: WorkloadConfig, path: Path | None, fmt: TraceFormat, rng: np.random.Generator
+) -> Workload:
+    if fmt == "mooncake":
+        assert path is not None
+        return load_mooncake(path)
+    if fmt == "azure":
+        assert path is not None
+        return load_azure(path)
+    assert cfg.arrival is not None
+    if fmt == "sharegpt":
+        assert path is not None
+        return load_sharegpt_lengths(path, arrival=cfg.arrival.build(), rng=rng)
+    assert cfg.prompt is not None and cfg.output is not None
+    assert cfg.num_requests is not None
+    return synthetic(
+        num_requests=cfg.num_requests,
+        arrival=cfg.arrival.build(),
+        prompt=cfg.prompt.build(),
+        output=cfg.output.build(),
+        rng=rng,
+        shared_prefix_tokens=cfg.shared_prefix_tokens,
+        prefix_unit=cfg.prefix_unit,
+    )
+
+
+def _select(cfg: WorkloadConfig, w: Workload, rng: np.random.Generator) -> Workload:
+    if cfg.window_s is not None:
+        w = window(w, *cfg.window_s)
+    if cfg.sample_fraction < 1:
+        w = sample(w, cfg.sample_fraction, rng)
+    if cfg.max_requests is not None:
+        w = limit(w, cfg.max_requests)
+    return w
+
+
+def _retime(cfg: WorkloadConfig, w: Workload, rng: np.random.Generator) -> Workload:
+    if cfg.time_scale != 1:
+        w = scale_time(w, cfg.time_scale)
+    if cfg.rate_scale != 1:
+        w = scale_rate(w, cfg.rate_scale)
+    if cfg.spread_bursts:
+        quantum_s = MOONCAKE_QUANTUM_S * cfg.time_scale / cfg.rate_scale
+        w = spread_bursts(w, quantum_s, rng)
+    return w
+
+
+def build_workload(cfg: WorkloadConfig, *, base_dir: Path, seed: int) -> Workload:
+    """The workload a scenario asks for; same ``cfg`` and ``seed`` give an
+    equal ``Workload``.
+
+    Each random step draws from its own stream spawned from ``seed``
+    (generate, sample, spread), so turning one step on or off never changes
+    the draws of another. Errors are one-line ``ConfigError``s (``TraceError``
+    for a bad trace file).
+    """
+    path, fmt = resolve_trace(cfg, base_dir)
+    try:
+        check_keys_for_format(cfg, fmt)
+    except ValueError as error:
+        raise ConfigError(f"workload.{error}") from None
+    load_rng, sample_rng, spread_rng = (
+        np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3)
+    )
+    w = _retime(cfg, _select(cfg, _load(cfg, path, fmt, load_rng), sample_rng), spread_rng)
+    if cfg.max_prompt_len is not None or cfg.max_output_len is not None:
+        w = clamp_lengths(w, cfg.max_prompt_len, cfg.max_output_len)
+    if w.num_requests == 0:
+        raise ConfigError(
+            f"workload: window_s {cfg.window_s} and sample_fraction "
+            f"{cfg.sample_fraction:g} leave no requests of {cfg.trace!r}"
+        )
+    return w

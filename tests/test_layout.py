@@ -1,0 +1,212 @@
+"""The pool each layout gives (issue: foundation), against the fork's logged
+figures. Each case runs the code path users run (``plan_kv_cache``, and the
+``kvsim layout --json`` command for the table)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from sim import kv_cache_utils as side
+from sim.cli import main
+from sim.config import DeploymentConfig
+from sim.kv_cache_interface import SlotPackedKVCacheTensor, group_layer_specs
+from sim.layout import plan_kv_cache
+from sim.model_specs import build_worker_specs
+from sim.vllm_bridge import KVCacheGroupSpec, UniformTypeKVCacheSpecs, cdiv, kv_cache_utils, planning
+
+# SSM dtype -> block, block bytes PP0/PP1, blocks, per-request off/on, tokens off/on
+POOL_FIGURES = {
+    "fp32": (3200, (11_468_800, 12_902_400), 317, (103, 97), (806_792, 853_994)),
+    "fp16": (1664, (5_963_776, 6_709_248), 611, (179, 173), (894_804, 924_322)),
+}
+PLE = "language_model.model.layers.2.ple"
+
+
+def _layout_json(capsys, *flags: str) -> dict:
+    assert main(["layout", "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("ssm", sorted(POOL_FIGURES))
+def test_layout_command_reports_the_forks_figures(capsys, ssm):
+    block, strides, blocks, per_request, tokens = POOL_FIGURES[ssm]
+    report = _layout_json(capsys, "--ssm-dtype", ssm)
+    for name, index in (("off", 0), ("on", 1)):
+        figures = report[name]
+        assert figures["block_size"] == block
+        # The pool itself does not move: same block count and strides.
+        assert tuple(figures["block_bytes_per_stage"]) == strides
+        assert figures["num_blocks"] == blocks
+        assert figures["blocks_per_request"] == per_request[index]
+        assert figures["kv_cache_tokens"] == tokens[index]
+    # 5 PLE blocks (2 + K) and the ring block no longer count per request.
+    assert report["off"]["blocks_per_request"] - report["on"]["blocks_per_request"] == 6
+    assert report["off"]["ring_slots_per_block"] == 1
+
+
+def test_layout_text_prints_the_boot_lines(capsys):
+    assert main(["layout"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU KV cache size: 806,792 tokens" in out
+    assert "GPU KV cache size: 853,994 tokens" in out
+    assert "packs 800 requests per pool block" in out
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["off", "on"])
+def test_every_rank_and_the_scheduler_agree(flash_next, reference, on):
+    plan = plan_kv_cache(flash_next, reference, side_cache_layout=on)
+    capacities = {side.get_kv_cache_capacity(plan.engine, c)[0] for c in plan.worker_configs}
+    assert capacities == {plan.kv_cache_tokens}
+    assert {c.num_blocks for c in plan.worker_configs} == {plan.num_blocks}
+    scheduler = plan.scheduler_config()
+    assert side.get_kv_cache_capacity(plan.engine, scheduler)[0] == plan.kv_cache_tokens
+
+
+def test_old_layout_is_vllms_own_planner(flash_next, reference):
+    """Switch 0 must be upstream, block for block: compare with a direct call."""
+    plan = plan_kv_cache(flash_next, reference, side_cache_layout=False)
+    _, workers = build_worker_specs(flash_next, reference)
+    groups = planning.get_global_kv_cache_groups(plan.engine, workers)
+    direct = planning.get_kv_cache_configs(plan.engine, workers, [reference.kv_cache_memory_bytes] * 4, groups)
+    assert plan.worker_configs == direct
+    assert plan.kv_cache_tokens == kv_cache_utils.get_kv_cache_capacity(plan.engine, direct[0])[0]
+
+
+def test_ring_packs_800_requests_per_block_and_slots_stay_inside(flash_next, reference):
+    plan = plan_kv_cache(flash_next, reference, side_cache_layout=True)
+    assert plan.ring_slots_per_block == 800
+    for rank, config in enumerate(plan.worker_configs):
+        stride = plan.block_bytes_per_stage[rank // 2]
+        rings = [t for t in config.kv_cache_tensors if isinstance(t, SlotPackedKVCacheTensor)]
+        assert len(rings) == 1, f"rank {rank}"
+        ring = rings[0]
+        assert ring.slots_per_block == 800
+        assert ring.block_stride * 800 == stride
+        assert ring.block_stride % side.RING_SLOT_ALIGN == 0
+        ring_bytes = len(ring.layers) * ring.layer_stride
+        assert ring.block_stride >= ring_bytes
+        assert config.num_blocks_of(ring) == config.num_blocks * 800
+        # The last slot of the last pool block ends inside that block.
+        last = config.num_blocks * 800 - 1
+        end = ring.offset + last * ring.block_stride + ring_bytes
+        assert (config.num_blocks - 1) * stride < end <= config.num_blocks * stride
+
+
+def test_ple_rides_in_a_gdn_group_with_a_spare_page(flash_next, reference):
+    on = plan_kv_cache(flash_next, reference, side_cache_layout=True)
+    off = plan_kv_cache(flash_next, reference, side_cache_layout=False)
+    for rank in (0, 2):
+        [owner] = [g for g in on.worker_configs[rank].kv_cache_groups if PLE in g.layer_names] or [None]
+        if rank == 2:
+            assert owner is None  # PLE lives on PP0 only
+            # and, unlike the old layout, no group projects empty on PP1
+            assert all(g.layer_names for g in on.worker_configs[rank].kv_cache_groups)
+            assert any(not g.layer_names for g in off.worker_configs[rank].kv_cache_groups)
+            continue
+        gdn = [n for n in owner.layer_names if n.endswith("linear_attn")]
+        assert len(gdn) == 6 and owner.layer_names[-1] == PLE
+    # CONTROL: the old layout keeps PLE in a group of its own.
+    [alone] = [g for g in off.worker_configs[0].kv_cache_groups if PLE in g.layer_names]
+    assert alone.layer_names == [PLE]
+    assert [g.kind for g in on.groups].count("gdn+ple") == 1
+
+
+def test_fold_never_widens_a_stage(flash_next, reference):
+    """Folding PLE into GDN group 0 (7 pages on PP0) would widen PP0's block to
+    8 pages; the pass picks a 6-page group. CONTROL: the forced group-0 fold
+    really does widen PP0."""
+    plan = plan_kv_cache(flash_next, reference, side_cache_layout=False)
+    _, workers = build_worker_specs(flash_next, reference)
+    layout = plan.engine.cache_config.get_resolved_kv_cache_layout()
+    groups = planning.get_global_kv_cache_groups(plan.engine, workers)
+    base = side.worker_strides(groups, workers, layout)
+    folded, notes = side.fold_replicated_mamba_groups(groups, workers, layout)
+    assert side.worker_strides(folded, workers, layout) == base
+    assert len(folded) == len(groups) - 1 and "into Mamba group 1" in notes[0]
+
+    ple_index = next(i for i, g in enumerate(groups) if PLE in g.layer_names)
+    forced = side.merge_groups(groups[0], groups[ple_index])
+    wrong = [forced] + [g for i, g in enumerate(groups) if i not in (0, ple_index)]
+    widened = side.worker_strides(wrong, workers, layout)
+    page = flash_next_attention_page(plan)
+    assert widened[0] == base[0] + page == base[0] + 1_638_400  # 8 pages instead of 7
+
+
+def flash_next_attention_page(plan) -> int:
+    return plan.layer_specs.gdn.page_size_bytes
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ({"kv_connector": True}, "KV connector"),
+        ({"decode_context_parallel_size": 2}, "decode context parallelism"),
+    ],
+)
+def test_engines_the_layout_does_not_apply_to_keep_the_old_layout(flash_next, reference, change, reason):
+    deployment = reference.model_copy(update=change)
+    old = plan_kv_cache(flash_next, deployment, side_cache_layout=False)
+    plan = plan_kv_cache(flash_next, deployment, side_cache_layout=True)
+    assert not plan.applied
+    assert plan.worker_configs == old.worker_configs
+    assert plan.kv_cache_tokens == old.kv_cache_tokens
+    assert plan.ring_slots_per_block == 1
+    assert any(reason in note for note in plan.notes)
+
+
+def test_layer_outermost_layout_keeps_the_old_layout(flash_next, reference):
+    deployment = reference.model_copy(update={"kv_cache_layout": "LBNHC"})
+    plan = plan_kv_cache(flash_next, deployment, side_cache_layout=True)
+    assert not plan.applied and plan.ring_slots_per_block == 1
+    assert any("layer-outermost" in note for note in plan.notes)
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["off", "on"])
+@pytest.mark.parametrize(
+    "change",
+    [{"kv_cache_memory_bytes": 8_200_000_000}, {"max_model_len": 131_072}, {"max_num_seqs": 1000}],
+    ids=["more-memory", "shorter-max-len", "more-seqs"],
+)
+def test_flags_change_the_figures_as_arithmetic_says(flash_next, reference, on, change):
+    deployment = reference.model_copy(update=change)
+    plan = plan_kv_cache(flash_next, deployment, side_cache_layout=on)
+    widest = max(plan.block_bytes_per_stage)
+    assert plan.num_blocks == deployment.kv_cache_memory_bytes // widest
+    k = flash_next.mtp.num_speculative_tokens
+    mamba_groups = 3 if on else 4
+    attention = cdiv(deployment.max_model_len, plan.block_size)
+    assert plan.blocks_per_request == attention + mamba_groups * (2 + k) + (0 if on else 1)
+    shared = cdiv(deployment.max_num_seqs, plan.ring_slots_per_block) if on else 0
+    expected = int((plan.num_blocks - shared) / plan.blocks_per_request * deployment.max_model_len)
+    assert plan.kv_cache_tokens == expected
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--layer-partition", "20,20"], "covers 40 layers"),
+        (["--kv-cache-memory", "1e8"], "KV cache is needed"),
+        (["--pp", "3"], "--layer-partition"),
+        (["--pp", "2", "--layer-partition", "25,23,0"], "layer_partition"),
+    ],
+)
+def test_bad_deployment_is_a_one_line_error(capsys, flags, message):
+    assert main(["layout", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvsim: error:") and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_unknown_model_key_names_key_and_file(capsys, tmp_path, flash_next):
+    data = flash_next.model_dump(mode="json")
+    data["gdn"]["num_kv_heads"] = 4  # misspelt
+    path = tmp_path / "model.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(data))
+    assert main(["layout", "--model", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: unknown key 'gdn.num_kv_heads'" in err and err.count("\n") == 1
