@@ -105,6 +105,49 @@ def cmd_layout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_summary(result, layouts) -> None:
+    table = result.comparison()
+    with __import__("pandas").option_context("display.width", 160, "display.max_columns", 20):
+        print(table.to_string(float_format=lambda v: f"{v:,.3f}"))
+
+
+def _run_and_write(args: argparse.Namespace, layouts: tuple[str, ...] | None) -> int:
+    from sim.scenario import load_scenario, scenario_to_dict
+
+    scenario = load_scenario(args.scenario, args.set)
+    out_dir = Path(args.out) if args.out else Path("results") / scenario.name
+    from sim.analysis.runs import run_scenario
+    from sim.results import write_results
+
+    result = run_scenario(scenario, layouts, progress=sys.stderr.isatty() or args.progress)
+    write_results(out_dir, result.frames(), scenario_to_dict(scenario))
+    print(f"kvsim: {scenario.name}: {len(result.requests) // max(len(result.summary), 1)} requests per layout")
+    _print_summary(result, layouts)
+    written = write_plots_if_available(out_dir, result)
+    print(f"frames written to {out_dir}/ ({', '.join(['steps', 'requests', 'summary'])}.parquet{written})")
+    return 0
+
+
+def write_plots_if_available(out_dir: Path, result) -> str:
+    return ""
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    return _run_and_write(args, (args.layout,))
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    return _run_and_write(args, ("off", "on"))
+
+
+def _add_scenario_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenario", help="a scenario file, or the name of one in scenarios/")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a scenario key (dotted, value read as YAML); repeatable")
+    parser.add_argument("--out", metavar="DIR", help="results directory (default results/SCENARIO)")
+    parser.add_argument("--progress", action="store_true", help="show a progress bar even when not on a terminal")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvsim", description=__doc__.splitlines()[0] if __doc__ else None)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--layout", choices=["both", "on", "off"], default="both")
     layout.add_argument("--json", action="store_true", help="one JSON object with keys off and on")
     layout.set_defaults(func=cmd_layout)
+
+    run = sub.add_parser("run", help="simulate a scenario under one layout")
+    _add_scenario_flags(run)
+    run.add_argument("--layout", choices=["on", "off"], default="on")
+    run.set_defaults(func=cmd_run)
+
+    compare = sub.add_parser("compare", help="simulate a scenario under both layouts and compare")
+    _add_scenario_flags(compare)
+    compare.set_defaults(func=cmd_compare)
     return parser
 
 

@@ -25,11 +25,13 @@ class ConfigError(ValueError):
 DType = Literal["fp32", "fp16", "bf16", "fp8_e4m3"]
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """Frozen; an unknown key is an error."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class GDNConfig(_Strict):
+class GDNConfig(StrictModel):
     """Gated DeltaNet linear attention (sharded over TP)."""
 
     num_key_heads: int = Field(gt=0)
@@ -40,7 +42,7 @@ class GDNConfig(_Strict):
     conv_state_dtype: DType
 
 
-class PLEConfig(_Strict):
+class PLEConfig(StrictModel):
     """The per-layer-embedding short-conv state (TP-replicated)."""
 
     layer: int = Field(ge=0)
@@ -50,25 +52,25 @@ class PLEConfig(_Strict):
     tp_replicated: bool
 
 
-class QSAAttentionConfig(_Strict):
+class QSAAttentionConfig(StrictModel):
     num_kv_heads: int = Field(gt=0)
     head_size: int = Field(gt=0)
     kv_cache_dtype: DType
 
 
-class CompressedKeysConfig(_Strict):
+class CompressedKeysConfig(StrictModel):
     head_size: int = Field(gt=0)
     dtype: DType
     tokens_per_state: int = Field(gt=0)
 
 
-class RawKeyRingConfig(_Strict):
+class RawKeyRingConfig(StrictModel):
     capacity_tokens: int = Field(gt=0)
     head_size: int = Field(gt=0)
     dtype: DType
 
 
-class QSAConfig(_Strict):
+class QSAConfig(StrictModel):
     """QSA attention layers: main KV, compressed keys, raw-key ring."""
 
     every: int = Field(gt=0)
@@ -78,14 +80,14 @@ class QSAConfig(_Strict):
     raw_key_ring: RawKeyRingConfig
 
 
-class MTPConfig(_Strict):
+class MTPConfig(StrictModel):
     """MTP speculative decoding: QSA draft layers after the last layer."""
 
     num_layers: int = Field(ge=0)
     num_speculative_tokens: int = Field(ge=0)
 
 
-class ModelConfig(_Strict):
+class ModelConfig(StrictModel):
     """A Flash-Next-shaped hybrid model, in terms a user can edit."""
 
     name: str
@@ -113,7 +115,7 @@ class ModelConfig(_Strict):
         return index % self.qsa.every == self.qsa.offset
 
 
-class DeploymentConfig(_Strict):
+class DeploymentConfig(StrictModel):
     """How the engine is started: parallelism, memory pin, limits."""
 
     tensor_parallel_size: int = Field(2, gt=0)

@@ -53,6 +53,9 @@ from vllm.v1.core.kv_cache_utils import (
     init_none_hash,
 )
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.sched.utils import check_stop
+from vllm.v1.core.kv_cache_utils import BlockHash
+from vllm.distributed.kv_events import BlockRemoved
 from vllm.v1.core.single_type_kv_cache_manager import (
     CircularBufferManager,
     FullAttentionManager,
@@ -108,7 +111,9 @@ __all__ = [
     "SingleTypeKVCacheManager",
     "UniformTypeKVCacheSpecs",
     "VllmInfo",
+    "BlockRemoved",
     "cdiv",
+    "check_stop",
     "compute_layout_strides",
     "engine_config",
     "get_kv_quant_mode",

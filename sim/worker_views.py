@@ -15,7 +15,10 @@ The zeroer is vLLM's own ``KVBlockZeroer``, built but never launched (its
 Triton kernel needs a GPU). Upstream 0.33.0 has no
 ``skip_kv_cache_group_ids``; the fork's skip is reproduced by not feeding it
 the slot-packed groups' attention groups, which is exactly what the fork's
-extra ``continue`` does.
+extra ``continue`` does. Deliberate differences from a real worker: the pool
+may be shrunk to a few blocks (same placement per block), and tensors the
+0.33.0 planner places for layers a rank does not own are dropped (see
+``without_unowned_tensors``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from types import SimpleNamespace
 
 import torch
 
-from sim.kv_cache_interface import SideCacheKVCacheConfig, first_layer_spec
+from sim.kv_cache_interface import first_layer_spec
 from sim.layout import KVCachePlan
 from sim.vllm_bridge import (
     KVCacheConfig,
@@ -110,7 +113,9 @@ def with_num_blocks(
     return replace(config, num_blocks=num_blocks, kv_cache_tensors=tensors)
 
 
-def without_unowned_tensors(config: KVCacheConfig) -> tuple[KVCacheConfig, tuple[str, ...]]:
+def without_unowned_tensors(
+    config: KVCacheConfig,
+) -> tuple[KVCacheConfig, tuple[str, ...]]:
     """``config`` without the tensors of layers none of its groups names, and
     those layers.
 
@@ -179,12 +184,11 @@ def bind_layer_views(
 def allocate_worker_views(
     plan: KVCachePlan, rank: int, *, num_blocks: int | None = None
 ) -> WorkerViews:
-    """Allocate rank ``rank``'s pool of ``plan`` on the CPU
-    and bind its views, through vLLM's ``allocate_kv_cache``.
+    """Allocate rank ``rank``'s pool of ``plan`` on the CPU and bind its
+    views, through vLLM's ``allocate_kv_cache``.
 
     ``num_blocks`` shrinks the pool (see ``with_num_blocks``); by default the
-    plan's block count is used. Kernel blocks are the cache blocks (the
-    packed layout cannot split them).
+    plan's block count is used.
     """
     configs = plan.worker_configs
     if not 0 <= rank < len(configs):
@@ -193,8 +197,7 @@ def allocate_worker_views(
     config, unowned = without_unowned_tensors(configs[rank])
     if num_blocks is not None:
         config = with_num_blocks(config, num_blocks, layout)
-    kernel_block_sizes = [first_layer_spec(g).block_size for g in config.kv_cache_groups]
-    kv_caches = allocate_kv_cache(config, CPU, layout, kernel_block_sizes)
+    kv_caches = allocate_kv_cache(config, CPU, layout, kernel_block_sizes(config))
     return WorkerViews(
         config=config,
         layout=layout,
@@ -204,6 +207,13 @@ def allocate_worker_views(
         block_stride_bytes=pool_block_bytes(config),
         unowned_layers=unowned,
     )
+
+
+def kernel_block_sizes(config: KVCacheConfig) -> list[int]:
+    """The runner's kernel block size of every group: the group's own block
+    size (a packed block-outermost pool cannot be split into kernel blocks;
+    vLLM's ``create_kv_cache_views`` refuses it)."""
+    return [first_layer_spec(group).block_size for group in config.kv_cache_groups]
 
 
 def backing_base(views: Iterable[LayerView]) -> int:
@@ -217,17 +227,28 @@ def _tensors(views: Iterable[LayerView]) -> list[torch.Tensor]:
     return [t for view in views for t in (view if isinstance(view, tuple) else (view,))]
 
 
-def byte_range(view: LayerView | Sequence[torch.Tensor], index: int, base: int) -> tuple[int, int]:
+def byte_range(
+    view: LayerView | Sequence[torch.Tensor], index: int, base: int
+) -> tuple[int, int]:
     """``[lo, hi)``: offsets from ``base`` of the bytes view block ``index``
     spans (first to one past the last byte it addresses). A Mamba layer's
     states are packed in its page, so its range is their hull.
+
+    >>> pages = torch.zeros(4, 3, dtype=torch.int16)  # 4 blocks of 6 bytes
+    >>> byte_range(pages, 2, pages.data_ptr())
+    (12, 18)
+    >>> byte_range(pages[:, ::2], 1, pages.data_ptr())  # first and last word
+    (6, 12)
     """
     if not isinstance(view, torch.Tensor):
         ranges = [byte_range(state, index, base) for state in view]
         return min(lo for lo, _ in ranges), max(hi for _, hi in ranges)
     page = view[index]
     lo = page.data_ptr() - base
-    last = sum((size - 1) * stride for size, stride in zip(page.shape, page.stride()))
+    last = sum(
+        (size - 1) * stride
+        for size, stride in zip(page.shape, page.stride(), strict=True)
+    )
     return lo, lo + (last + 1) * page.element_size()
 
 
@@ -268,6 +289,7 @@ class ZeroPlan:
         for seg in sorted(self.segments, key=lambda s: s.offset_bytes):
             assert seg.block_stride_bytes == self.block_stride_bytes, seg
             lo, hi = seg.offset_bytes, seg.offset_bytes + seg.page_bytes
+            assert 0 <= lo < self.block_stride_bytes, f"{seg} starts past block 0"
             if merged and lo <= merged[-1][1]:
                 merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
             else:
@@ -313,13 +335,15 @@ def zeroed_segments(
     (the fork's ``skip_kv_cache_group_ids=config.slot_packed_group_ids``);
     without, every ring slot of a pool block becomes a segment of its own.
     """
+    # kvsim's SideCacheKVCacheConfig and the fork's KVCacheConfig both have
+    # slot_packed_group_ids; upstream's plain config has no packed group.
     skip: tuple[int, ...] = ()
-    if skip_slot_packed and isinstance(config, SideCacheKVCacheConfig):
-        skip = config.slot_packed_group_ids
+    if skip_slot_packed:
+        skip = tuple(getattr(config, "slot_packed_group_ids", ()))
     zeroer = KVBlockZeroer(
         CPU,
         attn_groups_iter=attention_groups(config, skip),
-        kernel_block_sizes=[first_layer_spec(g).block_size for g in config.kv_cache_groups],
+        kernel_block_sizes=kernel_block_sizes(config),
         static_forward_context={
             name: SimpleNamespace(kv_cache=view) for name, view in views.items()
         },
@@ -332,7 +356,9 @@ def zeroed_segments(
     addrs, block_strides, page_sizes, *_ = zeroer._meta
     # The table counts int32 words: strides and pages are in 4-byte units.
     segments = tuple(
-        ZeroSegment(offset_bytes=addr - base, block_stride_bytes=4 * s, page_bytes=4 * p)
+        ZeroSegment(
+            offset_bytes=addr - base, block_stride_bytes=4 * s, page_bytes=4 * p
+        )
         for addr, s, p in zip(
             addrs.tolist(), block_strides.tolist(), page_sizes.tolist(), strict=True
         )

@@ -14,13 +14,14 @@ because they change lengths, not which requests run.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from sim.config import ConfigError
+from sim.config import ConfigError, StrictModel
 from sim.workloads import distributions as dist
 from sim.workloads.loaders import (
     detect_format,
@@ -28,7 +29,8 @@ from sim.workloads.loaders import (
     load_mooncake,
     load_sharegpt_lengths,
 )
-from sim.workloads.shipped import SHIPPED_TRACES
+from sim.workloads.shipped import SHIPPED_TRACES, TraceFormat
+from sim.workloads.spec import Workload
 from sim.workloads.synthetic import SYNTHETIC_PREFIX_UNIT, synthetic
 from sim.workloads.transforms import (
     clamp_lengths,
@@ -39,19 +41,13 @@ from sim.workloads.transforms import (
     spread_bursts,
     window,
 )
-from sim.workloads.spec import Workload
 
-TraceFormat = Literal["mooncake", "azure", "sharegpt", "synthetic"]
 # Mooncake arrival stamps sit on a grid of ~3 s (2,997-3,003 ms apart).
 MOONCAKE_QUANTUM_S = 3.0
 _Factor = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ArrivalConfig(_Strict):
+class ArrivalConfig(StrictModel):
     """``process: gamma`` needs ``cv`` (1 is Poisson); the others take none."""
 
     process: Literal["poisson", "gamma", "constant"] = "poisson"
@@ -73,7 +69,7 @@ class ArrivalConfig(_Strict):
         return dist.Poisson(rate_per_s=self.rate_per_s)
 
 
-class _Length(_Strict):
+class _Length(StrictModel):
     """Validated by building the distribution, so the rules live in one place."""
 
     @model_validator(mode="after")
@@ -125,7 +121,7 @@ LengthConfig = Annotated[
 ]
 
 
-class WorkloadConfig(_Strict):
+class WorkloadConfig(StrictModel):
     """Which trace (or synthetic recipe) and which transformations.
 
     ``trace``: ``default`` (the shipped Mooncake slice), another shipped name
@@ -151,12 +147,19 @@ class WorkloadConfig(_Strict):
     max_prompt_len: int | None = Field(None, gt=0)
     max_output_len: int | None = Field(None, gt=0)
 
+    @field_validator("window_s")
+    @classmethod
+    def _window_in_order(
+        cls, window_s: tuple[float, float] | None
+    ) -> tuple[float, float] | None:
+        if window_s is not None:
+            start_s, end_s = window_s
+            if not (math.isfinite(start_s) and 0 <= start_s < end_s):
+                raise ValueError("expected [start, end] with 0 <= start < end")
+        return window_s
+
     @model_validator(mode="after")
     def _consistent(self) -> WorkloadConfig:
-        if self.window_s is not None:
-            start_s, end_s = self.window_s
-            if not (math.isfinite(start_s) and 0 <= start_s < end_s):
-                raise ValueError("window_s: expected [start, end] with 0 <= start < end")
         known = self.known_format()
         if known is not None:
             check_keys_for_format(self, known)
@@ -164,12 +167,15 @@ class WorkloadConfig(_Strict):
 
     def known_format(self) -> TraceFormat | None:
         """The format if the config alone settles it, else None (read the file)."""
+        if self.format == "synthetic":
+            if "trace" in self.model_fields_set and self.trace != "synthetic":
+                raise ValueError("trace: must be 'synthetic' or left out")
+            return "synthetic"
         named = _named_format(self.trace)
         if named is not None and self.format not in (None, named):
-            raise ValueError(f"format: {self.format} does not match trace {self.trace!r}")
-        if self.format == "synthetic" and "trace" in self.model_fields_set:
-            if named != "synthetic":
-                raise ValueError("trace: must be 'synthetic' (or left out) for format synthetic")
+            raise ValueError(
+                f"format: {self.format} does not match trace {self.trace!r}"
+            )
         return self.format or named
 
 
@@ -177,10 +183,16 @@ def _named_format(trace: str) -> TraceFormat | None:
     if trace == "synthetic":
         return "synthetic"
     shipped = SHIPPED_TRACES.get(trace)
-    return None if shipped is None else shipped[1]  # type: ignore[return-value]
+    return None if shipped is None else shipped[1]
 
 
-_SYNTHETIC_ONLY = ("prompt", "output", "num_requests", "shared_prefix_tokens", "prefix_unit")
+_SYNTHETIC_ONLY = (
+    "prompt",
+    "output",
+    "num_requests",
+    "shared_prefix_tokens",
+    "prefix_unit",
+)
 
 
 def check_keys_for_format(cfg: WorkloadConfig, fmt: TraceFormat) -> None:
@@ -191,18 +203,24 @@ def check_keys_for_format(cfg: WorkloadConfig, fmt: TraceFormat) -> None:
     }.get(fmt, ())
     for key in required:
         if getattr(cfg, key) is None:
-            raise ValueError(f"{key}: required for a {fmt} workload")
-    unusable = (*_SYNTHETIC_ONLY, "arrival") if fmt in ("mooncake", "azure") else ()
-    if fmt == "sharegpt":
+            raise ValueError(f"{key}: required for {fmt} workloads")
+    unusable: tuple[str, ...] = ()
+    if fmt in ("mooncake", "azure"):
+        unusable = (*_SYNTHETIC_ONLY, "arrival")
+    elif fmt == "sharegpt":
         unusable = _SYNTHETIC_ONLY
     for key in unusable:
         if key in cfg.model_fields_set and getattr(cfg, key) not in (None, 0):
-            raise ValueError(f"{key}: not used by a {fmt} trace (it has its own)")
+            raise ValueError(f"{key}: not used by {fmt} traces (they have their own)")
     if cfg.spread_bursts and fmt != "mooncake":
-        raise ValueError("spread_bursts: only for mooncake traces (3 s quantised stamps)")
+        raise ValueError(
+            "spread_bursts: only for mooncake traces (3 s quantised stamps)"
+        )
 
 
-def resolve_trace(cfg: WorkloadConfig, base_dir: Path) -> tuple[Path | None, TraceFormat]:
+def resolve_trace(
+    cfg: WorkloadConfig, base_dir: Path
+) -> tuple[Path | None, TraceFormat]:
     """(trace file, format); the file is None for synthetic workloads."""
     try:
         known = cfg.known_format()
@@ -216,7 +234,7 @@ def resolve_trace(cfg: WorkloadConfig, base_dir: Path) -> tuple[Path | None, Tra
     path = path if path.is_absolute() else base_dir / path
     if not path.is_file():
         raise ConfigError(f"workload.trace: {path}: no such file")
-    return path, known or detect_format(path)  # type: ignore[return-value]
+    return path, known or detect_format(path)
 
 
 def _load(
@@ -283,7 +301,9 @@ def build_workload(cfg: WorkloadConfig, *, base_dir: Path, seed: int) -> Workloa
     load_rng, sample_rng, spread_rng = (
         np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3)
     )
-    w = _retime(cfg, _select(cfg, _load(cfg, path, fmt, load_rng), sample_rng), spread_rng)
+    w = _retime(
+        cfg, _select(cfg, _load(cfg, path, fmt, load_rng), sample_rng), spread_rng
+    )
     if cfg.max_prompt_len is not None or cfg.max_output_len is not None:
         w = clamp_lengths(w, cfg.max_prompt_len, cfg.max_output_len)
     if w.num_requests == 0:
@@ -291,4 +311,9 @@ def build_workload(cfg: WorkloadConfig, *, base_dir: Path, seed: int) -> Workloa
             f"workload: window_s {cfg.window_s} and sample_fraction "
             f"{cfg.sample_fraction:g} leave no requests of {cfg.trace!r}"
         )
-    return w
+    random = fmt in ("sharegpt", "synthetic") or cfg.sample_fraction < 1
+    return (
+        replace(w, source=f"{w.source}; seed {seed}")
+        if random or cfg.spread_bursts
+        else w
+    )

@@ -31,7 +31,8 @@ def _check_rate(rate_per_s: float) -> None:
 class ArrivalProcess(Protocol):
     """A renewal process: i.i.d. gaps between arrivals, mean ``1 / rate_per_s``."""
 
-    rate_per_s: float
+    @property
+    def rate_per_s(self) -> float: ...
 
     def inter_arrival_s(self, num: int, rng: np.random.Generator) -> FloatArray: ...
 
@@ -167,9 +168,13 @@ class LogNormal:
         return np.maximum(np.rint(draws), 1).astype(np.int64)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True, repr=False)
 class Empirical:
-    """Lengths drawn with replacement from observed ``values``."""
+    """Lengths drawn with replacement from observed ``values``.
+
+    >>> Empirical(values=(1, 2, 6))
+    Empirical(3 values, mean 3)
+    """
 
     values: tuple[int, ...]
 
@@ -178,6 +183,11 @@ class Empirical:
             raise ValueError("values: expected at least one length")
         for value in self.values:
             _check_positive_int("values", value)
+
+    def __repr__(self) -> str:
+        """Short, because it goes into a workload's ``source`` line."""
+        mean = sum(self.values) / len(self.values)
+        return f"Empirical({len(self.values)} values, mean {mean:g})"
 
     def sample(self, num: int, rng: np.random.Generator) -> IntArray:
         return rng.choice(np.asarray(self.values, dtype=np.int64), size=num)

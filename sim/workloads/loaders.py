@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from sim.workloads.distributions import ArrivalProcess, arrival_times_s
-from sim.workloads.shipped import display_path
+from sim.workloads.shipped import TraceFormat, display_path
 from sim.workloads.spec import (
     FreshIds,
     RequestSpec,
@@ -247,7 +247,8 @@ def _azure_ticks(path: Path, line: int, cell: str) -> int:
         if match is None:
             raise ValueError
         *parts, fraction = match.groups()
-        stamp = datetime(*(int(p) for p in parts)) - _EPOCH
+        year, month, day, hour, minute, second = (int(p) for p in parts)
+        stamp = datetime(year, month, day, hour, minute, second) - _EPOCH
     except ValueError:
         raise TraceError(
             path,
@@ -368,7 +369,7 @@ def load_sharegpt_lengths(
     )
 
 
-def detect_format(path: Path) -> str:
+def detect_format(path: Path) -> TraceFormat:
     """``mooncake``, ``azure`` or ``sharegpt``, from the extension or first line."""
     if path.suffix in (".jsonl", ".json"):
         return "mooncake"

@@ -8,6 +8,9 @@ package.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
+
+TraceFormat = Literal["mooncake", "azure", "sharegpt", "synthetic"]
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 
@@ -20,7 +23,7 @@ AZURE_CODE_SLICE = DATA_DIR / "azure_code_slice.csv"
 SHAREGPT_LENGTHS = DATA_DIR / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
 
 # Names a scenario may give as ``workload.trace`` instead of a path.
-SHIPPED_TRACES: dict[str, tuple[Path, str]] = {
+SHIPPED_TRACES: dict[str, tuple[Path, TraceFormat]] = {
     "default": (DEFAULT_TRACE, "mooncake"),
     "mooncake-slice": (DEFAULT_TRACE, "mooncake"),
     "azure-code-slice": (AZURE_CODE_SLICE, "azure"),

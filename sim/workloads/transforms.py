@@ -126,9 +126,9 @@ def clamp_lengths(
     output_cap = max_output_len or w.max_output_len
     clamped = [_clamp(r, prompt_cap, output_cap) for r in w.requests]
     changed = sum(a is not b for a, b in zip(w.requests, clamped, strict=True))
-    return _derive(
-        w,
-        clamped,
-        f"clamped to prompt <= {max_prompt_len}, output <= {max_output_len} "
-        f"({changed} requests cut)",
-    )
+    caps = [
+        f"{what} <= {cap}"
+        for what, cap in (("prompt", max_prompt_len), ("output", max_output_len))
+        if cap is not None
+    ]
+    return _derive(w, clamped, f"clamped {', '.join(caps)} ({changed} requests cut)")

@@ -1,0 +1,1 @@
+"""Analysis on top of simulations: frames, plots, gates, sweeps."""

@@ -1,0 +1,136 @@
+"""pandas frames from a simulation's recording, and metrics as pure
+functions of frames. Column names carry units and follow vLLM's metric
+names where one exists (``num_requests_running``, ``kv_cache_usage_perc``,
+``num_preemptions``, ``prefix_cache_hits``). No twin in vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from sim.engine import Recording
+
+_CUMULATIVE = {
+    "num_admitted": "num_admitted_total",
+    "num_preemptions": "num_preemptions_total",
+    "num_finished": "num_finished_total",
+    "prefix_cache_queries_tokens": "prefix_cache_queries_total_tokens",
+    "prefix_cache_hits_tokens": "prefix_cache_hits_total_tokens",
+    "prefix_cache_evicted_blocks": "prefix_cache_evicted_total_blocks",
+    "num_generation_tokens": "num_generation_total_tokens",
+}
+
+
+def steps_frame(recording: Recording) -> pd.DataFrame:
+    """One row per engine step, gauges as after the step, plus running totals."""
+    frame = pd.DataFrame.from_records(recording.steps)
+    if frame.empty:
+        frame = pd.DataFrame(columns=["step", "time_s", *_CUMULATIVE])
+    for column, total in _CUMULATIVE.items():
+        frame[total] = frame[column].cumsum() if len(frame) else pd.Series(dtype="int64")
+    frame.insert(0, "layout", recording.layout)
+    frame.insert(0, "scenario", recording.scenario)
+    return frame
+
+
+def requests_frame(recording: Recording) -> pd.DataFrame:
+    """One row per arrival: its fate and its latencies."""
+    frame = pd.DataFrame.from_records(list(recording.requests.values()))
+    if frame.empty:
+        return frame
+    frame["admitted"] = frame["admitted_s"].notna()
+    frame["finished"] = frame["finished_s"].notna()
+    frame["ttft_s"] = frame["first_token_s"] - frame["arrival_s"]
+    frame["queue_s"] = frame["admitted_s"] - frame["arrival_s"]
+    frame["e2e_s"] = frame["finished_s"] - frame["arrival_s"]
+    frame.insert(0, "layout", recording.layout)
+    frame.insert(0, "scenario", recording.scenario)
+    return frame
+
+
+def time_weighted_mean(steps: pd.DataFrame, column: str) -> float:
+    """Mean of a gauge over time: each step's value holds until the next."""
+    if len(steps) < 2:
+        return float(steps[column].mean()) if len(steps) else 0.0
+    times = steps["time_s"].to_numpy()
+    durations = np.diff(times)
+    if durations.sum() <= 0:
+        return float(steps[column].mean())
+    return float(np.dot(steps[column].to_numpy()[:-1], durations) / durations.sum())
+
+
+def _percentile(values: pd.Series, q: float) -> float:
+    values = values.dropna()
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+def summarise(steps: pd.DataFrame, requests: pd.DataFrame, recording: Recording) -> dict[str, Any]:
+    """The run in one row: admissions, concurrency, preemptions, latency."""
+    duration = float(recording.end_time_s)
+    finished = requests[requests["finished"]] if len(requests) else requests
+    queries = int(steps["prefix_cache_queries_tokens"].sum()) if len(steps) else 0
+    hits = int(steps["prefix_cache_hits_tokens"].sum()) if len(steps) else 0
+    running_now = int(steps["num_requests_running"].iloc[-1]) if len(steps) else 0
+    waiting_now = int(steps["num_requests_waiting"].iloc[-1]) if len(steps) else 0
+    generated = int(steps["num_generation_tokens"].sum()) if len(steps) else 0
+    return {
+        "scenario": recording.scenario,
+        "layout": recording.layout,
+        "kv_cache_tokens": recording.plan["kv_cache_tokens"],
+        "num_gpu_blocks": recording.plan["num_blocks"],
+        "num_requests": len(requests),
+        "num_rejected": int(requests["rejected"].sum()) if len(requests) else 0,
+        "num_admitted": int(requests["admitted"].sum()) if len(requests) else 0,
+        "num_finished": int(requests["finished"].sum()) if len(requests) else 0,
+        "num_running_at_end": running_now,
+        "num_waiting_at_end": waiting_now,
+        "peak_concurrency": int(steps["num_requests_running"].max()) if len(steps) else 0,
+        "mean_concurrency": time_weighted_mean(steps, "num_requests_running"),
+        "mean_waiting": time_weighted_mean(steps, "num_requests_waiting"),
+        "num_preemptions": int(steps["num_preemptions"].sum()) if len(steps) else 0,
+        "prefix_cache_queries_tokens": queries,
+        "prefix_cache_hits_tokens": hits,
+        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+        "prefix_cache_evicted_blocks": int(steps["prefix_cache_evicted_blocks"].sum()) if len(steps) else 0,
+        "num_steps": len(steps),
+        "duration_s": duration,
+        "output_throughput_tokens_per_s": generated / duration if duration else 0.0,
+        "ttft_p50_s": _percentile(finished["ttft_s"], 50) if len(finished) else float("nan"),
+        "ttft_p90_s": _percentile(finished["ttft_s"], 90) if len(finished) else float("nan"),
+        "ttft_p99_s": _percentile(finished["ttft_s"], 99) if len(finished) else float("nan"),
+        "e2e_mean_s": float(finished["e2e_s"].mean()) if len(finished) else float("nan"),
+    }
+
+
+def frames(recording: Recording) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
+    steps = steps_frame(recording)
+    requests = requests_frame(recording)
+    return steps, requests, summarise(steps, requests, recording)
+
+
+GAIN_METRICS = (
+    "kv_cache_tokens",
+    "num_admitted",
+    "num_finished",
+    "peak_concurrency",
+    "mean_concurrency",
+    "num_preemptions",
+    "prefix_cache_hit_rate",
+    "prefix_cache_evicted_blocks",
+    "output_throughput_tokens_per_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+)
+
+
+def comparison_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """Metrics by layout side by side, with the new layout's gain."""
+    table = summary.set_index("layout")[list(GAIN_METRICS)].T
+    if {"off", "on"} <= set(table.columns):
+        table["gain"] = table["on"] - table["off"]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            table["gain_perc"] = np.where(table["off"] != 0, 100 * table["gain"] / table["off"], np.nan)
+    return table

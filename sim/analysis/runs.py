@@ -1,0 +1,51 @@
+"""Run a scenario under one or more layouts and collect its frames."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from sim.analysis.frames import comparison_table, frames
+from sim.engine import simulate
+from sim.scenario import Layout, Scenario
+from sim.workloads import Workload, build_workload
+
+
+@dataclass(frozen=True)
+class RunResult:
+    scenario: Scenario
+    steps: pd.DataFrame
+    requests: pd.DataFrame
+    summary: pd.DataFrame
+
+    def frames(self) -> dict[str, pd.DataFrame]:
+        return {"steps": self.steps, "requests": self.requests, "summary": self.summary}
+
+    def comparison(self) -> pd.DataFrame:
+        return comparison_table(self.summary)
+
+
+def scenario_workload(scenario: Scenario) -> Workload:
+    return build_workload(scenario.workload, base_dir=Path(scenario.base_dir), seed=scenario.seed)
+
+
+def run_scenario(
+    scenario: Scenario, layouts: Sequence[Layout] | None = None, *, progress: bool = False
+) -> RunResult:
+    """Simulate ``scenario`` under each layout on the same workload and seed."""
+    workload = scenario_workload(scenario)
+    steps, requests, summaries = [], [], []
+    for layout in layouts or scenario.layouts:
+        step_frame, request_frame, summary = frames(simulate(scenario, layout, workload, progress=progress))
+        steps.append(step_frame)
+        requests.append(request_frame)
+        summaries.append(summary)
+    return RunResult(
+        scenario=scenario,
+        steps=pd.concat(steps, ignore_index=True),
+        requests=pd.concat(requests, ignore_index=True),
+        summary=pd.DataFrame.from_records(summaries),
+    )

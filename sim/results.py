@@ -1,0 +1,67 @@
+"""Result files: frames to parquet (plus JSON for the summary), written
+atomically, and read back. Only the CLI layer writes files.
+
+A results directory holds ``steps.parquet``, ``requests.parquet``,
+``summary.parquet``, ``summary.json`` and the resolved ``scenario.json``;
+``manifest.json`` is written last, so a directory with a manifest is whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+FRAMES = ("steps", "requests", "summary")
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Write through a temporary file in the same directory, then rename it
+    into place: readers see the old file or the whole new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(handle)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, data: Any) -> None:
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2, default=_json_default) + "\n"))
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def write_frame(path: Path, frame: pd.DataFrame) -> None:
+    atomic_write(path, lambda tmp: frame.to_parquet(tmp, index=False))
+
+
+def write_results(out_dir: Path, frames: dict[str, pd.DataFrame], scenario: dict[str, Any]) -> None:
+    manifest = out_dir / "manifest.json"
+    manifest.unlink(missing_ok=True)  # the directory is incomplete until rewritten
+    for name in FRAMES:
+        write_frame(out_dir / f"{name}.parquet", frames[name])
+    write_json(out_dir / "summary.json", frames["summary"].to_dict(orient="records"))
+    write_json(out_dir / "scenario.json", scenario)
+    write_json(manifest, {"frames": [f"{n}.parquet" for n in FRAMES], "scenario": scenario.get("name")})
+
+
+def read_results(out_dir: Path) -> dict[str, pd.DataFrame]:
+    """The frames of a results directory; a one-line error if it is not one."""
+    from sim.config import ConfigError
+
+    if not (out_dir / "manifest.json").exists():
+        raise ConfigError(f"{out_dir}: not a kvsim results directory (no manifest.json)")
+    return {name: pd.read_parquet(out_dir / f"{name}.parquet") for name in FRAMES}

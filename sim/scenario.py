@@ -1,0 +1,133 @@
+"""Scenario files: one YAML document that says what to simulate.
+
+Layered and strict: the defaults below (the fork's reference deployment on
+the rig), then the scenario file, then ``--set key=value`` overrides (dotted
+keys, values read as YAML). An unknown key anywhere is an error naming the
+key and the file. No twin in vLLM.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from sim.config import (
+    ConfigError,
+    DeploymentConfig,
+    ModelConfig,
+    StrictModel,
+    apply_overrides,
+    load_model,
+    read_yaml,
+    validate,
+)
+from sim.paths import DEFAULT_MODEL, SCENARIOS_DIR
+from sim.step_time import StepTimeConfig
+from sim.workloads import WorkloadConfig
+
+Layout = Literal["off", "on"]
+
+
+class SchedulerSection(StrictModel):
+    """vLLM scheduler flags (their engine-argument names)."""
+
+    max_num_batched_tokens: int = Field(8192, gt=0)
+    long_prefill_token_threshold: int = Field(0, ge=0)
+    scheduler_reserve_full_isl: bool = True
+    defer_block_free: bool = True
+    max_concurrent_batches: int = Field(2, ge=1)
+
+
+class MTPSection(StrictModel):
+    """Draft acceptance: P(draft i accepted | drafts before it accepted)."""
+
+    acceptance_rates: tuple[float, ...] = (0.8, 0.7, 0.6)
+
+    @model_validator(mode="after")
+    def _rates_are_probabilities(self) -> MTPSection:
+        if not self.acceptance_rates or any(not 0 <= r <= 1 for r in self.acceptance_rates):
+            raise ValueError("acceptance_rates: each must lie in [0, 1]")
+        return self
+
+
+class AllocatorSection(StrictModel):
+    # The fork's VLLM_E2_MAMBA_RETAIN_CHECKPOINT (default on).
+    retain_mamba_checkpoint: bool = True
+    enable_prefix_caching: bool = True
+
+
+class SimulationSection(StrictModel):
+    # Stop at this simulated time even if requests remain (None: run dry).
+    max_time_s: float | None = Field(None, gt=0)
+    # Run the allocator invariant checker after every step (slow; for CI).
+    check_invariants: bool = False
+
+
+class Scenario(StrictModel):
+    """A resolved scenario: every section validated, paths resolved."""
+
+    name: str
+    description: str = ""
+    seed: int = 0
+    model: str = str(DEFAULT_MODEL)
+    layouts: tuple[Layout, ...] = ("off", "on")
+    deployment: DeploymentConfig = DeploymentConfig()
+    scheduler: SchedulerSection = SchedulerSection()
+    mtp: MTPSection = MTPSection()
+    allocator: AllocatorSection = AllocatorSection()
+    workload: WorkloadConfig = WorkloadConfig()
+    step_time: dict[str, Any] = {}
+    simulation: SimulationSection = SimulationSection()
+    # Where relative paths in the file resolve (the file's directory).
+    base_dir: str = "."
+
+    def load_model(self) -> ModelConfig:
+        return load_model(Path(self.model))
+
+    def step_time_config(self, source: str = "scenario") -> StepTimeConfig:
+        """The step-time coefficients: the rig's defaults, the deployment's
+        parallelism, then the scenario's ``step_time:`` overrides."""
+        values = {
+            "tensor_parallel_size": self.deployment.tensor_parallel_size,
+            "pipeline_parallel_size": self.deployment.pipeline_parallel_size,
+            **self.step_time,
+        }
+        return validate(StepTimeConfig, values, f"{source}: step_time")
+
+
+def resolve_scenario_path(name_or_path: str) -> Path:
+    """A path, or the name of a scenario shipped in ``scenarios/``."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    shipped = SCENARIOS_DIR / f"{name_or_path}.yaml"
+    if shipped.exists():
+        return shipped
+    raise ConfigError(f"{name_or_path}: no such scenario file (nor scenarios/{name_or_path}.yaml)")
+
+
+def load_scenario(name_or_path: str, overrides: list[str] | None = None) -> Scenario:
+    path = resolve_scenario_path(name_or_path)
+    data = read_yaml(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of scenario keys")
+    data = apply_overrides(data, overrides or [])
+    data.setdefault("name", path.stem)
+    source = str(path) + (" (with --set overrides)" if overrides else "")
+    if "base_dir" in data:
+        raise ConfigError(f"{source}: unknown key 'base_dir'")
+    data["base_dir"] = str(path.parent.resolve())
+    if "model" in data and isinstance(data["model"], str):
+        data["model"] = str((path.parent / data["model"]).resolve())
+    scenario = validate(Scenario, data, source)
+    # Fail early, naming the file, on a model or step-time problem.
+    scenario.load_model()
+    scenario.step_time_config(source)
+    return scenario
+
+
+def scenario_to_dict(scenario: Scenario) -> dict[str, Any]:
+    """The resolved scenario as plain data (written next to the results)."""
+    return scenario.model_dump(mode="json")

@@ -1,0 +1,397 @@
+"""A simulated vLLM scheduler that drives the real allocator.
+
+Twin of ``vllm/v1/core/sched/scheduler.py`` (0.33.0), reduced to what moves
+KV blocks: the RUNNING loop first (allocate, or preempt the newest running
+request by recompute), then the WAITING loop only in steps that preempted
+nothing (prefix-cache lookup, the full-sequence admission gate, head-of-line
+blocking), chunked prefill clipped on Mamba block boundaries by vLLM's own
+split, MTP drafts with K lookahead slots, and fenced (deferred) frees.
+
+Plain synchronous Python: no clock, no SimPy. ``schedule()`` returns a
+``SchedulerOutput``; ``update_from_output()`` applies what the workers
+sampled. One token-accounting rule, as in vLLM: a request's computed tokens
+chase its tokens (prompt, outputs, drafts); rejected drafts roll them back.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from sim.kv_cache_manager import KVCacheManager
+from sim.sched.model_runner import OUTPUT_TOKEN_BASE
+from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepOutcome
+from sim.vllm_bridge import (
+    BlockRemoved,
+    KVCacheBlock,
+    MambaAlignedSplit,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    check_stop,
+    get_request_block_hasher,
+    sha256,
+)
+
+
+class RequestSpec(Protocol):
+    """What the scheduler needs of an arriving request (the workloads'
+    ``RequestSpec`` satisfies it; the scheduler does not import workloads)."""
+
+    request_id: str
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+
+    def prompt_token_ids(self) -> list[int]: ...
+
+# Drafts are never hashed or cached; their ids only need to be ints.
+DRAFT_TOKEN_ID = OUTPUT_TOKEN_BASE - 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """The engine flags that shape scheduling (vLLM's names)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    num_speculative_tokens: int
+    long_prefill_token_threshold: int = 0
+    # vLLM's scheduler_reserve_full_isl: admit only if the whole prompt fits.
+    scheduler_reserve_full_isl: bool = True
+    # Fenced frees: freed blocks return once the steps still in flight that
+    # may write them complete (PP=2 with async scheduling: 2 in flight).
+    defer_block_free: bool = True
+    max_concurrent_batches: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_concurrent_batches < 1:
+            raise ValueError(f"max_concurrent_batches must be at least 1, got {self.max_concurrent_batches}")
+
+
+@dataclass
+class _StepState:
+    """What one ``schedule()`` call has decided so far."""
+
+    token_budget: int
+    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
+    new_ids: list[str] = field(default_factory=list)
+    resumed_ids: list[str] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    admitted_hits: dict[str, int] = field(default_factory=dict)
+
+
+class Scheduler:
+    """FCFS scheduler over one ``KVCacheManager``."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.split = MambaAlignedSplit(
+            block_size=config.block_size,
+            max_num_scheduled_tokens=config.max_num_batched_tokens,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+        )
+        self._hasher = get_request_block_hasher(config.block_size, sha256)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request | RequestSpec] = deque()
+        self.running: list[Request] = []
+        self.deferred_frees: deque[tuple[int, list[KVCacheBlock]]] = deque()
+        self.last_sched_seq: dict[str, int] = {}
+        self.sched_step_seq = 0
+        self.processed_step_seq = 0
+        self.step_index = 0
+        self.num_rejected = 0
+        self.num_evicted_blocks = 0
+
+    # ------------------------------------------------------------------ intake
+    def add_request(self, spec: RequestSpec) -> bool:
+        """Queue an arrival; False (and counted) when the prompt leaves no room
+        for one output token within ``max_model_len``, as the engine rejects it."""
+        if spec.prompt_len >= self.config.max_model_len:
+            self.num_rejected += 1
+            return False
+        self.waiting.append(spec)
+        return True
+
+    def _materialize(self, spec: RequestSpec) -> Request:
+        """Build the vLLM ``Request`` only when it reaches the queue head, so
+        a long waiting queue holds no token lists."""
+        params = SamplingParams(max_tokens=spec.output_len, ignore_eos=True)
+        request = Request(
+            request_id=spec.request_id,
+            prompt_token_ids=spec.prompt_token_ids(),
+            sampling_params=params,
+            pooling_params=None,
+            arrival_time=spec.arrival_s,
+            block_hasher=self._hasher,
+        )
+        self.requests[spec.request_id] = request
+        return request
+
+    def _peek_waiting(self) -> Request:
+        head = self.waiting[0]
+        if isinstance(head, Request):
+            return head
+        request = self._materialize(head)
+        self.waiting[0] = request
+        return request
+
+    # ---------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        self.kv_cache_manager.new_step_starts()
+        step = _StepState(token_budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted_ids:
+            self._schedule_waiting(step)
+        return self._finish_schedule(step)
+
+    def _long_prefill_threshold(self) -> int:
+        # A lone request has nobody to starve: it may use the whole budget.
+        eligible = len(self.running) + len(self.waiting)
+        return self.config.long_prefill_token_threshold if eligible > 1 else 0
+
+    def _clip(self, request: Request, num_new_tokens: int, budget: int, num_hit: int = 0) -> int:
+        threshold = self._long_prefill_threshold()
+        if 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
+        num_new_tokens = min(num_new_tokens, budget)
+        # Keep room for the sampled token within max_model_len.
+        limit = self.config.max_model_len - request.num_computed_tokens - num_hit - 1
+        num_new_tokens = min(num_new_tokens, limit)
+        if num_new_tokens <= 0:
+            return 0
+        return self.split(request, num_new_tokens, num_hit)
+
+    def _schedule_running(self, step: _StepState) -> None:
+        index = 0
+        while index < len(self.running) and step.token_budget > 0:
+            request = self.running[index]
+            num_new = request.num_tokens_with_spec - request.num_computed_tokens
+            num_new = self._clip(request, num_new, step.token_budget)
+            if num_new == 0:
+                index += 1  # not strictly FCFS, as in vLLM
+                continue
+            if not self._allocate_or_preempt(request, num_new, step):
+                break
+            self._record_scheduled(request, num_new, request.num_computed_tokens, step)
+            index += 1
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepState) -> bool:
+        """Allocate, preempting the newest running request (vLLM's FCFS
+        victim) until it fits, the victim is the request itself, or the victim's
+        blocks cannot be freed at once (a fenced free would not help now)."""
+        lookahead = self.config.num_speculative_tokens
+        while self.kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is None:
+            victim = self.running[-1]
+            if not self._blocks_can_be_freed(victim):
+                return False
+            self.running.pop()
+            self._preempt(victim)
+            step.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_waiting(self, step: _StepState) -> None:
+        while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._peek_waiting()
+            blocks, num_hit, boundary = self.kv_cache_manager.get_computed_blocks(request)
+            request.shared_prefix_boundary = boundary
+            num_new = self._clip(request, request.num_tokens - num_hit, step.token_budget, num_hit)
+            if num_new == 0:
+                break
+            allocated = self.kv_cache_manager.allocate_slots(
+                request,
+                num_new,
+                num_new_computed_tokens=num_hit,
+                new_computed_blocks=blocks,
+                num_lookahead_tokens=self.config.num_speculative_tokens,
+                full_sequence_must_fit=self.config.scheduler_reserve_full_isl,
+                has_scheduled_reqs=bool(self.running),
+            )
+            if allocated is None:
+                break  # head-of-line blocking: never try the requests behind it
+            self.kv_cache_manager.record_prefix_cache_stats(request, num_hit)
+            self._admit(request, num_hit, num_new, step)
+
+    def _admit(self, request: Request, num_hit: int, num_new: int, step: _StepState) -> None:
+        self.waiting.popleft()
+        self.running.append(request)
+        ids = step.resumed_ids if request.status == RequestStatus.PREEMPTED else step.new_ids
+        ids.append(request.request_id)
+        step.admitted_hits[request.request_id] = num_hit
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit
+        self._record_scheduled(request, num_new, num_hit, step)
+
+    def _record_scheduled(self, request: Request, num_new: int, computed: int, step: _StepState) -> None:
+        num_spec = max(num_new + computed - request.num_tokens, 0)
+        step.scheduled[request.request_id] = ScheduledRequest(
+            request_id=request.request_id,
+            num_scheduled_tokens=num_new,
+            num_computed_tokens=computed,
+            num_spec_tokens=num_spec,
+            num_prompt_tokens_left=0 if computed >= request.num_tokens - 1 else num_new - num_spec,
+        )
+        step.token_budget -= num_new
+        request.spec_token_ids = []  # new drafts arrive with the step's output
+
+    def _finish_schedule(self, step: _StepState) -> SchedulerOutput:
+        if step.scheduled:
+            self.sched_step_seq += 1
+        for request_id, item in step.scheduled.items():
+            request = self.requests[request_id]
+            request.num_computed_tokens += item.num_scheduled_tokens
+            self.last_sched_seq[request_id] = self.sched_step_seq
+        queries, hits = self._take_prefix_cache_stats()
+        evicted = sum(len(e.block_hashes) for e in self.kv_cache_manager.take_events() if isinstance(e, BlockRemoved))
+        self.num_evicted_blocks += evicted
+        self.step_index += 1
+        return SchedulerOutput(
+            step_index=self.step_index,
+            scheduled=tuple(step.scheduled.values()),
+            new_request_ids=tuple(step.new_ids),
+            resumed_request_ids=tuple(step.resumed_ids),
+            preempted_request_ids=tuple(step.preempted_ids),
+            admitted_hits=dict(step.admitted_hits),
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            num_evicted_blocks=evicted,
+            new_ring_block_ids=tuple(self.kv_cache_manager.take_new_ring_block_ids()),
+        )
+
+    def _take_prefix_cache_stats(self) -> tuple[int, int]:
+        stats = self.kv_cache_manager.make_prefix_cache_stats()
+        if stats is None:
+            return 0, 0
+        return stats.queries + stats.preempted_queries, stats.hits + stats.preempted_hits
+
+    # ------------------------------------------------------------- preemption
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: free (or fence) the blocks, back to the front
+        of the waiting queue with no computed tokens; outputs are kept."""
+        self._free_request_blocks(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ----------------------------------------------------------- fenced frees
+    def _blocks_can_be_freed(self, request: Request) -> bool:
+        if not self.config.defer_block_free:
+            return True
+        return self.last_sched_seq.get(request.request_id, 0) <= self.processed_step_seq
+
+    def _free_request_blocks(self, request: Request) -> None:
+        if self._blocks_can_be_freed(request):
+            self.kv_cache_manager.free(request)
+            return
+        blocks = self.kv_cache_manager.pop_blocks_for_free(request)
+        if blocks:
+            self.deferred_frees.append((self.sched_step_seq, blocks))
+
+    def _drain_deferred_frees(self) -> None:
+        while self.deferred_frees and self.deferred_frees[0][0] <= self.processed_step_seq:
+            _, blocks = self.deferred_frees.popleft()
+            self.kv_cache_manager.block_pool.free_blocks(reversed(blocks))
+
+    def _advance_processed(self, processed: int) -> bool:
+        before = (self.processed_step_seq, len(self.deferred_frees))
+        self.processed_step_seq = max(self.processed_step_seq, processed)
+        self._drain_deferred_frees()
+        return (self.processed_step_seq, len(self.deferred_frees)) != before
+
+    def complete_in_flight_steps(self) -> bool:
+        """The engine idles: every step still in flight completes. True when
+        that changed anything (a fence passed, blocks came back)."""
+        return self._advance_processed(self.sched_step_seq)
+
+    def deferred_blocks(self) -> list[list[KVCacheBlock]]:
+        return [blocks for _, blocks in self.deferred_frees]
+
+    # ------------------------------------------------------------------ output
+    def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> StepOutcome:
+        """Apply one step's sampled tokens. With ``max_concurrent_batches``
+        steps in flight, the output of this step arrives when the steps
+        scheduled after it are still running: only the fences up to
+        ``sched_step_seq - (batches - 1)`` have passed."""
+        if self.config.defer_block_free and not output.is_empty:
+            self._advance_processed(self.sched_step_seq - (self.config.max_concurrent_batches - 1))
+        finished: dict[str, int] = {}
+        first_token: list[str] = []
+        generated = drafts = accepted = 0
+        for item in output.scheduled:
+            request = self.requests.get(item.request_id)
+            sampled = runner_output.sampled_token_ids.get(item.request_id, [])
+            if request is None or request.is_finished() or not sampled:
+                continue
+            if item.num_spec_tokens:
+                num_accepted = len(sampled) - 1
+                request.num_computed_tokens -= item.num_spec_tokens - num_accepted
+                drafts += item.num_spec_tokens
+                accepted += num_accepted
+            if request.num_output_tokens == 0:
+                first_token.append(request.request_id)
+            appended, stopped = self._append_output(request, sampled)
+            generated += appended
+            if stopped:
+                self._finish(request)
+                finished[request.request_id] = request.num_output_tokens
+            else:
+                self._after_sampling(request)
+        return StepOutcome(
+            finished=finished,
+            first_token_request_ids=tuple(first_token),
+            num_generated_tokens=generated,
+            num_draft_tokens=drafts,
+            num_accepted_tokens=accepted,
+        )
+
+    def _append_output(self, request: Request, sampled: list[int]) -> tuple[int, bool]:
+        """Append tokens one at a time, stopping as vLLM's ``check_stop`` says."""
+        for count, token in enumerate(sampled, start=1):
+            request.append_output_token_ids(token)
+            if check_stop(request, self.config.max_model_len):
+                return count, True
+        return len(sampled), False
+
+    def _after_sampling(self, request: Request) -> None:
+        """Cache the blocks the accepted tokens filled, then take the
+        drafter's K new drafts (vLLM's ``update_draft_token_ids``)."""
+        if self.config.num_speculative_tokens:
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        request.spec_token_ids = [DRAFT_TOKEN_ID] * self.config.num_speculative_tokens
+
+    def _finish(self, request: Request) -> None:
+        self.running.remove(request)
+        self._free_request_blocks(request)
+        del self.requests[request.request_id]
+        self.last_sched_seq.pop(request.request_id, None)
+
+    # ------------------------------------------------------------------- state
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def num_deferred_blocks(self) -> int:
+        return sum(len(blocks) for _, blocks in self.deferred_frees)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def token_counts(self) -> dict[str, int]:
+        """Each running request's tokens (prompt plus outputs, no drafts)."""
+        return {r.request_id: r.num_tokens for r in self.running}
+
