@@ -125,6 +125,7 @@ __all__ = [
     "planning",
     "sha256",
     "vllm_info",
+    "worker_api",
 ]
 
 # The fork's patch 0088 adds these; upstream 0.33.0 has none of them.
@@ -267,3 +268,20 @@ class MambaAlignedSplit:
         return Scheduler._mamba_block_aligned_split(
             self._scheduler, request, num_new_tokens, num_new_local_computed_tokens
         )
+
+
+def worker_api() -> SimpleNamespace:
+    """vLLM's worker-side names kvsim binds views with, imported on first
+    use: only the worker-view checks need them, and importing vLLM's worker
+    utilities logs kernel-library warnings on a CPU machine."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.v1.attention.backend import AttentionBackend
+    from vllm.v1.worker.utils import AttentionGroup, KVBlockZeroer, allocate_kv_cache
+
+    return SimpleNamespace(
+        MambaBase=MambaBase,
+        AttentionBackend=AttentionBackend,
+        AttentionGroup=AttentionGroup,
+        KVBlockZeroer=KVBlockZeroer,
+        allocate_kv_cache=allocate_kv_cache,
+    )

@@ -37,14 +37,15 @@ from sim.vllm_bridge import (
     KVCacheSpec,
     MambaSpec,
     UniformTypeKVCacheSpecs,
+    worker_api,
 )
 
-# isort: split
-# BRIDGE: worker-side vLLM names, to move into sim/vllm_bridge.py (imported
-# after it, so its CPU environment is set before vLLM's first import).
-from vllm.model_executor.layers.mamba.abstract import MambaBase
-from vllm.v1.attention.backend import AttentionBackend
-from vllm.v1.worker.utils import AttentionGroup, KVBlockZeroer, allocate_kv_cache
+_worker = worker_api()
+MambaBase = _worker.MambaBase
+AttentionBackend = _worker.AttentionBackend
+AttentionGroup = _worker.AttentionGroup
+KVBlockZeroer = _worker.KVBlockZeroer
+allocate_kv_cache = _worker.allocate_kv_cache
 
 CPU = torch.device("cpu")
 
