@@ -140,6 +140,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return _run_and_write(args, ("off", "on"))
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from sim.bench import format_bench, run_bench
+    from sim.scenario import load_scenario
+
+    load_scenario(args.scenario, args.set)  # bad input fails here, in this process
+    layouts = tuple(args.layouts.split(","))
+    if not set(layouts) <= {"off", "on"}:
+        raise CLIError(f"--layouts {args.layouts!r}: expected a comma-separated subset of off,on")
+    print(format_bench(args.scenario, run_bench(args.scenario, args.set, layouts)))
+    return 0
+
+
 def _add_scenario_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", help="a scenario file, or the name of one in scenarios/")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -165,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     compare = sub.add_parser("compare", help="simulate a scenario under both layouts and compare")
     _add_scenario_flags(compare)
     compare.set_defaults(func=cmd_compare)
+
+    bench = sub.add_parser("bench", help="simulator speed and memory, per layout (prints figures)")
+    bench.add_argument("scenario", nargs="?", default="default")
+    bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    bench.add_argument("--layouts", default="off,on")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
@@ -183,3 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(argv: Any = None) -> None:
     sys.exit(main(argv))
+
+
+if __name__ == "__main__":
+    run()

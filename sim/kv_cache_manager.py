@@ -121,6 +121,9 @@ def build_kv_cache_manager(
         enable_caching=enable_caching,
         use_eagle=plan.engine.speculative_config is not None,
         log_stats=log_stats,
+        # vLLM's KV events are how kvsim counts prefix-cache evictions
+        # (BlockRemoved when a cached block is reused).
+        enable_kv_cache_events=log_stats,
     )
 
 

@@ -1,0 +1,516 @@
+"""Figures over kvsim's frames: thin functions, one ``Figure`` each.
+
+Every figure draws both layouts in the same colours (``LAYOUT_COLORS``),
+names the scenario in its title and puts units on its axes. Step series are
+gauges that hold from one step's end to the next, so they are drawn as
+steps (``drawstyle="steps-post"``), never interpolated. Figures are built
+without pyplot (no global figure registry; PNG renders through Agg whatever
+the backend), and files are written only by ``write_*`` and ``kvsim plot``,
+atomically. No twin in vLLM.
+
+This module imports neither vLLM nor the engine, so ``kvsim plot`` starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
+
+from sim.config import ConfigError
+from sim.results import atomic_write, read_results
+
+# Okabe-Ito vermillion and blue: told apart with the common colour blindnesses.
+LAYOUT_COLORS = {"off": "#D55E00", "on": "#0072B2"}
+LAYOUT_LABELS = {"off": "off (old layout)", "on": "on (side-cache layout)"}
+FORMATS = ("png", "svg")
+SWEEP_FRAME = "sweep.parquet"
+TIME_LABEL = "simulated time (s)"
+
+_RC = {
+    "font.size": 11,
+    "axes.titlesize": 12,
+    "axes.labelsize": 11,
+    "legend.fontsize": 10,
+    "figure.titlesize": 14,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "lines.linewidth": 1.6,
+}
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _styled(build: Callable[P, R]) -> Callable[P, R]:
+    """Build under kvsim's rc settings (fonts are fixed when artists are made)."""
+
+    @functools.wraps(build)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        with matplotlib.rc_context(_RC):
+            return build(*args, **kwargs)
+
+    return wrapper
+
+
+# --- frames -> series -------------------------------------------------------
+
+
+def layouts_of(frame: pd.DataFrame) -> list[str]:
+    """The layouts in ``frame``: off, then on, then any other in order seen."""
+    seen = [str(name) for name in dict.fromkeys(frame["layout"])]
+    return [n for n in LAYOUT_COLORS if n in seen] + [
+        n for n in seen if n not in LAYOUT_COLORS
+    ]
+
+
+def scenario_of(frame: pd.DataFrame) -> str:
+    names = list(dict.fromkeys(frame["scenario"])) if "scenario" in frame else []
+    return ", ".join(str(name) for name in names) or "kvsim"
+
+
+def step_values(
+    times_s: np.ndarray, values: np.ndarray, grid_s: np.ndarray, before: float = np.nan
+) -> np.ndarray:
+    """A step series read at ``grid_s``: the last value at or before each
+    grid time (``before`` where no step has ended yet). ``times_s`` ascend.
+
+    >>> times_s, values = np.array([1.0, 3.0]), np.array([5, 7])
+    >>> step_values(times_s, values, np.array([0.0, 1.0, 2.0, 3.0, 9.0]), before=0)
+    array([0., 5., 5., 7., 7.])
+    """
+    index = np.searchsorted(times_s, grid_s, side="right") - 1
+    picked = (
+        np.asarray(values, dtype=float)[np.clip(index, 0, None)]
+        if len(values)
+        else np.full(len(grid_s), before)
+    )
+    return np.where(index >= 0, picked, before)
+
+
+def time_grid(steps: pd.DataFrame) -> np.ndarray:
+    """Every step end of every layout: the difference of two step functions
+    is itself a step function with breaks only there, so this grid is exact."""
+    return np.unique(steps["time_s"].to_numpy(dtype=float))
+
+
+def resample_steps(
+    steps: pd.DataFrame,
+    column: str,
+    grid_s: np.ndarray | None = None,
+    before: float = np.nan,
+) -> pd.DataFrame:
+    """``column`` of each layout on one time grid, one column per layout."""
+    grid = time_grid(steps) if grid_s is None else np.asarray(grid_s, dtype=float)
+    series = {}
+    for layout in layouts_of(steps):
+        rows = steps[steps["layout"] == layout].sort_values("time_s", kind="stable")
+        series[layout] = step_values(
+            rows["time_s"].to_numpy(float), rows[column].to_numpy(), grid, before
+        )
+    return pd.DataFrame(series, index=pd.Index(grid, name="time_s"))
+
+
+def concurrency_gain(
+    steps: pd.DataFrame, column: str = "num_requests_running"
+) -> pd.DataFrame:
+    """Off, on, ``gain`` (on - off) and ``ratio`` (on / off, NaN where off is
+    0) of a request count on the common grid. Before its first step a layout
+    runs nothing, so counts start at 0."""
+    missing = {"off", "on"} - set(steps["layout"])
+    if missing:
+        raise ValueError(
+            f"layout: the gain needs both 'off' and 'on'; missing {sorted(missing)}"
+        )
+    table = resample_steps(steps, column, before=0.0)[["off", "on"]]
+    table["gain"] = table["on"] - table["off"]
+    table["ratio"] = table["on"] / table["off"].where(table["off"] != 0)
+    return table
+
+
+def time_weighted(series: pd.Series) -> float:
+    """Mean of a step series indexed by time: each value holds to the next."""
+    if len(series) < 2:
+        return float(series.mean()) if len(series) else 0.0
+    durations = np.diff(series.index.to_numpy(float))
+    return float(np.dot(series.to_numpy(float)[:-1], durations) / durations.sum())
+
+
+def sweep_means(sweep: pd.DataFrame, x: str) -> pd.DataFrame:
+    """The sweep averaged over seeds: one row per (x, layout)."""
+    if x not in sweep:
+        raise ValueError(f"x: no column {x!r} in the sweep frame")
+    numeric = sweep.select_dtypes("number").columns.difference([x, "seed"])
+    return sweep.groupby([x, "layout"], sort=True)[list(numeric)].mean().reset_index()
+
+
+def preemption_onset(sweep: pd.DataFrame, x: str) -> dict[str, float | None]:
+    """Per layout, the first (smallest) ``x`` at which any run preempts."""
+    onset: dict[str, float | None] = {}
+    for layout in layouts_of(sweep):
+        rows = sweep[(sweep["layout"] == layout) & (sweep["num_preemptions"] > 0)]
+        onset[layout] = float(rows[x].min()) if len(rows) else None
+    return onset
+
+
+# --- drawing ----------------------------------------------------------------
+
+# (column, y label) of each panel; counts are whole numbers from 0.
+ADMISSION_PANELS = (
+    ("num_requests_running", "running (requests)"),
+    ("num_requests_waiting", "waiting (requests)"),
+    ("num_admitted_total", "admitted, cumulative\n(requests)"),
+)
+EVICTION_PANELS = (
+    ("num_preemptions_total", "preemptions, cumulative\n(count)"),
+    ("prefix_cache_evicted_total_blocks", "prefix-cache evicted,\ncumulative (blocks)"),
+    ("num_free_blocks", "free KV cache\n(blocks)"),
+)
+
+
+def _axes(
+    nrows: int, ncols: int = 1, *, height_in: float = 2.6, width_in: float = 10.0
+) -> tuple[Figure, np.ndarray]:
+    fig = Figure(figsize=(width_in, 1.4 + height_in * nrows), layout="constrained")
+    return fig, fig.subplots(nrows, ncols, sharex=True, squeeze=False)
+
+
+def _color(layout: str) -> str | None:
+    return LAYOUT_COLORS.get(layout)
+
+
+def _label(layout: str) -> str:
+    return LAYOUT_LABELS.get(layout, str(layout))
+
+
+def _draw_steps(ax: Axes, steps: pd.DataFrame, column: str, ylabel: str) -> None:
+    """Off drawn wider, underneath: where the layouts agree it edges the on line."""
+    for width, layout in zip((2.6, 1.4, 1.4), layouts_of(steps), strict=False):
+        rows = steps[steps["layout"] == layout].sort_values("time_s", kind="stable")
+        ax.plot(
+            rows["time_s"],
+            rows[column],
+            drawstyle="steps-post",
+            color=_color(layout),
+            linewidth=width,
+            label=_label(layout),
+        )
+    _count_axis(ax, ylabel, flat=bool((steps[column] == 0).all()))
+
+
+def _count_axis(ax: Axes, ylabel: str, *, flat: bool = False) -> None:
+    ax.set_ylabel(ylabel)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    if flat:
+        ax.set_ylim(-0.05, 1)
+        ax.text(
+            0.5,
+            0.5,
+            "none in this run",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            color="grey",
+        )
+
+
+def _finish(
+    fig: Figure, axes: np.ndarray, title: str, handles: Sequence[Any] | None = None
+) -> Figure:
+    """One legend for the figure, under the panels, so it hides no curve."""
+    for ax in axes[-1]:
+        ax.set_xlabel(ax.get_xlabel() or TIME_LABEL)
+    if handles is None:
+        handles, _ = axes[0][0].get_legend_handles_labels()
+    fig.legend(
+        handles=list(handles),
+        loc="outside lower center",
+        ncols=min(len(handles), 4),
+        frameon=False,
+    )
+    fig.suptitle(title)
+    return fig
+
+
+def _steps_figure(
+    steps: pd.DataFrame, panels: Sequence[tuple[str, str]], title: str
+) -> Figure:
+    fig, axes = _axes(len(panels))
+    for ax, (column, ylabel) in zip(axes[:, 0], panels, strict=True):
+        _draw_steps(ax, steps, column, ylabel)
+    return _finish(fig, axes, f"{scenario_of(steps)}: {title}")
+
+
+@_styled
+def admission_figure(steps: pd.DataFrame) -> Figure:
+    """Running and waiting requests, and cumulative admissions, over time."""
+    return _steps_figure(steps, ADMISSION_PANELS, "admission by layout")
+
+
+@_styled
+def eviction_figure(steps: pd.DataFrame) -> Figure:
+    """Cumulative preemptions and prefix-cache evictions, and free blocks."""
+    return _steps_figure(steps, EVICTION_PANELS, "preemption and eviction by layout")
+
+
+@_styled
+def gain_figure(steps: pd.DataFrame, *, ratio: bool = True) -> Figure:
+    """Running requests on - off over time (and on / off): where the new
+    layout runs more requests at once than the old one."""
+    table = concurrency_gain(steps)
+    fig, axes = _axes(2 if ratio else 1, height_in=3.0)
+    _draw_gain(axes[0, 0], table["gain"])
+    if ratio:
+        _draw_ratio(axes[1, 0], table["ratio"])
+    handles = [
+        Patch(color=_color(name), alpha=0.4, label=f"{name} runs more requests")
+        for name in ("on", "off")
+    ]
+    title = f"{scenario_of(steps)}: concurrency gain of the side-cache layout"
+    return _finish(fig, axes, title, handles)
+
+
+def _draw_gain(ax: Axes, gain: pd.Series) -> None:
+    ax.axhline(0, color="grey", linewidth=0.8)
+    ax.plot(gain.index, gain, drawstyle="steps-post", color="black", linewidth=1.0)
+    for sign, layout in ((1, "on"), (-1, "off")):
+        ax.fill_between(gain.index, 0, gain, where=sign * gain > 0, step="post",
+                        color=_color(layout), alpha=0.4, linewidth=0)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("running, on − off\n(requests)")
+    if (gain == 0).all():
+        ax.set_ylim(-1, 1)
+        ax.text(0.5, 0.75, "both layouts run equally many requests throughout",
+                transform=ax.transAxes, ha="center", color="grey")
+    mean = f"time-weighted mean {time_weighted(gain):+.2f} requests"
+    extremes = f"most {gain.max():+.0f}, least {gain.min():+.0f}"
+    ax.set_title(f"{mean}, {extremes}", loc="left")
+
+
+def _draw_ratio(ax: Axes, ratio: pd.Series) -> None:
+    """On / off from 0 up (at least to 2, so 1 sits mid-axis when flat)."""
+    ax.axhline(1, color="grey", linewidth=0.8)
+    ax.plot(ratio.index, ratio, drawstyle="steps-post", color="black", linewidth=1.0)
+    ax.set_ylim(0, max(2.0, 1.05 * float(np.nan_to_num(ratio.max(), nan=0.0))))
+    ax.set_ylabel("running, on / off\n(ratio)")
+
+
+SWEEP_METRICS = (
+    ("num_admitted", "admitted (requests)"),
+    ("mean_concurrency", "mean concurrency\n(requests)"),
+    ("peak_concurrency", "peak concurrency\n(requests)"),
+    ("num_preemptions", "preemptions\n(count)"),
+    ("output_throughput_tokens_per_s", "output throughput\n(tokens/s)"),
+)
+COUNT_METRICS = ("num_admitted", "peak_concurrency", "num_preemptions")
+X_LABELS = {
+    "workload.rate_scale": "request rate (× the trace's rate)",
+    "workload.arrival.rate_per_s": "arrival rate (requests/s)",
+    "workload.time_scale": "time scale (× the trace's times)",
+}
+
+
+@_styled
+def sweep_figure(sweep: pd.DataFrame, x: str) -> Figure:
+    """Each metric by layout against ``x`` (left) and its gain on - off
+    (right); dotted verticals where each layout first preempts."""
+    means = sweep_means(sweep, x)
+    fig, axes = _axes(len(SWEEP_METRICS), 2, height_in=2.2, width_in=12.0)
+    for row, (metric, ylabel) in enumerate(SWEEP_METRICS):
+        _draw_sweep_row(axes[row], means, x, metric, ylabel)
+    onset = preemption_onset(sweep, x)
+    _mark_onset(axes, onset)
+    for ax in axes[-1]:
+        ax.set_xlabel(X_LABELS.get(x, x))
+    axes[0, 0].set_title("by layout (mean over seeds)", loc="left")
+    axes[0, 1].set_title("gain, on − off (same units)", loc="left")
+    handles = [
+        Line2D([], [], color=_color(name), marker="o", markersize=s, label=_label(name))
+        for s, name in zip((9, 6, 6), layouts_of(sweep), strict=False)
+    ]
+    handles += [_onset_handle(name, value) for name, value in onset.items()]
+    return _finish(fig, axes, f"{scenario_of(sweep)}: sweep over {x}", handles)
+
+
+def _draw_sweep_row(
+    row: np.ndarray, means: pd.DataFrame, x: str, metric: str, ylabel: str
+) -> None:
+    """Off drawn bigger, underneath, so equal values show both layouts."""
+    wide = means.pivot(index=x, columns="layout", values=metric)
+    for size, layout in zip((9, 6, 6), layouts_of(means), strict=False):
+        row[0].plot(wide.index, wide[layout], marker="o", markersize=size,
+                    linewidth=size / 3, color=_color(layout), label=_label(layout))
+    row[0].set_ylabel(ylabel)
+    if {"off", "on"} <= set(wide.columns):
+        gain = wide["on"] - wide["off"]
+        row[1].plot(wide.index, gain, marker="o", color="black")
+        if (gain == 0).all():
+            row[1].set_ylim(-1, 1)
+    row[1].axhline(0, color="grey", linewidth=0.8)
+    if metric in COUNT_METRICS:
+        for ax in row:
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _mark_onset(axes: np.ndarray, onset: dict[str, float | None]) -> None:
+    for ax in axes.flat:
+        for layout, value in onset.items():
+            if value is not None:
+                ax.axvline(
+                    value,
+                    color=_color(layout),
+                    linestyle=":",
+                    linewidth=1.8,
+                    gid=f"onset-{layout}",
+                )
+
+
+def _onset_handle(layout: str, value: float | None) -> Line2D:
+    text = (
+        f"{layout} first preempts at x = {value:g}"
+        if value is not None
+        else f"{layout} never preempts"
+    )
+    return Line2D(
+        [],
+        [],
+        color=_color(layout),
+        linestyle=":" if value is not None else "none",
+        linewidth=1.8,
+        label=text,
+    )
+
+
+# --- files ------------------------------------------------------------------
+
+
+def write_figure(
+    fig: Figure, stem: Path, formats: Iterable[str] = FORMATS
+) -> list[Path]:
+    """``stem.png``, ``stem.svg``...: each through a temp file and a rename."""
+    paths = []
+    for fmt in formats:
+        path = stem.with_suffix(f".{fmt}")
+        with matplotlib.rc_context({"svg.hashsalt": "kvsim"}):  # stable SVG ids
+            atomic_write(
+                path,
+                lambda tmp, fmt=fmt: fig.savefig(
+                    tmp, format=fmt, dpi=150, metadata=_metadata(fmt)
+                ),
+            )
+        paths.append(path)
+    return paths
+
+
+def _metadata(fmt: str) -> dict[str, Any]:
+    return {"Date": None} if fmt in ("svg", "pdf") else {}
+
+
+def standard_figures(frames: dict[str, pd.DataFrame]) -> dict[str, Figure]:
+    """Admission and eviction for any run; the gain when both layouts ran."""
+    steps = frames["steps"]
+    figures = {"admission": admission_figure(steps), "eviction": eviction_figure(steps)}
+    if {"off", "on"} <= set(steps["layout"]):
+        figures["gain"] = gain_figure(steps)
+    return figures
+
+
+def write_standard_figures(
+    out_dir: Path, frames: dict[str, pd.DataFrame], formats: Iterable[str] = FORMATS
+) -> list[Path]:
+    formats = tuple(formats)
+    return [
+        path
+        for name, fig in standard_figures(frames).items()
+        for path in write_figure(fig, Path(out_dir) / "plots" / name, formats)
+    ]
+
+
+def write_sweep_figures(
+    out_dir: Path, sweep: pd.DataFrame, x: str, formats: Iterable[str] = FORMATS
+) -> list[Path]:
+    return write_figure(
+        sweep_figure(sweep, x), Path(out_dir) / "plots" / "sweep", formats
+    )
+
+
+# --- kvsim plot -----------------------------------------------------------------
+
+
+def _formats(text: str) -> tuple[str, ...]:
+    formats = tuple(part.strip().lower() for part in text.split(",") if part.strip())
+    unknown = sorted(set(formats) - {"png", "svg", "pdf"})
+    if not formats or unknown:
+        raise argparse.ArgumentTypeError(
+            f"expected formats among png,svg,pdf: {text!r}"
+        )
+    return formats
+
+
+def sweep_x(sweep: pd.DataFrame, path: Path) -> str:
+    """The swept key: the one dotted scenario key that takes several values."""
+    dotted = [c for c in sweep.columns if "." in str(c)]
+    varying = [c for c in dotted if sweep[c].nunique() > 1] or dotted
+    if len(varying) != 1:
+        raise ConfigError(
+            f"{path}: cannot tell the swept column among {varying}; pass --x COLUMN"
+        )
+    return str(varying[0])
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Standard figures for a results directory, and sweep figures if it
+    holds ``sweep.parquet`` (a sweep-only directory needs no manifest)."""
+    out_dir = Path(args.results_dir)
+    sweep_path = out_dir / SWEEP_FRAME
+    written: list[Path] = []
+    if (out_dir / "manifest.json").exists() or not sweep_path.exists():
+        written += write_standard_figures(out_dir, read_results(out_dir), args.format)
+    if sweep_path.exists():
+        sweep = pd.read_parquet(sweep_path)
+        x = args.x or sweep_x(sweep, sweep_path)
+        if x not in sweep:
+            raise ConfigError(f"{sweep_path}: no column {x!r} (--x)")
+        written += write_sweep_figures(out_dir, sweep, x, args.format)
+    names = sorted({path.stem for path in written})
+    formats = ", ".join(args.format)
+    print(
+        f"kvsim: plots written to {out_dir / 'plots'}/ ({', '.join(names)}; {formats})"
+    )
+    return 0
+
+
+def register_cli(subparsers: Any) -> argparse.ArgumentParser:
+    plot = subparsers.add_parser(
+        "plot", help="draw the standard figures of a results directory"
+    )
+    plot.add_argument(
+        "results_dir",
+        metavar="RESULTS_DIR",
+        help="a directory written by kvsim run/compare/sweep",
+    )
+    plot.add_argument(
+        "--format",
+        type=_formats,
+        default=FORMATS,
+        metavar="FMT[,FMT]",
+        help="image formats (default png,svg)",
+    )
+    plot.add_argument(
+        "--x",
+        metavar="COLUMN",
+        help="the swept column of sweep.parquet (default: inferred)",
+    )
+    plot.set_defaults(func=cmd_plot)
+    return plot

@@ -1,0 +1,97 @@
+"""The commands users run: run/compare write frames atomically, and bad
+input is one line on stderr, exit status 2, and no result file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from sim.cli import main
+from sim_helpers import write_scenario
+
+TINY = {
+    "trace": "synthetic",
+    "num_requests": 8,
+    "arrival": {"process": "poisson", "rate_per_s": 2.0},
+    "prompt": {"distribution": "uniform", "lo": 1000, "hi": 4000},
+    "output": {"distribution": "fixed", "tokens": 30},
+}
+
+
+def test_compare_writes_both_layouts_and_prints_the_gain(tmp_path, capsys):
+    path = write_scenario(tmp_path, workload=TINY)
+    out = tmp_path / "out"
+    assert main(["compare", str(path), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "gain" in printed and "num_admitted" in printed
+    summary = pd.read_parquet(out / "summary.parquet")
+    assert sorted(summary["layout"]) == ["off", "on"]
+    steps = pd.read_parquet(out / "steps.parquet")
+    assert {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",
+            "prefix_cache_hits_tokens", "time_s"} <= set(steps.columns)
+    assert (out / "manifest.json").exists()
+    assert not list(out.glob(".*.tmp"))  # no temporary file left behind
+
+
+def test_run_one_layout_with_overrides(tmp_path):
+    path = write_scenario(tmp_path, workload=TINY)
+    out = tmp_path / "out"
+    assert main(["run", str(path), "--layout", "off", "--set", "deployment.max_num_seqs=4", "--out", str(out)]) == 0
+    summary = pd.read_parquet(out / "summary.parquet")
+    assert list(summary["layout"]) == ["off"] and summary["peak_concurrency"].item() <= 4
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvsim: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_unknown_scenario_key_names_key_and_file(tmp_path, capsys):
+    path = write_scenario(tmp_path, workload=TINY, deploymnet={"max_num_seqs": 4})
+    err = _one_line_error(capsys, ["run", str(path), "--out", str(tmp_path / "out")])
+    assert f"{path}" in err and "unknown key 'deploymnet'" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_set_key_is_an_error(tmp_path, capsys):
+    path = write_scenario(tmp_path, workload=TINY)
+    err = _one_line_error(capsys, ["run", str(path), "--set", "scheduler.max_batch=4"])
+    assert "unknown key 'scheduler.max_batch'" in err
+
+
+def test_malformed_trace_line_names_file_and_line(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]}\n'
+        '{"timestamp": 10, "input_length": "many", "output_length": 5, "hash_ids": [0]}\n'
+    )
+    path = write_scenario(tmp_path, workload={"trace": str(trace)})
+    err = _one_line_error(capsys, ["compare", str(path), "--out", str(tmp_path / "out")])
+    assert f"{trace}:2:" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_impossible_config_is_a_one_line_error(tmp_path, capsys):
+    path = write_scenario(tmp_path, workload=TINY, deployment={"kv_cache_memory_bytes": 100_000_000})
+    err = _one_line_error(capsys, ["run", str(path), "--out", str(tmp_path / "out")])
+    assert "KV cache is needed" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_traceback_from_the_installed_command(tmp_path):
+    path = write_scenario(tmp_path, workload=TINY, bogus=1)
+    done = subprocess.run([sys.executable, "-m", "sim.cli", "run", str(path)], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and "unknown key 'bogus'" in done.stderr
+
+
+@pytest.mark.parametrize("name", ["default", "reference"])
+def test_shipped_scenarios_load(name):
+    from sim.scenario import load_scenario
+
+    assert load_scenario(name).name == name

@@ -1,0 +1,83 @@
+"""The package's layers import downward only, and only the bridge imports
+vLLM (STYLE: one thin bridge; plain-Python core; SimPy, pandas and
+matplotlib at the edges)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SIM = Path(__file__).resolve().parents[1] / "sim"
+
+# Lowest first. A module may import only modules of its own or a lower layer.
+LAYERS: list[tuple[str, ...]] = [
+    ("sim.config", "sim.paths"),
+    ("sim.vllm_bridge",),
+    ("sim.model_specs", "sim.kv_cache_interface", "sim.kv_cache_utils", "sim.layout"),
+    ("sim.single_type_kv_cache_manager", "sim.kv_cache_manager", "sim.allocator_invariants", "sim.worker_views"),
+    ("sim.sched",),
+    ("sim.workloads", "sim.step_time", "sim.scenario", "sim.engine"),
+    ("sim.analysis", "sim.results", "sim.bench"),
+    ("sim.cli",),
+]
+# Third-party packages a layer must not use.
+FORBIDDEN = {
+    "sim.sched": {"simpy", "pandas", "matplotlib"},
+    "sim.layout": {"simpy", "pandas", "matplotlib"},
+    "sim.kv_cache_manager": {"simpy", "pandas", "matplotlib"},
+    "sim.workloads": {"vllm", "simpy", "torch", "pandas", "matplotlib"},
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SIM.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer(module: str) -> int:
+    for index, members in enumerate(LAYERS):
+        if any(module == m or module.startswith(m + ".") for m in members):
+            return index
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+MODULES = sorted(p for p in SIM.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: _module_name(p))
+def test_imports_go_downward_only(path):
+    module = _module_name(path)
+    if module == "sim":
+        return
+    own = _layer(module)
+    for name in _imports(path):
+        top = name.split(".")[0]
+        if top == "vllm":
+            assert module == "sim.vllm_bridge", f"{module} imports vLLM directly ({name})"
+        if top == "sim" and name != "sim":
+            assert _layer(name) <= own, f"{module} (layer {own}) imports {name} (layer {_layer(name)})"
+        for prefix, banned in FORBIDDEN.items():
+            if module == prefix or module.startswith(prefix + "."):
+                assert top not in banned, f"{module} imports {top}"
+
+
+def test_the_checker_catches_an_upward_import(tmp_path):
+    """CONTROL: a scheduler module importing the SimPy edge is flagged."""
+    bad = SIM / "sched" / "scheduler.py"
+    text = bad.read_text() + "\nfrom sim.engine import Simulation\n"
+    probe = tmp_path / "probe.py"
+    probe.write_text(text)
+    assert "sim.engine" in _imports(probe)
+    assert _layer("sim.engine") > _layer("sim.sched.scheduler")

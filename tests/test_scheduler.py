@@ -1,0 +1,164 @@
+"""The simulated scheduler's policy, step by step, on the tiny model
+(32-token blocks): vLLM 0.33.0's rules, each with a control."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from allocator_driver import K, tiny_plan
+from sim.allocator_invariants import check_allocator
+from sim.kv_cache_manager import build_kv_cache_manager
+from sim.sched.model_runner import AcceptanceModel, ModelRunner
+from sim.sched.scheduler import Scheduler, SchedulerConfig
+from sim.vllm_bridge import RequestStatus
+from sim.workloads import RequestSpec
+
+MAX_LEN = 512
+
+
+def _spec(index: int, prompt: int, output: int = 20, family: int | None = None) -> RequestSpec:
+    ids = tuple((family if family is not None else 1000 + index) * 100 + i for i in range(-(-prompt // 16)))
+    return RequestSpec(request_id=f"r{index:03d}", arrival_s=0.0, prompt_len=prompt, output_len=output,
+                       prefix_ids=ids, prefix_unit=16)
+
+
+def _scheduler(num_blocks: int = 400, *, on: bool = True, batches: int = 2, defer: bool = True,
+               budget: int = 64, seqs: int = 8) -> Scheduler:
+    manager = build_kv_cache_manager(tiny_plan(on), num_gpu_blocks=num_blocks)
+    config = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=MAX_LEN,
+                             block_size=32, num_speculative_tokens=K, defer_block_free=defer,
+                             max_concurrent_batches=batches)
+    return Scheduler(config, manager)
+
+
+class _Engine:
+    """Schedule, execute (sampled acceptance), apply; checking invariants."""
+
+    def __init__(self, scheduler: Scheduler, rates=(0.8, 0.7, 0.6), seed: int = 0) -> None:
+        self.scheduler = scheduler
+        self.runner = ModelRunner(AcceptanceModel(conditional_rates=rates), np.random.default_rng(seed))
+
+    def step(self):
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            self.scheduler.complete_in_flight_steps()
+            return output, None
+        counts = {i.request_id: self.scheduler.requests[i.request_id].num_tokens for i in output.scheduled}
+        outcome = self.scheduler.update_from_output(output, self.runner.execute(output, counts))
+        check_allocator(self.scheduler.kv_cache_manager, self.scheduler.deferred_blocks())
+        return output, outcome
+
+    def run(self, max_steps: int = 2000) -> list:
+        log = []
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished_requests():
+                break
+            log.append(self.step())
+        return log
+
+
+def test_prefill_chunks_end_on_block_boundaries_and_decode_carries_k_drafts():
+    scheduler = _scheduler(budget=40)
+    scheduler.add_request(_spec(0, 150))
+    engine = _Engine(scheduler)
+    ends = []
+    for _ in range(6):
+        output, _ = engine.step()
+        [item] = output.scheduled
+        ends.append(item.num_computed_tokens + item.num_scheduled_tokens)
+    # vLLM's split: chunks end on 32-token boundaries until the last cacheable
+    # one (150 -> 128 - 32 = 96), then run to the prompt's end.
+    assert ends[:5] == [32, 64, 96, 128, 150]
+    decode = output.scheduled[0]  # the sixth step: the first decode
+    assert decode.num_scheduled_tokens == 1 + K and decode.num_spec_tokens == K
+
+
+def test_rejected_drafts_roll_back_computed_tokens():
+    scheduler = _scheduler()
+    scheduler.add_request(_spec(0, 40))
+    engine = _Engine(scheduler, rates=(1.0, 0.0, 0.0))  # exactly one draft accepted
+    engine.step()  # prefill
+    request = scheduler.requests["r000"]
+    for _ in range(3):
+        before = request.num_tokens
+        output, outcome = engine.step()
+        assert output.scheduled[0].num_spec_tokens == K
+        assert request.num_tokens == before + 2  # the sampled token + one draft
+        assert request.num_computed_tokens == request.num_tokens - 1
+        assert outcome.num_accepted_tokens == 1 and outcome.num_draft_tokens == K
+
+
+def test_requests_longer_than_max_model_len_are_rejected_at_arrival():
+    scheduler = _scheduler()
+    assert not scheduler.add_request(_spec(0, MAX_LEN))
+    assert scheduler.add_request(_spec(1, MAX_LEN - 1, output=1))
+    assert scheduler.num_rejected == 1 and scheduler.num_waiting == 1
+
+
+def test_waiting_queue_is_head_of_line_blocking():
+    scheduler = _scheduler(num_blocks=44, budget=512)
+    scheduler.add_request(_spec(0, 400))  # fits alone
+    scheduler.add_request(_spec(1, 400))  # does not fit beside it
+    scheduler.add_request(_spec(2, 20))   # would fit, but waits behind 1
+    output = scheduler.schedule()
+    assert output.new_request_ids == ("r000",)
+    assert scheduler.num_waiting == 2
+    # CONTROL: with the big one gone from the head, the small one is admitted.
+    scheduler.waiting.remove(scheduler.waiting[0])
+    assert scheduler.schedule().new_request_ids == ("r002",)
+
+
+def test_preemption_picks_the_newest_and_admits_nothing_in_that_step():
+    scheduler = _scheduler(num_blocks=70, budget=512, batches=1)
+    engine = _Engine(scheduler)
+    for index in range(3):
+        scheduler.add_request(_spec(index, 150, output=400))
+    preempting = None
+    for _ in range(400):
+        output, _ = engine.step()
+        if output.preempted_request_ids:
+            preempting = output
+            break
+    assert preempting is not None, "the pool should force a preemption"
+    victim = scheduler.requests[preempting.preempted_request_ids[0]]
+    assert victim.request_id == max(preempting.preempted_request_ids)  # the newest running
+    assert not preempting.new_request_ids and not preempting.resumed_request_ids
+    assert scheduler.waiting[0] is victim  # back to the front of the queue
+    assert victim.status == RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
+    assert victim.num_output_tokens > 0  # outputs are kept; recomputed on resume
+    engine.run()
+    assert not scheduler.has_unfinished_requests()  # and it still finishes
+
+
+@pytest.mark.parametrize("batches", [1, 2], ids=["no-fence", "fence-2"])
+def test_fenced_frees_return_blocks_one_step_later(batches):
+    scheduler = _scheduler(batches=batches)
+    engine = _Engine(scheduler)
+    scheduler.add_request(_spec(0, 40, output=2))
+    scheduler.add_request(_spec(1, 40, output=60))
+    freed_at = None
+    for index in range(20):
+        _, outcome = engine.step()
+        if outcome and "r000" in outcome.finished:
+            freed_at = index
+            held_after_finish = scheduler.num_deferred_blocks()
+            break
+    assert freed_at is not None
+    if batches == 1:
+        assert held_after_finish == 0  # CONTROL: no step in flight, freed at once
+    else:
+        assert held_after_finish > 0  # a step still in flight may write them
+        engine.step()
+        assert scheduler.num_deferred_blocks() == 0
+
+
+def test_acceptance_model_matches_its_theory():
+    model = AcceptanceModel(conditional_rates=(0.8, 0.7, 0.6))
+    rng = np.random.default_rng(1)
+    draws = np.array([model.sample(3, rng) for _ in range(20000)])
+    expected = model.mean_accepted(3)  # 0.8 + 0.56 + 0.336
+    assert expected == pytest.approx(1.696)
+    # Standard error of the mean is < 0.01 here: 5 sigma.
+    assert abs(draws.mean() - expected) < 0.05
+    assert np.mean(draws >= 1) == pytest.approx(0.8, abs=0.02)
