@@ -1,9 +1,10 @@
 """The SimPy edge: one simulation = one scenario under one layout.
 
-Two processes, named for what they do: ``arrivals`` feeds the workload's
+Three processes, named for what they do: ``arrivals`` feeds the workload's
 requests to the scheduler at their arrival times; ``engine_loop`` schedules a
 step, waits the step's duration, applies the sampled tokens, and records the
-step. The scheduler, the allocator and the step-time model never see SimPy.
+step; ``sampler`` records the gauges at a fixed interval (time-uniform
+curves, exact at each instant: the state changes only at events). The scheduler, the allocator and the step-time model never see SimPy.
 Everything a simulation owns (clock, RNG, allocator, ids) lives in it, so two
 simulations in one process do not interfere. No twin in vLLM.
 """
@@ -38,8 +39,11 @@ class Recording:
     plan: dict[str, Any]
     steps: list[dict[str, Any]] = field(default_factory=list)
     requests: dict[str, dict[str, Any]] = field(default_factory=dict)
+    samples: list[dict[str, Any]] = field(default_factory=list)
     end_time_s: float = 0.0
     num_rejected: int = 0
+    # True when requests remained that could never be scheduled.
+    stalled: bool = False
 
 
 def _rngs(seed: int) -> np.random.Generator:
@@ -69,6 +73,7 @@ class Simulation:
         self.env = simpy.Environment()
         self._wakeup = self.env.event()
         self._arrivals_done = False
+        self._engine_done = False
         self.recording = Recording(scenario=scenario.name, layout=layout, plan=self.plan.to_dict())
 
     def _scheduler_config(self) -> SchedulerConfig:
@@ -89,6 +94,8 @@ class Simulation:
     def run(self) -> Recording:
         self.env.process(self.arrivals())
         self.env.process(self.engine_loop())
+        if self.scenario.simulation.sample_interval_s:
+            self.env.process(self.sampler(self.scenario.simulation.sample_interval_s))
         horizon = self.scenario.simulation.max_time_s
         total = horizon or max(self.workload.duration_s, 1e-9)
         with tqdm(total=round(total, 1), unit="sim s", delay=3, disable=not self.progress,
@@ -120,7 +127,7 @@ class Simulation:
         while True:
             if not self.scheduler.has_unfinished_requests():
                 if self._arrivals_done:
-                    return
+                    break
                 yield self._sleep()
                 continue
             started_s = self.env.now
@@ -128,8 +135,12 @@ class Simulation:
             if output.is_empty:
                 # Nothing fits now: let the steps in flight complete; if that
                 # returns no blocks, wait for the next arrival.
-                if not self.scheduler.complete_in_flight_steps():
-                    yield self._sleep()
+                if self.scheduler.complete_in_flight_steps():
+                    continue
+                if self._arrivals_done:
+                    self.recording.stalled = True
+                    break
+                yield self._sleep()
                 continue
             token_counts = {item.request_id: self.scheduler.requests[item.request_id].num_tokens
                             for item in output.scheduled}
@@ -137,6 +148,20 @@ class Simulation:
             yield self.env.timeout(step_s)
             outcome = self.scheduler.update_from_output(output, self.model_runner.execute(output, token_counts))
             self._record_step(output, outcome, started_s, step_s)
+        self._engine_done = True
+
+    def sampler(self, interval_s: float) -> Generator[simpy.Event, Any, None]:
+        while not self._engine_done:
+            pool = self.kv_cache_manager.block_pool
+            self.recording.samples.append({
+                "time_s": self.env.now,
+                "num_requests_running": self.scheduler.num_running,
+                "num_requests_waiting": self.scheduler.num_waiting,
+                "num_free_blocks": pool.get_num_free_blocks(),
+                "num_deferred_blocks": self.scheduler.num_deferred_blocks(),
+                "kv_cache_usage_perc": pool.get_usage(),
+            })
+            yield self.env.timeout(interval_s)
 
     # ------------------------------------------------------------- recording
     def _record_arrival(self, spec: RequestSpec, accepted: bool) -> None:

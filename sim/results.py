@@ -2,7 +2,7 @@
 atomically, and read back. Only the CLI layer writes files.
 
 A results directory holds ``steps.parquet``, ``requests.parquet``,
-``summary.parquet``, ``summary.json`` and the resolved ``scenario.json``;
+``samples.parquet``, ``summary.parquet``, ``summary.json`` and the resolved ``scenario.json``;
 ``manifest.json`` is written last, so a directory with a manifest is whole.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-FRAMES = ("steps", "requests", "summary")
+FRAMES = ("steps", "requests", "samples", "summary")
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:

@@ -63,6 +63,9 @@ class SimulationSection(StrictModel):
     max_time_s: float | None = Field(None, gt=0)
     # Run the allocator invariant checker after every step (slow; for CI).
     check_invariants: bool = False
+    # Record the gauges every this many simulated seconds (the samples
+    # frame: time-uniform curves); None records none.
+    sample_interval_s: float | None = Field(1.0, gt=0)
 
 
 class Scenario(StrictModel):

@@ -2,12 +2,14 @@
 step scheduled. No twin in vLLM (the real engine measures time; kvsim
 models it). The derivation of every default is in docs/step-time-model.md.
 
-A step is priced as a roofline per pipeline stage. Requests are split over
-``pp`` micro-batches (PP with that many batches in flight); each stage works
-through every micro-batch once per step, so in steady state the step period
-is one stage's total work:
+A step is priced as a roofline per pipeline stage. The step's requests are
+split over ``m = min(pp, requests)`` micro-batches (PP keeps that many
+batches in flight). Every request passes every stage once per step, and a
+stage works on one micro-batch at a time, so the step period is ``pp``
+stage-times of one micro-batch (the pipeline is full when ``m = pp``; with
+fewer micro-batches the stages wait for each other):
 
-    step_s = overhead_s + sum over micro-batches of stage_s(micro-batch)
+    step_s = overhead_s + pp * stage_s(step / m)
     stage_s(b) = max(bytes(b) / stage_bandwidth, flops(b) / stage_flops) + comm_s(b)
 
 ``bytes`` counts the weights a micro-batch touches (dense weights plus the
@@ -34,7 +36,7 @@ class StepTimeConfig(StrictModel):
     a scenario's ``step_time:`` section."""
 
     gpu_memory_bandwidth_bytes_per_s: float = Field(936.2e9, gt=0)
-    memory_efficiency: float = Field(0.70, gt=0, le=1)
+    memory_efficiency: float = Field(0.35, gt=0, le=1)
     gpu_peak_flops: float = Field(71.0e12, gt=0)
     compute_efficiency: float = Field(0.12, gt=0, le=1)
     # Weights (Qwen3-Next-80B-A3B class MoE, 4-bit weights with scales).
@@ -63,7 +65,7 @@ class StepTimeConfig(StrictModel):
     allreduce_latency_s: float = Field(20e-6, ge=0)
     pp_send_latency_s: float = Field(30e-6, ge=0)
     # Scheduler, sampling, MTP draft and launch overhead per step.
-    step_overhead_s: float = Field(3.0e-3, ge=0)
+    step_overhead_s: float = Field(5.0e-3, ge=0)
     tensor_parallel_size: int = Field(2, gt=0)
     pipeline_parallel_size: int = Field(2, gt=0)
 
@@ -93,7 +95,8 @@ class StepTimeModel:
             return 0.0
         pp = self.config.pipeline_parallel_size
         batch = _totals(output.scheduled, self.config.qsa_topk_tokens, 1 / self.config.compressed_tokens_per_state)
-        micro = _MicroBatch(**{k: v / pp for k, v in batch.__dict__.items()})
+        micro_batches = min(pp, len(output.scheduled))
+        micro = _MicroBatch(**{k: v / micro_batches for k, v in batch.__dict__.items()})
         return self.config.step_overhead_s + pp * self.stage_s(micro)
 
     def stage_s(self, micro: _MicroBatch) -> float:

@@ -210,3 +210,30 @@ def test_unknown_model_key_names_key_and_file(capsys, tmp_path, flash_next):
     assert main(["layout", "--model", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"{path}: unknown key 'gdn.num_kv_heads'" in err and err.count("\n") == 1
+
+
+def test_an_installed_fork_plans_with_its_own_switch(flash_next, reference, monkeypatch):
+    """When the fork is installed kvsim calls its planner with the switch set
+    per layout (a stand-in fork here: upstream's planner plus kvsim's pass),
+    reports the source, and leaves the environment as it was."""
+    import os
+    from types import SimpleNamespace
+
+    import sim.layout as layout_module
+
+    seen: list[str | None] = []
+
+    def fork_configs(engine, workers, memory):
+        seen.append(os.environ.get("VLLM_E2_SIDE_CACHE_LAYOUT"))
+        return layout_module._plan_upstream(engine, workers, memory, seen[-1] == "1")[0]
+
+    stand_in = SimpleNamespace(get_kv_cache_configs=fork_configs, get_kv_cache_capacity=side.get_kv_cache_capacity)
+    monkeypatch.setattr(layout_module, "fork_planning_module", lambda: stand_in)
+    monkeypatch.delenv("VLLM_E2_SIDE_CACHE_LAYOUT", raising=False)
+    on = plan_kv_cache(flash_next, reference, side_cache_layout=True)
+    off = plan_kv_cache(flash_next, reference, side_cache_layout=False)
+    assert seen == ["1", "0"]
+    assert (on.source, off.source) == ("fork", "fork")
+    assert (on.kv_cache_tokens, off.kv_cache_tokens) == (853_994, 806_792)
+    assert on.applied and not off.applied
+    assert "VLLM_E2_SIDE_CACHE_LAYOUT" not in os.environ

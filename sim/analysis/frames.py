@@ -36,6 +36,14 @@ def steps_frame(recording: Recording) -> pd.DataFrame:
     return frame
 
 
+def samples_frame(recording: Recording) -> pd.DataFrame:
+    """The gauges at a fixed simulated-time interval (time-uniform curves)."""
+    frame = pd.DataFrame.from_records(recording.samples)
+    frame.insert(0, "layout", recording.layout)
+    frame.insert(0, "scenario", recording.scenario)
+    return frame
+
+
 def requests_frame(recording: Recording) -> pd.DataFrame:
     """One row per arrival: its fate and its latencies."""
     frame = pd.DataFrame.from_records(list(recording.requests.values()))
@@ -96,6 +104,7 @@ def summarise(steps: pd.DataFrame, requests: pd.DataFrame, recording: Recording)
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,
         "prefix_cache_evicted_blocks": int(steps["prefix_cache_evicted_blocks"].sum()) if len(steps) else 0,
         "num_steps": len(steps),
+        "stalled": recording.stalled,
         "duration_s": duration,
         "output_throughput_tokens_per_s": generated / duration if duration else 0.0,
         "ttft_p50_s": _percentile(finished["ttft_s"], 50) if len(finished) else float("nan"),
@@ -105,10 +114,10 @@ def summarise(steps: pd.DataFrame, requests: pd.DataFrame, recording: Recording)
     }
 
 
-def frames(recording: Recording) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
+def frames(recording: Recording) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, dict[str, Any]]:
     steps = steps_frame(recording)
     requests = requests_frame(recording)
-    return steps, requests, summarise(steps, requests, recording)
+    return steps, requests, samples_frame(recording), summarise(steps, requests, recording)
 
 
 GAIN_METRICS = (

@@ -283,7 +283,7 @@ def gain_figure(steps: pd.DataFrame, *, ratio: bool = True) -> Figure:
 
 def _draw_gain(ax: Axes, gain: pd.Series) -> None:
     ax.axhline(0, color="grey", linewidth=0.8)
-    ax.plot(gain.index, gain, drawstyle="steps-post", color="black", linewidth=1.0)
+    ax.plot(gain.index, gain, drawstyle="steps-post", color="black", lw=1.0, gid="gain")
     for sign, layout in ((1, "on"), (-1, "off")):
         ax.fill_between(gain.index, 0, gain, where=sign * gain > 0, step="post",
                         color=_color(layout), alpha=0.4, linewidth=0)
@@ -301,7 +301,7 @@ def _draw_gain(ax: Axes, gain: pd.Series) -> None:
 def _draw_ratio(ax: Axes, ratio: pd.Series) -> None:
     """On / off from 0 up (at least to 2, so 1 sits mid-axis when flat)."""
     ax.axhline(1, color="grey", linewidth=0.8)
-    ax.plot(ratio.index, ratio, drawstyle="steps-post", color="black", linewidth=1.0)
+    ax.plot(ratio.index, ratio, drawstyle="steps-post", c="black", lw=1.0, gid="ratio")
     ax.set_ylim(0, max(2.0, 1.05 * float(np.nan_to_num(ratio.max(), nan=0.0))))
     ax.set_ylabel("running, on / off\n(ratio)")
 
@@ -339,7 +339,8 @@ def sweep_figure(sweep: pd.DataFrame, x: str) -> Figure:
         Line2D([], [], color=_color(name), marker="o", markersize=s, label=_label(name))
         for s, name in zip((9, 6, 6), layouts_of(sweep), strict=False)
     ]
-    handles += [_onset_handle(name, value) for name, value in onset.items()]
+    x_max = float(sweep[x].max())
+    handles += [_onset_handle(name, value, x_max) for name, value in onset.items()]
     return _finish(fig, axes, f"{scenario_of(sweep)}: sweep over {x}", handles)
 
 
@@ -376,20 +377,12 @@ def _mark_onset(axes: np.ndarray, onset: dict[str, float | None]) -> None:
                 )
 
 
-def _onset_handle(layout: str, value: float | None) -> Line2D:
-    text = (
-        f"{layout} first preempts at x = {value:g}"
-        if value is not None
-        else f"{layout} never preempts"
-    )
-    return Line2D(
-        [],
-        [],
-        color=_color(layout),
-        linestyle=":" if value is not None else "none",
-        linewidth=1.8,
-        label=text,
-    )
+def _onset_handle(layout: str, value: float | None, x_max: float) -> Line2D:
+    if value is None:
+        text, style = f"{layout} never preempts (up to x = {x_max:g})", "none"
+    else:
+        text, style = f"{layout} first preempts at x = {value:g}", ":"
+    return Line2D([], [], color=_color(layout), linestyle=style, lw=1.8, label=text)
 
 
 # --- files ------------------------------------------------------------------

@@ -19,10 +19,11 @@ class RunResult:
     scenario: Scenario
     steps: pd.DataFrame
     requests: pd.DataFrame
+    samples: pd.DataFrame
     summary: pd.DataFrame
 
     def frames(self) -> dict[str, pd.DataFrame]:
-        return {"steps": self.steps, "requests": self.requests, "summary": self.summary}
+        return {"steps": self.steps, "requests": self.requests, "samples": self.samples, "summary": self.summary}
 
     def comparison(self) -> pd.DataFrame:
         return comparison_table(self.summary)
@@ -37,15 +38,17 @@ def run_scenario(
 ) -> RunResult:
     """Simulate ``scenario`` under each layout on the same workload and seed."""
     workload = scenario_workload(scenario)
-    steps, requests, summaries = [], [], []
+    steps, requests, samples, summaries = [], [], [], []
     for layout in layouts or scenario.layouts:
-        step_frame, request_frame, summary = frames(simulate(scenario, layout, workload, progress=progress))
+        step_frame, request_frame, sample_frame, summary = frames(simulate(scenario, layout, workload, progress=progress))
         steps.append(step_frame)
         requests.append(request_frame)
+        samples.append(sample_frame)
         summaries.append(summary)
     return RunResult(
         scenario=scenario,
         steps=pd.concat(steps, ignore_index=True),
         requests=pd.concat(requests, ignore_index=True),
+        samples=pd.concat(samples, ignore_index=True),
         summary=pd.DataFrame.from_records(summaries),
     )
