@@ -153,7 +153,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _add_scenario_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("scenario", help="a scenario file, or the name of one in scenarios/")
+    parser.add_argument("scenario", nargs="?", default="default",
+                        help="a scenario file, or the name of one in scenarios/ (default: default)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a scenario key (dotted, value read as YAML); repeatable")
     parser.add_argument("--out", metavar="DIR", help="results directory (default results/SCENARIO)")

@@ -286,6 +286,14 @@ def test_kvsim_plot_on_a_non_results_dir_is_a_one_line_error(tmp_path) -> None:
     assert not (tmp_path / "plots").exists()
 
 
+def test_kvsim_plot_on_an_incomplete_results_dir_is_a_one_line_error(runs, tmp_path) -> None:
+    write_results(tmp_path, runs["binds"].frames(), {"name": "tiny"})
+    (tmp_path / "steps.parquet").unlink()  # as in a directory from an older kvsim
+    with pytest.raises(ConfigError, match=r"incomplete results directory: no steps\.parquet$"):
+        _plot(str(tmp_path))
+    assert not (tmp_path / "plots").exists()
+
+
 def test_kvsim_plot_draws_a_results_dir_and_its_sweep(runs, hand_sweep, tmp_path,
                                                       capsys) -> None:
     result = runs["binds"]

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import matplotlib
 import numpy as np
@@ -29,7 +29,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from sim.config import ConfigError
-from sim.results import atomic_write, read_results
+from sim.results import FRAMES, atomic_write, read_results
 
 # Okabe-Ito vermillion and blue: told apart with the common colour blindnesses.
 LAYOUT_COLORS = {"off": "#D55E00", "on": "#0072B2"}
@@ -38,30 +38,12 @@ FORMATS = ("png", "svg")
 SWEEP_FRAME = "sweep.parquet"
 TIME_LABEL = "simulated time (s)"
 
-_RC = {
-    "font.size": 11,
-    "axes.titlesize": 12,
-    "axes.labelsize": 11,
-    "legend.fontsize": 10,
-    "figure.titlesize": 14,
-    "axes.grid": True,
-    "grid.alpha": 0.3,
-    "lines.linewidth": 1.6,
-}
-
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def _styled(build: Callable[P, R]) -> Callable[P, R]:
-    """Build under kvsim's rc settings (fonts are fixed when artists are made)."""
-
-    @functools.wraps(build)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        with matplotlib.rc_context(_RC):
-            return build(*args, **kwargs)
-
-    return wrapper
+# Figures are built under these settings (fonts are fixed when artists are made).
+_styled = matplotlib.rc_context({
+    "font.size": 11, "axes.titlesize": 12, "axes.labelsize": 11,
+    "legend.fontsize": 10, "figure.titlesize": 14,
+    "axes.grid": True, "grid.alpha": 0.3, "lines.linewidth": 1.6,
+})
 
 
 # --- frames -> series -------------------------------------------------------
@@ -70,9 +52,8 @@ def _styled(build: Callable[P, R]) -> Callable[P, R]:
 def layouts_of(frame: pd.DataFrame) -> list[str]:
     """The layouts in ``frame``: off, then on, then any other in order seen."""
     seen = [str(name) for name in dict.fromkeys(frame["layout"])]
-    return [n for n in LAYOUT_COLORS if n in seen] + [
-        n for n in seen if n not in LAYOUT_COLORS
-    ]
+    others = [name for name in seen if name not in LAYOUT_COLORS]
+    return [name for name in LAYOUT_COLORS if name in seen] + others
 
 
 def scenario_of(frame: pd.DataFrame) -> str:
@@ -80,9 +61,8 @@ def scenario_of(frame: pd.DataFrame) -> str:
     return ", ".join(str(name) for name in names) or "kvsim"
 
 
-def step_values(
-    times_s: np.ndarray, values: np.ndarray, grid_s: np.ndarray, before: float = np.nan
-) -> np.ndarray:
+def step_values(times_s: np.ndarray, values: np.ndarray, grid_s: np.ndarray,
+                before: float = np.nan) -> np.ndarray:
     """A step series read at ``grid_s``: the last value at or before each
     grid time (``before`` where no step has ended yet). ``times_s`` ascend.
 
@@ -91,11 +71,9 @@ def step_values(
     array([0., 5., 5., 7., 7.])
     """
     index = np.searchsorted(times_s, grid_s, side="right") - 1
-    picked = (
-        np.asarray(values, dtype=float)[np.clip(index, 0, None)]
-        if len(values)
-        else np.full(len(grid_s), before)
-    )
+    if not len(values):
+        return np.full(len(grid_s), before, dtype=float)
+    picked = np.asarray(values, dtype=float)[np.clip(index, 0, None)]
     return np.where(index >= 0, picked, before)
 
 
@@ -106,9 +84,7 @@ def time_grid(steps: pd.DataFrame) -> np.ndarray:
 
 
 def resample_steps(
-    steps: pd.DataFrame,
-    column: str,
-    grid_s: np.ndarray | None = None,
+    steps: pd.DataFrame, column: str, grid_s: np.ndarray | None = None,
     before: float = np.nan,
 ) -> pd.DataFrame:
     """``column`` of each layout on one time grid, one column per layout."""
@@ -116,23 +92,19 @@ def resample_steps(
     series = {}
     for layout in layouts_of(steps):
         rows = steps[steps["layout"] == layout].sort_values("time_s", kind="stable")
-        series[layout] = step_values(
-            rows["time_s"].to_numpy(float), rows[column].to_numpy(), grid, before
-        )
+        times_s = rows["time_s"].to_numpy(float)
+        series[layout] = step_values(times_s, rows[column].to_numpy(), grid, before)
     return pd.DataFrame(series, index=pd.Index(grid, name="time_s"))
 
 
-def concurrency_gain(
-    steps: pd.DataFrame, column: str = "num_requests_running"
-) -> pd.DataFrame:
+def concurrency_gain(steps: pd.DataFrame,
+                     column: str = "num_requests_running") -> pd.DataFrame:
     """Off, on, ``gain`` (on - off) and ``ratio`` (on / off, NaN where off is
     0) of a request count on the common grid. Before its first step a layout
     runs nothing, so counts start at 0."""
     missing = {"off", "on"} - set(steps["layout"])
     if missing:
-        raise ValueError(
-            f"layout: the gain needs both 'off' and 'on'; missing {sorted(missing)}"
-        )
+        raise ValueError(f"layout: the gain needs off and on; missing {sorted(missing)}")
     table = resample_steps(steps, column, before=0.0)[["off", "on"]]
     table["gain"] = table["on"] - table["off"]
     table["ratio"] = table["on"] / table["off"].where(table["off"] != 0)
@@ -148,7 +120,8 @@ def time_weighted(series: pd.Series) -> float:
 
 
 def sweep_means(sweep: pd.DataFrame, x: str) -> pd.DataFrame:
-    """The sweep averaged over seeds: one row per (x, layout)."""
+    """One row per (x, layout): runs that share both (seeds; any other swept
+    key, so pick ``x`` as the only one that varies) are averaged."""
     if x not in sweep:
         raise ValueError(f"x: no column {x!r} in the sweep frame")
     numeric = sweep.select_dtypes("number").columns.difference([x, "seed"])
@@ -179,9 +152,8 @@ EVICTION_PANELS = (
 )
 
 
-def _axes(
-    nrows: int, ncols: int = 1, *, height_in: float = 2.6, width_in: float = 10.0
-) -> tuple[Figure, np.ndarray]:
+def _axes(nrows: int, ncols: int = 1, *, height_in: float = 2.6,
+          width_in: float = 10.0) -> tuple[Figure, np.ndarray]:
     fig = Figure(figsize=(width_in, 1.4 + height_in * nrows), layout="constrained")
     return fig, fig.subplots(nrows, ncols, sharex=True, squeeze=False)
 
@@ -198,14 +170,8 @@ def _draw_steps(ax: Axes, steps: pd.DataFrame, column: str, ylabel: str) -> None
     """Off drawn wider, underneath: where the layouts agree it edges the on line."""
     for width, layout in zip((2.6, 1.4, 1.4), layouts_of(steps), strict=False):
         rows = steps[steps["layout"] == layout].sort_values("time_s", kind="stable")
-        ax.plot(
-            rows["time_s"],
-            rows[column],
-            drawstyle="steps-post",
-            color=_color(layout),
-            linewidth=width,
-            label=_label(layout),
-        )
+        ax.plot(rows["time_s"], rows[column], drawstyle="steps-post",
+                color=_color(layout), linewidth=width, label=_label(layout))
     _count_axis(ax, ylabel, flat=bool((steps[column] == 0).all()))
 
 
@@ -214,15 +180,8 @@ def _count_axis(ax: Axes, ylabel: str, *, flat: bool = False) -> None:
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     if flat:
         ax.set_ylim(-0.05, 1)
-        ax.text(
-            0.5,
-            0.5,
-            "none in this run",
-            transform=ax.transAxes,
-            ha="center",
-            va="center",
-            color="grey",
-        )
+        ax.text(0.5, 0.5, "none in this run", transform=ax.transAxes,
+                ha="center", va="center", color="grey")
 
 
 def _finish(
@@ -233,19 +192,14 @@ def _finish(
         ax.set_xlabel(ax.get_xlabel() or TIME_LABEL)
     if handles is None:
         handles, _ = axes[0][0].get_legend_handles_labels()
-    fig.legend(
-        handles=list(handles),
-        loc="outside lower center",
-        ncols=min(len(handles), 4),
-        frameon=False,
-    )
+    fig.legend(handles=list(handles), loc="outside lower center",
+               ncols=min(len(handles), 4), frameon=False)
     fig.suptitle(title)
     return fig
 
 
-def _steps_figure(
-    steps: pd.DataFrame, panels: Sequence[tuple[str, str]], title: str
-) -> Figure:
+def _steps_figure(steps: pd.DataFrame, panels: Sequence[tuple[str, str]],
+                  title: str) -> Figure:
     fig, axes = _axes(len(panels))
     for ax, (column, ylabel) in zip(axes[:, 0], panels, strict=True):
         _draw_steps(ax, steps, column, ylabel)
@@ -273,10 +227,8 @@ def gain_figure(steps: pd.DataFrame, *, ratio: bool = True) -> Figure:
     _draw_gain(axes[0, 0], table["gain"])
     if ratio:
         _draw_ratio(axes[1, 0], table["ratio"])
-    handles = [
-        Patch(color=_color(name), alpha=0.4, label=f"{name} runs more requests")
-        for name in ("on", "off")
-    ]
+    handles = [Patch(color=_color(name), alpha=0.4, label=f"{name} runs more requests")
+               for name in ("on", "off")]
     title = f"{scenario_of(steps)}: concurrency gain of the side-cache layout"
     return _finish(fig, axes, title, handles)
 
@@ -302,7 +254,7 @@ def _draw_ratio(ax: Axes, ratio: pd.Series) -> None:
     """On / off from 0 up (at least to 2, so 1 sits mid-axis when flat)."""
     ax.axhline(1, color="grey", linewidth=0.8)
     ax.plot(ratio.index, ratio, drawstyle="steps-post", c="black", lw=1.0, gid="ratio")
-    ax.set_ylim(0, max(2.0, 1.05 * float(np.nan_to_num(ratio.max(), nan=0.0))))
+    ax.set_ylim(-0.05, max(2.0, 1.05 * float(np.nan_to_num(ratio.max(), nan=0.0))))
     ax.set_ylabel("running, on / off\n(ratio)")
 
 
@@ -335,18 +287,15 @@ def sweep_figure(sweep: pd.DataFrame, x: str) -> Figure:
         ax.set_xlabel(X_LABELS.get(x, x))
     axes[0, 0].set_title("by layout (mean over seeds)", loc="left")
     axes[0, 1].set_title("gain, on − off (same units)", loc="left")
-    handles = [
-        Line2D([], [], color=_color(name), marker="o", markersize=s, label=_label(name))
-        for s, name in zip((9, 6, 6), layouts_of(sweep), strict=False)
-    ]
+    handles = [Line2D([], [], color=_color(name), marker="o", ms=size, label=_label(name))
+               for size, name in zip((9, 6, 6), layouts_of(sweep), strict=False)]
     x_max = float(sweep[x].max())
     handles += [_onset_handle(name, value, x_max) for name, value in onset.items()]
     return _finish(fig, axes, f"{scenario_of(sweep)}: sweep over {x}", handles)
 
 
-def _draw_sweep_row(
-    row: np.ndarray, means: pd.DataFrame, x: str, metric: str, ylabel: str
-) -> None:
+def _draw_sweep_row(row: np.ndarray, means: pd.DataFrame, x: str, metric: str,
+                    ylabel: str) -> None:
     """Off drawn bigger, underneath, so equal values show both layouts."""
     wide = means.pivot(index=x, columns="layout", values=metric)
     for size, layout in zip((9, 6, 6), layouts_of(means), strict=False):
@@ -368,46 +317,34 @@ def _mark_onset(axes: np.ndarray, onset: dict[str, float | None]) -> None:
     for ax in axes.flat:
         for layout, value in onset.items():
             if value is not None:
-                ax.axvline(
-                    value,
-                    color=_color(layout),
-                    linestyle=":",
-                    linewidth=1.8,
-                    gid=f"onset-{layout}",
-                )
+                ax.axvline(value, color=_color(layout), linestyle=":", linewidth=1.8,
+                           gid=f"onset-{layout}")
 
 
 def _onset_handle(layout: str, value: float | None, x_max: float) -> Line2D:
     if value is None:
-        text, style = f"{layout} never preempts (up to x = {x_max:g})", "none"
-    else:
-        text, style = f"{layout} first preempts at x = {value:g}", ":"
-    return Line2D([], [], color=_color(layout), linestyle=style, lw=1.8, label=text)
+        text = f"{layout} never preempts (up to x = {x_max:g})"
+        return Line2D([], [], color=_color(layout), linestyle="none", label=text)
+    text = f"{layout} first preempts at x = {value:g}"
+    return Line2D([], [], color=_color(layout), linestyle=":", lw=1.8, label=text)
 
 
 # --- files ------------------------------------------------------------------
 
 
-def write_figure(
-    fig: Figure, stem: Path, formats: Iterable[str] = FORMATS
-) -> list[Path]:
-    """``stem.png``, ``stem.svg``...: each through a temp file and a rename."""
-    paths = []
-    for fmt in formats:
-        path = stem.with_suffix(f".{fmt}")
-        with matplotlib.rc_context({"svg.hashsalt": "kvsim"}):  # stable SVG ids
-            atomic_write(
-                path,
-                lambda tmp, fmt=fmt: fig.savefig(
-                    tmp, format=fmt, dpi=150, metadata=_metadata(fmt)
-                ),
-            )
-        paths.append(path)
+def write_figure(fig: Figure, stem: Path, formats: Iterable[str] = FORMATS) -> list[Path]:
+    """``stem.png``, ``stem.svg``...: each through a temp file and a rename.
+    No date and a fixed hash salt, so the same frames give the same SVG."""
+    paths = [stem.with_suffix(f".{fmt}") for fmt in formats]
+    for path in paths:
+        with matplotlib.rc_context({"svg.hashsalt": "kvsim"}):
+            atomic_write(path, functools.partial(_save, fig, path.suffix[1:]))
     return paths
 
 
-def _metadata(fmt: str) -> dict[str, Any]:
-    return {"Date": None} if fmt in ("svg", "pdf") else {}
+def _save(fig: Figure, fmt: str, tmp: Path) -> None:
+    metadata = {"Date": None} if fmt in ("svg", "pdf") else {}
+    fig.savefig(tmp, format=fmt, dpi=150, metadata=metadata)
 
 
 def standard_figures(frames: dict[str, pd.DataFrame]) -> dict[str, Figure]:
@@ -423,19 +360,14 @@ def write_standard_figures(
     out_dir: Path, frames: dict[str, pd.DataFrame], formats: Iterable[str] = FORMATS
 ) -> list[Path]:
     formats = tuple(formats)
-    return [
-        path
-        for name, fig in standard_figures(frames).items()
-        for path in write_figure(fig, Path(out_dir) / "plots" / name, formats)
-    ]
+    return [path for name, fig in standard_figures(frames).items()
+            for path in write_figure(fig, Path(out_dir) / "plots" / name, formats)]
 
 
 def write_sweep_figures(
     out_dir: Path, sweep: pd.DataFrame, x: str, formats: Iterable[str] = FORMATS
 ) -> list[Path]:
-    return write_figure(
-        sweep_figure(sweep, x), Path(out_dir) / "plots" / "sweep", formats
-    )
+    return write_figure(sweep_figure(sweep, x), Path(out_dir) / "plots" / "sweep", formats)
 
 
 # --- kvsim plot -----------------------------------------------------------------
@@ -445,9 +377,7 @@ def _formats(text: str) -> tuple[str, ...]:
     formats = tuple(part.strip().lower() for part in text.split(",") if part.strip())
     unknown = sorted(set(formats) - {"png", "svg", "pdf"})
     if not formats or unknown:
-        raise argparse.ArgumentTypeError(
-            f"expected formats among png,svg,pdf: {text!r}"
-        )
+        raise argparse.ArgumentTypeError(f"expected formats among png,svg,pdf: {text!r}")
     return formats
 
 
@@ -456,10 +386,18 @@ def sweep_x(sweep: pd.DataFrame, path: Path) -> str:
     dotted = [c for c in sweep.columns if "." in str(c)]
     varying = [c for c in dotted if sweep[c].nunique() > 1] or dotted
     if len(varying) != 1:
-        raise ConfigError(
-            f"{path}: cannot tell the swept column among {varying}; pass --x COLUMN"
-        )
+        raise ConfigError(f"{path}: cannot tell the swept column among {varying};"
+                          " pass --x COLUMN")
     return str(varying[0])
+
+
+def _read(out_dir: Path) -> dict[str, pd.DataFrame]:
+    """The run's frames; one a directory from an older kvsim lacks is a
+    one-line error too."""
+    missing = [f"{name}.parquet" for name in FRAMES if not (out_dir / f"{name}.parquet").exists()]
+    if missing and (out_dir / "manifest.json").exists():
+        raise ConfigError(f"{out_dir}: incomplete results directory: no {', '.join(missing)}")
+    return read_results(out_dir)
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -469,7 +407,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     sweep_path = out_dir / SWEEP_FRAME
     written: list[Path] = []
     if (out_dir / "manifest.json").exists() or not sweep_path.exists():
-        written += write_standard_figures(out_dir, read_results(out_dir), args.format)
+        written += write_standard_figures(out_dir, _read(out_dir), args.format)
     if sweep_path.exists():
         sweep = pd.read_parquet(sweep_path)
         x = args.x or sweep_x(sweep, sweep_path)
@@ -478,32 +416,17 @@ def cmd_plot(args: argparse.Namespace) -> int:
         written += write_sweep_figures(out_dir, sweep, x, args.format)
     names = sorted({path.stem for path in written})
     formats = ", ".join(args.format)
-    print(
-        f"kvsim: plots written to {out_dir / 'plots'}/ ({', '.join(names)}; {formats})"
-    )
+    print(f"kvsim: plots written to {out_dir / 'plots'}/ ({', '.join(names)}; {formats})")
     return 0
 
 
 def register_cli(subparsers: Any) -> argparse.ArgumentParser:
-    plot = subparsers.add_parser(
-        "plot", help="draw the standard figures of a results directory"
-    )
-    plot.add_argument(
-        "results_dir",
-        metavar="RESULTS_DIR",
-        help="a directory written by kvsim run/compare/sweep",
-    )
-    plot.add_argument(
-        "--format",
-        type=_formats,
-        default=FORMATS,
-        metavar="FMT[,FMT]",
-        help="image formats (default png,svg)",
-    )
-    plot.add_argument(
-        "--x",
-        metavar="COLUMN",
-        help="the swept column of sweep.parquet (default: inferred)",
-    )
+    plot = subparsers.add_parser("plot", help="draw the figures of a results directory")
+    plot.add_argument("results_dir", metavar="RESULTS_DIR",
+                      help="a directory written by kvsim run, compare or sweep")
+    plot.add_argument("--format", type=_formats, default=FORMATS, metavar="FMT[,FMT]",
+                      help="image formats: png, svg, pdf (default png,svg)")
+    plot.add_argument("--x", metavar="COLUMN",
+                      help="the swept column of sweep.parquet (default: inferred)")
     plot.set_defaults(func=cmd_plot)
     return plot

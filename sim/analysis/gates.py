@@ -1,0 +1,450 @@
+"""Regression gates: named scenarios whose summary metrics must hold.
+
+A gates file (``scenarios/gates.yaml``) names gates; each is a scenario
+(a file, with optional ``set:`` overrides) and, per metric, the baseline
+value for each layout and the change allowed::
+
+    gates:
+      bursty-azure:
+        scenario: gates/bursty-azure.yaml    # relative to the gates file
+        set: [simulation.max_time_s=300]     # optional --set style overrides
+        baselines:                           # metric -> layout -> value
+          num_admitted: {off: 334, on: 336}
+          num_preemptions: {on: 0}           # only the layouts listed are checked
+          peak_concurrency:                  # empty: not recorded yet ("new")
+        tolerance:                           # optional; default exact
+          num_preemptions: 2                 # absolute, or "5%" (relative)
+
+Every gate runs both layouts. Each metric has a direction
+(``DIRECTIONS``): fewer admitted, more preemptions, a later TTFT are
+regressions; a change past the tolerance the other way is ``improved``
+(passes, and asks for ``--update``). Besides its baselines each gate checks
+that the new layout admits no fewer requests than the old (``on-vs-off``).
+
+``--update`` rewrites only the baseline values in the file, character for
+character everywhere else, so comments and layout survive. No twin in vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import pandas as pd
+import yaml
+from pydantic import field_validator, model_validator
+from tqdm import tqdm
+
+from sim.analysis.sweep import make_spec, open_runner
+from sim.config import ConfigError, StrictModel, read_yaml, validate
+from sim.paths import SCENARIOS_DIR
+from sim.results import atomic_write, write_json
+from sim.scenario import Layout, Scenario, load_scenario
+
+DEFAULT_GATES = SCENARIOS_DIR / "gates.yaml"
+LAYOUTS: tuple[Layout, ...] = ("off", "on")
+ON_VS_OFF = "on-vs-off"
+Direction = Literal["higher", "lower", "either"]
+Verdict = Literal["pass", "fail", "new", "improved", "updated"]
+
+# Which way is better for each summary metric; "either": any change past
+# the tolerance is a regression (the metric should not move at all).
+DIRECTIONS: dict[str, Direction] = {
+    "num_admitted": "higher", "num_finished": "higher", "peak_concurrency": "higher",
+    "mean_concurrency": "higher", "output_throughput_tokens_per_s": "higher",
+    "prefix_cache_hit_rate": "higher", "prefix_cache_hits_tokens": "higher",
+    "kv_cache_tokens": "higher", "num_gpu_blocks": "higher",
+    "num_preemptions": "lower", "num_rejected": "lower", "num_waiting_at_end": "lower",
+    "mean_waiting": "lower", "prefix_cache_evicted_blocks": "lower", "ttft_p50_s": "lower",
+    "ttft_p90_s": "lower", "ttft_p99_s": "lower", "e2e_mean_s": "lower",
+    "num_requests": "either", "num_running_at_end": "either", "num_steps": "either",
+    "duration_s": "either", "prefix_cache_queries_tokens": "either",
+}
+_WORSE = {"higher": "a drop", "lower": "a rise", "either": "any change"}
+
+
+# ----------------------------------------------------------------- the file
+class GateSpec(StrictModel):
+    description: str = ""
+    scenario: str
+    set: tuple[str, ...] = ()
+    baselines: dict[str, dict[Layout, float | None] | None]
+    tolerance: dict[str, float | str] = {}
+
+    @field_validator("baselines")
+    @classmethod
+    def _known_metrics(cls, baselines: dict[str, Any]) -> dict[str, Any]:
+        if not baselines:
+            raise ValueError("expected at least one metric, e.g. num_admitted:")
+        for metric in baselines:
+            if metric not in DIRECTIONS:
+                raise ValueError(f"unknown metric {metric!r} (known: {', '.join(DIRECTIONS)})")
+        return baselines
+
+    @field_validator("tolerance")
+    @classmethod
+    def _tolerances(cls, tolerance: dict[str, float | str]) -> dict[str, float | str]:
+        for metric, allowed in tolerance.items():
+            parse_tolerance(allowed, f"tolerance.{metric}")
+        return tolerance
+
+    @model_validator(mode="after")
+    def _tolerance_of_checked_metrics(self) -> GateSpec:
+        for metric in self.tolerance:
+            if metric not in self.baselines:
+                raise ValueError(f"tolerance.{metric}: not a metric under baselines")
+        return self
+
+    def layouts(self, metric: str) -> tuple[Layout, ...]:
+        """The layouts a metric is checked on: those listed, else both."""
+        listed = self.baselines[metric] or {}
+        return tuple(layout for layout in LAYOUTS if layout in listed) or LAYOUTS
+
+    def baseline(self, metric: str, layout: Layout) -> float | None:
+        return (self.baselines[metric] or {}).get(layout)
+
+    def allowed(self, metric: str, baseline: float) -> float:
+        absolute, relative = parse_tolerance(self.tolerance.get(metric, 0), metric)
+        return absolute + relative * abs(baseline)
+
+
+class GatesFile(StrictModel):
+    gates: dict[str, GateSpec]
+
+
+def parse_tolerance(value: float | str, where: str) -> tuple[float, float]:
+    """(absolute, relative): ``2`` -> (2, 0); ``"5%"`` -> (0, 0.05).
+
+    >>> parse_tolerance("2.5%", "x"), parse_tolerance(3, "x")
+    ((0.0, 0.025), (3.0, 0.0))
+    """
+    try:
+        if isinstance(value, str):
+            relative = float(value.strip().removesuffix("%")) / 100
+            if not value.strip().endswith("%") or not relative >= 0:
+                raise ValueError
+            return 0.0, relative
+        if not value >= 0 or math.isinf(value):
+            raise ValueError
+        return float(value), 0.0
+    except ValueError:
+        raise ValueError(f"{where}: expected a number >= 0 or a percentage like '5%', got {value!r}") from None
+
+
+def load_gates(path: Path) -> GatesFile:
+    data = read_yaml(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping with a 'gates' key")
+    return validate(GatesFile, data, str(path))
+
+
+def gate_scenario(gates_path: Path, name: str, gate: GateSpec) -> Scenario:
+    """The gate's scenario: a path relative to the gates file, or a shipped name."""
+    local = gates_path.parent / gate.scenario
+    try:
+        return load_scenario(str(local) if local.exists() else gate.scenario, list(gate.set))
+    except ConfigError as error:
+        raise ConfigError(f"{gates_path}: gate {name}: {error}") from None
+
+
+def select(gates: GatesFile, only: Sequence[str] | None, source: Path) -> list[str]:
+    for name in only or []:
+        if name not in gates.gates:
+            raise ConfigError(f"--only {name}: no such gate in {source} (gates: {', '.join(gates.gates)})")
+    return [name for name in gates.gates if not only or name in only]
+
+
+# ---------------------------------------------------------------- judging
+@dataclass(frozen=True)
+class GateRow:
+    gate: str
+    layout: str
+    metric: str
+    baseline: float | None
+    now: float
+    change: float | None
+    allowed: float
+    verdict: Verdict
+    message: str
+
+
+def judge(baseline: float | None, now: float, direction: Direction, allowed: float) -> Verdict:
+    """pass / fail (worse than allowed) / improved (better than allowed) / new.
+
+    >>> judge(10, 9, "higher", 0), judge(10, 9, "lower", 0), judge(10, 9, "lower", 1)
+    ('fail', 'improved', 'pass')
+    """
+    if baseline is None:
+        return "new"
+    if math.isnan(baseline) or math.isnan(now):
+        return "pass" if math.isnan(baseline) and math.isnan(now) else "fail"
+    change = now - baseline
+    if abs(change) <= allowed:
+        return "pass"
+    if direction == "either":
+        return "fail"
+    return "fail" if (change < 0) == (direction == "higher") else "improved"
+
+
+def check_row(name: str, gate: GateSpec, layout: Layout, metric: str, now: float) -> GateRow:
+    baseline = gate.baseline(metric, layout)
+    allowed = gate.allowed(metric, baseline) if baseline is not None else 0.0
+    verdict = judge(baseline, now, DIRECTIONS[metric], allowed)
+    change = None if baseline is None else now - baseline
+    message = {
+        "pass": "",
+        "new": "no baseline yet: run kvsim gate --update to record it",
+        "improved": "better than the baseline: run kvsim gate --update to lock it in",
+        "fail": f"{name} [{layout}] {metric}: baseline {_show(baseline)}, now {_show(now)} "
+                f"({_signed(change)}, allowed ±{allowed:g}): {_WORSE[DIRECTIONS[metric]]} is a regression",
+    }[verdict]
+    return GateRow(name, layout, metric, baseline, now, change, allowed, verdict, message)
+
+
+def on_vs_off_row(name: str, summaries: dict[Layout, dict[str, Any]]) -> GateRow:
+    """The new layout must admit no fewer requests than the old one."""
+    off, on = summaries["off"]["num_admitted"], summaries["on"]["num_admitted"]
+    ok = on >= off
+    message = "" if ok else (f"{name} [{ON_VS_OFF}] num_admitted: the new layout admits {on} requests, "
+                             f"the old {off}: the new layout must admit no fewer")
+    return GateRow(name, ON_VS_OFF, "num_admitted", off, on, on - off, 0.0, "pass" if ok else "fail", message)
+
+
+def _show(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def _signed(value: float | None) -> str:
+    return "-" if value is None else f"{value:+g}"
+
+
+def gate_rows(name: str, gate: GateSpec, summaries: dict[Layout, dict[str, Any]]) -> list[GateRow]:
+    rows = [check_row(name, gate, layout, metric, summaries[layout][metric])
+            for metric in gate.baselines for layout in gate.layouts(metric)]
+    return [*rows, on_vs_off_row(name, summaries)]
+
+
+# ------------------------------------------------------------------ report
+@dataclass(frozen=True)
+class GateReport:
+    """One row per (gate, layout, metric) plus each gate's on-vs-off row;
+    ``summaries``: the summary row of every run."""
+
+    gates_path: Path
+    rows: pd.DataFrame
+    summaries: pd.DataFrame
+    updated: bool = False
+
+    @property
+    def failures(self) -> pd.DataFrame:
+        return self.rows[self.rows["verdict"] == "fail"]
+
+    @property
+    def ok(self) -> bool:
+        return self.failures.empty
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gates_file": str(self.gates_path), "ok": self.ok, "updated": self.updated,
+            "num_checks": len(self.rows), "num_failed": len(self.failures),
+            "rows": _records(self.rows), "summaries": _records(self.summaries),
+        }
+
+    def junit_xml(self) -> str:
+        """JUnit XML: a testcase per row; a failing row has a <failure>, a
+        row without a baseline is <skipped>."""
+        suite = ET.Element("testsuite", name=f"kvsim gate {self.gates_path.name}", tests=str(len(self.rows)),
+                           failures=str(len(self.failures)), errors="0",
+                           skipped=str(int((self.rows["verdict"] == "new").sum())))
+        for row in self.rows.itertuples(index=False):
+            case = ET.SubElement(suite, "testcase", classname=f"gates.{row.gate}",
+                                 name=f"{row.layout} {row.metric}")
+            if row.verdict == "fail":
+                failure = ET.SubElement(case, "failure", message=row.message, type="regression")
+                failure.text = f"baseline {_show(row.baseline)}, now {_show(row.now)}"
+            elif row.verdict == "new":
+                ET.SubElement(case, "skipped", message=row.message)
+            elif row.message:
+                ET.SubElement(case, "system-out").text = row.message
+        root = ET.Element("testsuites", name="kvsim gate")
+        root.append(suite)
+        ET.indent(root)
+        return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    return json.loads(frame.to_json(orient="records"))
+
+
+def write_report(report: GateReport, out_dir: Path) -> None:
+    write_json(out_dir / "gates.json", report.to_dict())
+    atomic_write(out_dir / "gates.junit.xml", lambda tmp: tmp.write_text(report.junit_xml()))
+
+
+# ----------------------------------------------------------------- running
+def run_gates(gates_path: Path | str = DEFAULT_GATES, *, update: bool = False,
+              only: Sequence[str] | None = None, workers: int = 1,
+              progress: bool | None = None) -> GateReport:
+    """Run the gates (every scenario validated before any run); with
+    ``update``, write the values that moved as the new baselines."""
+    path = Path(gates_path)
+    gates = load_gates(path)
+    names = select(gates, only, path)
+    scenarios = {name: gate_scenario(path, name, gates.gates[name]) for name in names}
+    summaries = simulate_gates(scenarios, workers, progress)
+    rows = [row for name in names for row in gate_rows(name, gates.gates[name], summaries[name])]
+    if update:
+        rows = [_as_update(row) for row in rows]
+        write_baselines(path, moved_baselines(rows))
+    frame = pd.DataFrame([asdict(row) for row in rows])
+    runs = pd.DataFrame([{"gate": n, **summaries[n][layout]} for n in names for layout in LAYOUTS])
+    return GateReport(path, frame, runs, updated=update)
+
+
+def simulate_gates(scenarios: dict[str, Scenario], workers: int,
+                   progress: bool | None = None) -> dict[str, dict[Layout, dict[str, Any]]]:
+    """Both layouts of every gate; in this process for ``workers`` 1."""
+    specs = [make_spec(scenario, layout, {"gate": name})
+             for name, scenario in scenarios.items() for layout in LAYOUTS]
+    results: dict[str, dict[Layout, dict[str, Any]]] = {name: {} for name in scenarios}
+    with open_runner("local", min(workers, len(specs))) as runner, tqdm(
+            total=len(specs), unit="run", desc="gates",
+            disable=None if progress is None else not progress) as bar:
+        for spec, summary in runner.run(specs):
+            results[spec.params["gate"]][spec.layout] = summary
+            bar.update(1)
+    return results
+
+
+def moved_baselines(rows: Sequence[GateRow]) -> Baselines:
+    values: Baselines = {}
+    for row in rows:
+        if row.verdict == "updated":
+            layout: Layout = "on" if row.layout == "on" else "off"
+            values.setdefault(row.gate, {}).setdefault(row.metric, {})[layout] = row.now
+    return values
+
+
+def _as_update(row: GateRow) -> GateRow:
+    """Under --update a baseline row passes; it is 'updated' if it moved."""
+    if row.layout == ON_VS_OFF:
+        return row
+    moved = row.baseline is None or not judge(row.baseline, row.now, "either", 0) == "pass"
+    return GateRow(row.gate, row.layout, row.metric, row.baseline, row.now, row.change, row.allowed,
+                   "updated" if moved else "pass", f"baseline {_show(row.baseline)} -> {_show(row.now)}" if moved else "")
+
+
+# ------------------------------------------------------- baseline rewrite
+Baselines = dict[str, dict[str, dict[Layout, Any]]]  # gate -> metric -> layout -> value
+
+
+def write_baselines(path: Path, values: Baselines) -> None:
+    """Rewrite the baselines in ``path`` atomically, keeping its mode."""
+    text = rewrite_baselines(path.read_text(), values)
+    mode = path.stat().st_mode & 0o7777
+
+    def write(tmp: Path) -> None:
+        tmp.write_text(text)
+        os.chmod(tmp, mode)
+
+    atomic_write(path, write)
+
+
+def rewrite_baselines(text: str, values: Baselines) -> str:
+    """``text`` with the given baseline values put in place; every other
+    character (comments, order, spacing) stays. A metric's empty or null
+    baseline becomes a flow mapping ``{off: .., on: ..}``."""
+    gates = _child(yaml.compose(text), "gates")
+    edits = []
+    for gate, metrics in values.items():
+        baselines = _child(_child(gates, gate), "baselines")
+        for metric, by_layout in metrics.items():
+            edits.extend(_edits(_child(baselines, metric), by_layout))
+    for start, end, new in sorted(edits, reverse=True):
+        text = text[:start] + new + text[end:]
+    check = yaml.safe_load(text)["gates"]
+    assert all(check[g]["baselines"][m] == {k: _plain(v) for k, v in ls.items()}
+               for g, ms in values.items() for m, ls in ms.items() if not _has_nan(ls)), "baseline rewrite"
+    return text
+
+
+def _child(node: Any, key: str) -> Any:
+    assert isinstance(node, yaml.MappingNode), f"expected a mapping above {key!r}"
+    return next(value for name, value in node.value if name.value == key)
+
+
+def _edits(node: Any, by_layout: dict[Layout, Any]) -> list[tuple[int, int, str]]:
+    start, end = node.start_mark.index, node.end_mark.index
+    if isinstance(node, yaml.MappingNode) and node.value:
+        return [(v.start_mark.index, v.end_mark.index, _scalar(by_layout[k.value]))
+                for k, v in node.value if k.value in by_layout]
+    flow = "{" + ", ".join(f"{layout}: {_scalar(value)}" for layout, value in by_layout.items()) + "}"
+    return [(start, end, flow if end > start else f" {flow}")]
+
+
+def _scalar(value: Any) -> str:
+    """A YAML scalar that reads back as ``value`` (``1.0e-05``, ``.nan``)."""
+    return yaml.safe_dump(_plain(value), default_flow_style=True).removesuffix("\n...\n").strip()
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if hasattr(value, "item") else value
+
+
+def _has_nan(values: dict[Layout, Any]) -> bool:
+    return any(isinstance(v, float) and math.isnan(v) for v in values.values())
+
+
+# -------------------------------------------------------------------- CLI
+def register_cli(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "gate", help="regression gates: gate scenarios' metrics against recorded baselines",
+        description="Run the gate scenarios under both layouts and compare their metrics with the "
+                    "baselines in the gates file; exit 1 on any regression.")
+    parser.add_argument("gates", nargs="?", default=str(DEFAULT_GATES),
+                        help="gates file (default scenarios/gates.yaml)")
+    parser.add_argument("--update", action="store_true",
+                        help="write the values seen as the new baselines (after an intended change)")
+    parser.add_argument("--only", action="append", metavar="NAME", help="run only this gate; repeatable")
+    parser.add_argument("--report", metavar="DIR", default="results/gates",
+                        help="where gates.json and gates.junit.xml go (default results/gates)")
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="parallel simulations (default 1: in this process)")
+    parser.add_argument("--progress", action="store_true", help="a progress bar even off a terminal")
+    parser.set_defaults(func=cmd_gate)
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise ConfigError(f"--workers {args.workers}: expected at least 1")
+    report = run_gates(args.gates, update=args.update, only=args.only, workers=args.workers,
+                       progress=True if args.progress else None)
+    print_report(report)
+    write_report(report, Path(args.report))
+    print(f"kvsim gate: report written to {args.report}/gates.json and gates.junit.xml")
+    for message in report.failures["message"]:
+        print(f"kvsim gate: FAIL {message}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+def print_report(report: GateReport) -> None:
+    columns = ["gate", "layout", "metric", "baseline", "now", "change", "verdict"]
+    with pd.option_context("display.width", 160, "display.max_rows", None):
+        print(report.rows[columns].to_string(index=False, na_rep="-", float_format=lambda v: f"{v:g}"))
+    counts = report.rows["verdict"].value_counts()
+    print("kvsim gate: " + ", ".join(f"{n} {verdict}" for verdict, n in counts.items())
+          + f" of {len(report.rows)} checks in {report.gates_path}")
+    if report.updated:
+        moved = report.rows[report.rows["verdict"] == "updated"]
+        print(f"kvsim gate: {len(moved)} baselines updated in {report.gates_path}"
+              + "".join(f"\n  {r.gate} [{r.layout}] {r.metric}: {r.message}" for r in moved.itertuples()))
+    for row in report.rows[report.rows["verdict"].isin(["new", "improved"])].itertuples():
+        print(f"kvsim gate: note: {row.gate} [{row.layout}] {row.metric}: {row.message}")
