@@ -123,13 +123,13 @@ def _run_and_write(args: argparse.Namespace, layouts: tuple[str, ...] | None) ->
     write_results(out_dir, result.frames(), scenario_to_dict(scenario))
     print(f"kvsim: {scenario.name}: {len(result.requests) // max(len(result.summary), 1)} requests per layout")
     _print_summary(result, layouts)
-    written = write_plots_if_available(out_dir, result)
-    print(f"frames written to {out_dir}/ ({', '.join(['steps', 'requests', 'summary'])}.parquet{written})")
+    from sim.analysis.plots import write_standard_figures
+
+    figures = write_standard_figures(out_dir, result.frames())
+    print(f"frames written to {out_dir}/ (steps, requests, samples, summary: parquet)")
+    print(f"figures written to {out_dir / 'plots'}/ ({len(figures)} files: "
+          f"{', '.join(sorted({p.stem for p in figures}))})")
     return 0
-
-
-def write_plots_if_available(out_dir: Path, result) -> str:
-    return ""
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -184,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     bench.add_argument("--layouts", default="off,on")
     bench.set_defaults(func=cmd_bench)
+
+    from sim.analysis import plots
+
+    plots.register_cli(sub)
     return parser
 
 

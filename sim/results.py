@@ -28,14 +28,28 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     os.close(handle)
     try:
         write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; results are not
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_text(path: Path, text: str) -> None:
+    def write(tmp: Path) -> None:
+        tmp.write_text(text)
+
+    atomic_write(path, write)
+
+
 def write_json(path: Path, data: Any) -> None:
-    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2, default=_json_default) + "\n"))
+    write_text(path, json.dumps(data, indent=2, default=_json_default) + "\n")
 
 
 def _json_default(value: Any) -> Any:

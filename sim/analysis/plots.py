@@ -285,7 +285,8 @@ def sweep_figure(sweep: pd.DataFrame, x: str) -> Figure:
     _mark_onset(axes, onset)
     for ax in axes[-1]:
         ax.set_xlabel(X_LABELS.get(x, x))
-    axes[0, 0].set_title("by layout (mean over seeds)", loc="left")
+    repeats = sweep.groupby([x, "layout"]).size().max() > 1
+    axes[0, 0].set_title("by layout" + (" (mean of runs at one x)" if repeats else ""), loc="left")
     axes[0, 1].set_title("gain, on − off (same units)", loc="left")
     handles = [Line2D([], [], color=_color(name), marker="o", ms=size, label=_label(name))
                for size, name in zip((9, 6, 6), layouts_of(sweep), strict=False)]
