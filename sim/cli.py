@@ -105,10 +105,18 @@ def cmd_layout(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_summary(result, layouts) -> None:
-    table = result.comparison()
-    with __import__("pandas").option_context("display.width", 160, "display.max_columns", 20):
-        print(table.to_string(float_format=lambda v: f"{v:,.3f}"))
+def _format_number(value: float) -> str:
+    """Counts as integers, rates and seconds with three decimals."""
+    if value != value:  # NaN
+        return "-"
+    if float(value).is_integer():
+        return f"{value:,.0f}"
+    return f"{value:,.3f}"
+
+
+def _print_summary(result) -> None:
+    table = result.comparison().astype(float)
+    print(table.to_string(formatters={column: _format_number for column in table.columns}))
 
 
 def _run_and_write(args: argparse.Namespace, layouts: tuple[str, ...] | None) -> int:
@@ -122,7 +130,7 @@ def _run_and_write(args: argparse.Namespace, layouts: tuple[str, ...] | None) ->
     result = run_scenario(scenario, layouts, progress=sys.stderr.isatty() or args.progress)
     write_results(out_dir, result.frames(), scenario_to_dict(scenario))
     print(f"kvsim: {scenario.name}: {len(result.requests) // max(len(result.summary), 1)} requests per layout")
-    _print_summary(result, layouts)
+    _print_summary(result)
     from sim.analysis.plots import write_standard_figures
 
     figures = write_standard_figures(out_dir, result.frames())
