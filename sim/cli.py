@@ -170,7 +170,9 @@ def _add_scenario_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvsim", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="kvsim", description="Simulate vLLM's KV-cache block allocation under the fork's two layouts."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     layout = sub.add_parser("layout", help="the KV pool each layout gives, as the fork logs it at boot")
     _add_model_flags(layout)
@@ -193,9 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--layouts", default="off,on")
     bench.set_defaults(func=cmd_bench)
 
-    from sim.analysis import plots
+    from sim.analysis import gates, plots, sweep_cli
 
     plots.register_cli(sub)
+    gates.register_cli(sub)
+    sweep_cli.register_cli(sub)
     return parser
 
 

@@ -11,6 +11,7 @@ would be started with.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -177,6 +178,25 @@ def validate(model_cls: type[_M], data: Any, source: str) -> _M:
         raise ConfigError(describe_validation_error(error, source)) from None
 
 
+class YamlLoader(yaml.SafeLoader):
+    """YAML 1.2 booleans: only true/false. YAML 1.1 also reads on/off/yes/no
+    as booleans, which would turn the layout names off and on into False and
+    True."""
+
+
+YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def load_yaml_text(text: str) -> Any:
+    return yaml.load(text, Loader=YamlLoader)
+
+
 def read_yaml(path: Path) -> Any:
     """Parse a YAML file; errors name the file (and line, when YAML knows it)."""
     try:
@@ -184,7 +204,7 @@ def read_yaml(path: Path) -> Any:
     except OSError as error:
         raise ConfigError(f"{path}: cannot read ({error.strerror})") from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml_text(text)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""
@@ -206,7 +226,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not sep or not key.strip():
         raise ConfigError(f"--set {text!r}: expected key=value")
     try:
-        value = yaml.safe_load(raw)
+        value = load_yaml_text(raw)
     except yaml.YAMLError:
         value = raw
     return key.strip().split("."), value

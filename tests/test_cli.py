@@ -95,3 +95,14 @@ def test_shipped_scenarios_load(name):
     from sim.scenario import load_scenario
 
     assert load_scenario(name).name == name
+
+
+def test_layout_names_stay_strings_in_yaml(tmp_path):
+    """YAML 1.1 reads off/on as booleans; kvsim's loader keeps them names."""
+    from sim.scenario import load_scenario
+
+    path = write_scenario(tmp_path, workload=TINY, layouts=["on"])
+    path.write_text(path.read_text().replace("- 'on'", "- on"))  # unquoted, as users write it
+    assert "\n- on\n" in path.read_text()
+    assert load_scenario(str(path)).layouts == ("on",)
+    assert load_scenario(str(path), ["layouts=[off, on]"]).layouts == ("off", "on")

@@ -34,9 +34,9 @@ import os
 import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import pandas as pd
 import yaml
@@ -44,7 +44,7 @@ from pydantic import field_validator, model_validator
 from tqdm import tqdm
 
 from sim.analysis.sweep import make_spec, open_runner
-from sim.config import ConfigError, StrictModel, read_yaml, validate
+from sim.config import ConfigError, StrictModel, YamlLoader, load_yaml_text, read_yaml, validate
 from sim.paths import SCENARIOS_DIR
 from sim.results import atomic_write, write_json
 from sim.scenario import Layout, Scenario, load_scenario
@@ -58,16 +58,31 @@ Verdict = Literal["pass", "fail", "new", "improved", "updated"]
 # Which way is better for each summary metric; "either": any change past
 # the tolerance is a regression (the metric should not move at all).
 DIRECTIONS: dict[str, Direction] = {
-    "num_admitted": "higher", "num_finished": "higher", "peak_concurrency": "higher",
-    "mean_concurrency": "higher", "output_throughput_tokens_per_s": "higher",
-    "prefix_cache_hit_rate": "higher", "prefix_cache_hits_tokens": "higher",
-    "kv_cache_tokens": "higher", "num_gpu_blocks": "higher",
-    "num_preemptions": "lower", "num_rejected": "lower", "num_waiting_at_end": "lower",
-    "mean_waiting": "lower", "prefix_cache_evicted_blocks": "lower", "ttft_p50_s": "lower",
-    "ttft_p90_s": "lower", "ttft_p99_s": "lower", "e2e_mean_s": "lower",
-    "num_requests": "either", "num_running_at_end": "either", "num_steps": "either",
-    "duration_s": "either", "prefix_cache_queries_tokens": "either",
+    "num_admitted": "higher",
+    "num_finished": "higher",
+    "peak_concurrency": "higher",
+    "mean_concurrency": "higher",
+    "output_throughput_tokens_per_s": "higher",
+    "prefix_cache_hit_rate": "higher",
+    "prefix_cache_hits_tokens": "higher",
+    "kv_cache_tokens": "higher",
+    "num_gpu_blocks": "higher",
+    "num_preemptions": "lower",
+    "num_rejected": "lower",
+    "num_waiting_at_end": "lower",
+    "mean_waiting": "lower",
+    "prefix_cache_evicted_blocks": "lower",
+    "ttft_p50_s": "lower",
+    "ttft_p90_s": "lower",
+    "ttft_p99_s": "lower",
+    "e2e_mean_s": "lower",
+    "num_requests": "either",
+    "num_running_at_end": "either",
+    "num_steps": "either",
+    "duration_s": "either",
+    "prefix_cache_queries_tokens": "either",
 }
+Baselines = dict[str, dict[str, dict[Layout, Any]]]  # gate -> metric -> layout -> value
 _WORSE = {"higher": "a drop", "lower": "a rise", "either": "any change"}
 
 
@@ -136,7 +151,9 @@ def parse_tolerance(value: float | str, where: str) -> tuple[float, float]:
             raise ValueError
         return float(value), 0.0
     except ValueError:
-        raise ValueError(f"{where}: expected a number >= 0 or a percentage like '5%', got {value!r}") from None
+        raise ValueError(
+            f"{where}: expected a number >= 0 or a percentage like '5%', got {value!r}"
+        ) from None
 
 
 def load_gates(path: Path) -> GatesFile:
@@ -204,7 +221,7 @@ def check_row(name: str, gate: GateSpec, layout: Layout, metric: str, now: float
         "new": "no baseline yet: run kvsim gate --update to record it",
         "improved": "better than the baseline: run kvsim gate --update to lock it in",
         "fail": f"{name} [{layout}] {metric}: baseline {_show(baseline)}, now {_show(now)} "
-                f"({_signed(change)}, allowed ±{allowed:g}): {_WORSE[DIRECTIONS[metric]]} is a regression",
+        f"({_signed(change)}, allowed ±{allowed:g}): {_WORSE[DIRECTIONS[metric]]} is a regression",
     }[verdict]
     return GateRow(name, layout, metric, baseline, now, change, allowed, verdict, message)
 
@@ -212,10 +229,13 @@ def check_row(name: str, gate: GateSpec, layout: Layout, metric: str, now: float
 def on_vs_off_row(name: str, summaries: dict[Layout, dict[str, Any]]) -> GateRow:
     """The new layout must admit no fewer requests than the old one."""
     off, on = summaries["off"]["num_admitted"], summaries["on"]["num_admitted"]
-    ok = on >= off
-    message = "" if ok else (f"{name} [{ON_VS_OFF}] num_admitted: the new layout admits {on} requests, "
-                             f"the old {off}: the new layout must admit no fewer")
-    return GateRow(name, ON_VS_OFF, "num_admitted", off, on, on - off, 0.0, "pass" if ok else "fail", message)
+    if on >= off:
+        return GateRow(name, ON_VS_OFF, "num_admitted", off, on, on - off, 0.0, "pass", "")
+    message = (
+        f"{name} [{ON_VS_OFF}] num_admitted: the new layout admits {on} requests, "
+        f"the old {off}: the new layout must admit no fewer"
+    )
+    return GateRow(name, ON_VS_OFF, "num_admitted", off, on, on - off, 0.0, "fail", message)
 
 
 def _show(value: float | None) -> str:
@@ -227,8 +247,11 @@ def _signed(value: float | None) -> str:
 
 
 def gate_rows(name: str, gate: GateSpec, summaries: dict[Layout, dict[str, Any]]) -> list[GateRow]:
-    rows = [check_row(name, gate, layout, metric, summaries[layout][metric])
-            for metric in gate.baselines for layout in gate.layouts(metric)]
+    rows = [
+        check_row(name, gate, layout, metric, summaries[layout][metric])
+        for metric in gate.baselines
+        for layout in gate.layouts(metric)
+    ]
     return [*rows, on_vs_off_row(name, summaries)]
 
 
@@ -253,20 +276,30 @@ class GateReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "gates_file": str(self.gates_path), "ok": self.ok, "updated": self.updated,
-            "num_checks": len(self.rows), "num_failed": len(self.failures),
-            "rows": _records(self.rows), "summaries": _records(self.summaries),
+            "gates_file": str(self.gates_path),
+            "ok": self.ok,
+            "updated": self.updated,
+            "num_checks": len(self.rows),
+            "num_failed": len(self.failures),
+            "rows": _records(self.rows),
+            "summaries": _records(self.summaries),
         }
 
     def junit_xml(self) -> str:
         """JUnit XML: a testcase per row; a failing row has a <failure>, a
         row without a baseline is <skipped>."""
-        suite = ET.Element("testsuite", name=f"kvsim gate {self.gates_path.name}", tests=str(len(self.rows)),
-                           failures=str(len(self.failures)), errors="0",
-                           skipped=str(int((self.rows["verdict"] == "new").sum())))
+        suite = ET.Element(
+            "testsuite",
+            name=f"kvsim gate {self.gates_path.name}",
+            tests=str(len(self.rows)),
+            failures=str(len(self.failures)),
+            errors="0",
+            skipped=str(int((self.rows["verdict"] == "new").sum())),
+        )
         for row in self.rows.itertuples(index=False):
-            case = ET.SubElement(suite, "testcase", classname=f"gates.{row.gate}",
-                                 name=f"{row.layout} {row.metric}")
+            case = ET.SubElement(
+                suite, "testcase", classname=f"gates.{row.gate}", name=f"{row.layout} {row.metric}"
+            )
             if row.verdict == "fail":
                 failure = ET.SubElement(case, "failure", message=row.message, type="regression")
                 failure.text = f"baseline {_show(row.baseline)}, now {_show(row.now)}"
@@ -285,14 +318,24 @@ def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 def write_report(report: GateReport, out_dir: Path) -> None:
+    xml = report.junit_xml()
+
+    def write_xml(tmp: Path) -> None:
+        tmp.write_text(xml)
+
     write_json(out_dir / "gates.json", report.to_dict())
-    atomic_write(out_dir / "gates.junit.xml", lambda tmp: tmp.write_text(report.junit_xml()))
+    atomic_write(out_dir / "gates.junit.xml", write_xml)
 
 
 # ----------------------------------------------------------------- running
-def run_gates(gates_path: Path | str = DEFAULT_GATES, *, update: bool = False,
-              only: Sequence[str] | None = None, workers: int = 1,
-              progress: bool | None = None) -> GateReport:
+def run_gates(
+    gates_path: Path | str = DEFAULT_GATES,
+    *,
+    update: bool = False,
+    only: Sequence[str] | None = None,
+    workers: int = 1,
+    progress: bool | None = None,
+) -> GateReport:
     """Run the gates (every scenario validated before any run); with
     ``update``, write the values that moved as the new baselines."""
     path = Path(gates_path)
@@ -309,15 +352,22 @@ def run_gates(gates_path: Path | str = DEFAULT_GATES, *, update: bool = False,
     return GateReport(path, frame, runs, updated=update)
 
 
-def simulate_gates(scenarios: dict[str, Scenario], workers: int,
-                   progress: bool | None = None) -> dict[str, dict[Layout, dict[str, Any]]]:
+def simulate_gates(
+    scenarios: dict[str, Scenario], workers: int, progress: bool | None = None
+) -> dict[str, dict[Layout, dict[str, Any]]]:
     """Both layouts of every gate; in this process for ``workers`` 1."""
-    specs = [make_spec(scenario, layout, {"gate": name})
-             for name, scenario in scenarios.items() for layout in LAYOUTS]
+    specs = [
+        make_spec(scenario, layout, {"gate": name})
+        for name, scenario in scenarios.items()
+        for layout in LAYOUTS
+    ]
     results: dict[str, dict[Layout, dict[str, Any]]] = {name: {} for name in scenarios}
-    with open_runner("local", min(workers, len(specs))) as runner, tqdm(
-            total=len(specs), unit="run", desc="gates",
-            disable=None if progress is None else not progress) as bar:
+    with (
+        open_runner("local", min(workers, len(specs))) as runner,
+        tqdm(
+            total=len(specs), unit="run", desc="gates", disable=None if progress is None else not progress
+        ) as bar,
+    ):
         for spec, summary in runner.run(specs):
             results[spec.params["gate"]][spec.layout] = summary
             bar.update(1)
@@ -328,7 +378,7 @@ def moved_baselines(rows: Sequence[GateRow]) -> Baselines:
     values: Baselines = {}
     for row in rows:
         if row.verdict == "updated":
-            layout: Layout = "on" if row.layout == "on" else "off"
+            layout = cast(Layout, row.layout)
             values.setdefault(row.gate, {}).setdefault(row.metric, {})[layout] = row.now
     return values
 
@@ -337,17 +387,17 @@ def _as_update(row: GateRow) -> GateRow:
     """Under --update a baseline row passes; it is 'updated' if it moved."""
     if row.layout == ON_VS_OFF:
         return row
-    moved = row.baseline is None or not judge(row.baseline, row.now, "either", 0) == "pass"
-    return GateRow(row.gate, row.layout, row.metric, row.baseline, row.now, row.change, row.allowed,
-                   "updated" if moved else "pass", f"baseline {_show(row.baseline)} -> {_show(row.now)}" if moved else "")
+    moved = row.baseline is None or judge(row.baseline, row.now, "either", 0) != "pass"
+    if not moved:
+        return replace(row, verdict="pass", message="")
+    return replace(row, verdict="updated", message=f"baseline {_show(row.baseline)} -> {_show(row.now)}")
 
 
 # ------------------------------------------------------- baseline rewrite
-Baselines = dict[str, dict[str, dict[Layout, Any]]]  # gate -> metric -> layout -> value
-
-
 def write_baselines(path: Path, values: Baselines) -> None:
     """Rewrite the baselines in ``path`` atomically, keeping its mode."""
+    if not values:
+        return
     text = rewrite_baselines(path.read_text(), values)
     mode = path.stat().st_mode & 0o7777
 
@@ -362,7 +412,7 @@ def rewrite_baselines(text: str, values: Baselines) -> str:
     """``text`` with the given baseline values put in place; every other
     character (comments, order, spacing) stays. A metric's empty or null
     baseline becomes a flow mapping ``{off: .., on: ..}``."""
-    gates = _child(yaml.compose(text), "gates")
+    gates = _child(yaml.compose(text, Loader=YamlLoader), "gates")
     edits = []
     for gate, metrics in values.items():
         baselines = _child(_child(gates, gate), "baselines")
@@ -370,9 +420,13 @@ def rewrite_baselines(text: str, values: Baselines) -> str:
             edits.extend(_edits(_child(baselines, metric), by_layout))
     for start, end, new in sorted(edits, reverse=True):
         text = text[:start] + new + text[end:]
-    check = yaml.safe_load(text)["gates"]
-    assert all(check[g]["baselines"][m] == {k: _plain(v) for k, v in ls.items()}
-               for g, ms in values.items() for m, ls in ms.items() if not _has_nan(ls)), "baseline rewrite"
+    check = load_yaml_text(text)["gates"]
+    assert all(
+        _same(check[gate]["baselines"][metric][layout], value)
+        for gate, metrics in values.items()
+        for metric, by_layout in metrics.items()
+        for layout, value in by_layout.items()
+    ), "the rewrite must read back as written"
     return text
 
 
@@ -382,12 +436,22 @@ def _child(node: Any, key: str) -> Any:
 
 
 def _edits(node: Any, by_layout: dict[Layout, Any]) -> list[tuple[int, int, str]]:
-    start, end = node.start_mark.index, node.end_mark.index
+    """Edits (start, end, text): each listed layout's value in place, or the
+    whole empty / null baseline as a flow mapping."""
     if isinstance(node, yaml.MappingNode) and node.value:
-        return [(v.start_mark.index, v.end_mark.index, _scalar(by_layout[k.value]))
-                for k, v in node.value if k.value in by_layout]
-    flow = "{" + ", ".join(f"{layout}: {_scalar(value)}" for layout, value in by_layout.items()) + "}"
-    return [(start, end, flow if end > start else f" {flow}")]
+        return [
+            _replace(value, _scalar(by_layout[key.value]))
+            for key, value in node.value
+            if key.value in by_layout
+        ]
+    items = ", ".join(f"{layout}: {_scalar(value)}" for layout, value in by_layout.items())
+    return [_replace(node, "{" + items + "}")]
+
+
+def _replace(node: Any, text: str) -> tuple[int, int, str]:
+    """An empty value (``key:``) sits right after the colon: keep a space."""
+    start, end = node.start_mark.index, node.end_mark.index
+    return start, end, text if end > start else f" {text}"
 
 
 def _scalar(value: Any) -> str:
@@ -399,25 +463,40 @@ def _plain(value: Any) -> Any:
     return value.item() if hasattr(value, "item") else value
 
 
-def _has_nan(values: dict[Layout, Any]) -> bool:
-    return any(isinstance(v, float) and math.isnan(v) for v in values.values())
+def _same(read: Any, written: Any) -> bool:
+    return bool(read == written or (read != read and written != written))  # NaN reads back as NaN
 
 
 # -------------------------------------------------------------------- CLI
 def register_cli(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "gate", help="regression gates: gate scenarios' metrics against recorded baselines",
+        "gate",
+        help="regression gates: gate scenarios' metrics against recorded baselines",
         description="Run the gate scenarios under both layouts and compare their metrics with the "
-                    "baselines in the gates file; exit 1 on any regression.")
-    parser.add_argument("gates", nargs="?", default=str(DEFAULT_GATES),
-                        help="gates file (default scenarios/gates.yaml)")
-    parser.add_argument("--update", action="store_true",
-                        help="write the values seen as the new baselines (after an intended change)")
+        "baselines in the gates file; exit 1 on any regression.",
+    )
+    parser.add_argument(
+        "gates", nargs="?", default=str(DEFAULT_GATES), help="gates file (default scenarios/gates.yaml)"
+    )
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="write the values seen as the new baselines (after an intended change)",
+    )
     parser.add_argument("--only", action="append", metavar="NAME", help="run only this gate; repeatable")
-    parser.add_argument("--report", metavar="DIR", default="results/gates",
-                        help="where gates.json and gates.junit.xml go (default results/gates)")
-    parser.add_argument("--workers", type=int, default=1, metavar="N",
-                        help="parallel simulations (default 1: in this process)")
+    parser.add_argument(
+        "--report",
+        metavar="DIR",
+        default="results/gates",
+        help="where gates.json and gates.junit.xml go (default results/gates)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="parallel simulations (default 1: in this process)",
+    )
     parser.add_argument("--progress", action="store_true", help="a progress bar even off a terminal")
     parser.set_defaults(func=cmd_gate)
 
@@ -425,8 +504,13 @@ def register_cli(subparsers: Any) -> None:
 def cmd_gate(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise ConfigError(f"--workers {args.workers}: expected at least 1")
-    report = run_gates(args.gates, update=args.update, only=args.only, workers=args.workers,
-                       progress=True if args.progress else None)
+    report = run_gates(
+        args.gates,
+        update=args.update,
+        only=args.only,
+        workers=args.workers,
+        progress=True if args.progress else None,
+    )
     print_report(report)
     write_report(report, Path(args.report))
     print(f"kvsim gate: report written to {args.report}/gates.json and gates.junit.xml")
@@ -440,11 +524,16 @@ def print_report(report: GateReport) -> None:
     with pd.option_context("display.width", 160, "display.max_rows", None):
         print(report.rows[columns].to_string(index=False, na_rep="-", float_format=lambda v: f"{v:g}"))
     counts = report.rows["verdict"].value_counts()
-    print("kvsim gate: " + ", ".join(f"{n} {verdict}" for verdict, n in counts.items())
-          + f" of {len(report.rows)} checks in {report.gates_path}")
+    print(
+        "kvsim gate: "
+        + ", ".join(f"{n} {verdict}" for verdict, n in counts.items())
+        + f" of {len(report.rows)} checks in {report.gates_path}"
+    )
     if report.updated:
         moved = report.rows[report.rows["verdict"] == "updated"]
-        print(f"kvsim gate: {len(moved)} baselines updated in {report.gates_path}"
-              + "".join(f"\n  {r.gate} [{r.layout}] {r.metric}: {r.message}" for r in moved.itertuples()))
+        print(
+            f"kvsim gate: {len(moved)} baselines updated in {report.gates_path}"
+            + "".join(f"\n  {r.gate} [{r.layout}] {r.metric}: {r.message}" for r in moved.itertuples())
+        )
     for row in report.rows[report.rows["verdict"].isin(["new", "improved"])].itertuples():
         print(f"kvsim gate: note: {row.gate} [{row.layout}] {row.metric}: {row.message}")

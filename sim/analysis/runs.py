@@ -40,7 +40,8 @@ def run_scenario(
     workload = scenario_workload(scenario)
     steps, requests, samples, summaries = [], [], [], []
     for layout in layouts or scenario.layouts:
-        step_frame, request_frame, sample_frame, summary = frames(simulate(scenario, layout, workload, progress=progress))
+        recording = simulate(scenario, layout, workload, progress=progress)
+        step_frame, request_frame, sample_frame, summary = frames(recording)
         steps.append(step_frame)
         requests.append(request_frame)
         samples.append(sample_frame)
