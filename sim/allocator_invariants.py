@@ -92,9 +92,13 @@ def _check_pool(manager: KVCacheManager, holders: _Holders) -> list[str]:
         if in_queue != (block.ref_cnt == 0):
             problems.append(f"block {block.block_id}: ref_cnt {block.ref_cnt} but in_queue={in_queue}")
         if not in_queue and block.ref_cnt != len(held_by):
-            problems.append(f"block {block.block_id}: ref_cnt {block.ref_cnt} != {len(held_by)} holders {held_by}")
+            problems.append(
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} != {len(held_by)} holders {held_by}"
+            )
         if len(holders.groups.get(block.block_id, ())) > 1:
-            problems.append(f"block {block.block_id} owned by groups {sorted(holders.groups[block.block_id])}")
+            problems.append(
+                f"block {block.block_id} owned by groups {sorted(holders.groups[block.block_id])}"
+            )
         if len(held_by) > 1 and block.block_hash is None:
             problems.append(f"block {block.block_id} has two exclusive owners {held_by}")
     held = sum(1 for b in pool.blocks if not b.is_null and holders.pool.get(b.block_id))
@@ -129,9 +133,7 @@ def _check_slots(slot_pool: RingSlotPool, holders: _Holders) -> list[str]:
     return problems
 
 
-def allocator_problems(
-    manager: KVCacheManager, deferred: Iterable[Sequence[KVCacheBlock]] = ()
-) -> list[str]:
+def allocator_problems(manager: KVCacheManager, deferred: Iterable[Sequence[KVCacheBlock]] = ()) -> list[str]:
     """Every broken invariant, one line each (empty when all hold).
 
     ``deferred`` holds the blocks popped for a fenced free that the scheduler
@@ -151,7 +153,9 @@ def allocator_problems(
 def check_allocator(manager: KVCacheManager, deferred: Iterable[Sequence[KVCacheBlock]] = ()) -> None:
     problems = allocator_problems(manager, deferred)
     if problems:
-        raise AllocatorInvariantError("; ".join(problems[:10]) + (f" (+{len(problems) - 10} more)" if len(problems) > 10 else ""))
+        raise AllocatorInvariantError(
+            "; ".join(problems[:10]) + (f" (+{len(problems) - 10} more)" if len(problems) > 10 else "")
+        )
 
 
 def held_blocks(manager: KVCacheManager, deferred: Iterable[Sequence[KVCacheBlock]] = ()) -> int:

@@ -45,15 +45,17 @@ def _measure(scenario_name: str, overrides: list[str], layout: str) -> dict:
     recording = simulate(scenario, layout, workload)  # type: ignore[arg-type]
     finished = time.perf_counter()
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return asdict(BenchFigures(
-        layout=layout,
-        import_s=imported - started,
-        simulated_s=recording.end_time_s,
-        wall_s=finished - imported,
-        steps=len(recording.steps),
-        requests=len(recording.requests),
-        peak_rss_mib=peak_kib / 1024,
-    ))
+    return asdict(
+        BenchFigures(
+            layout=layout,
+            import_s=imported - started,
+            simulated_s=recording.end_time_s,
+            wall_s=finished - imported,
+            steps=len(recording.steps),
+            requests=len(recording.requests),
+            peak_rss_mib=peak_kib / 1024,
+        )
+    )
 
 
 def run_bench(scenario_name: str, overrides: list[str], layouts: tuple[str, ...]) -> list[BenchFigures]:
@@ -66,8 +68,10 @@ def run_bench(scenario_name: str, overrides: list[str], layouts: tuple[str, ...]
 
 
 def format_bench(scenario_name: str, figures: list[BenchFigures]) -> str:
-    header = (f"{'layout':<7}{'simulated s':>12}{'wall s':>9}{'sim s/wall s':>14}"
-              f"{'steps':>8}{'steps/s':>9}{'requests':>10}{'peak MiB':>10}{'import s':>10}")
+    header = (
+        f"{'layout':<7}{'simulated s':>12}{'wall s':>9}{'sim s/wall s':>14}"
+        f"{'steps':>8}{'steps/s':>9}{'requests':>10}{'peak MiB':>10}{'import s':>10}"
+    )
     rows = [
         f"{f.layout:<7}{f.simulated_s:>12.1f}{f.wall_s:>9.2f}{f.sim_s_per_wall_s:>14.1f}"
         f"{f.steps:>8}{f.steps_per_s:>9.0f}{f.requests:>10}{f.peak_rss_mib:>10.0f}{f.import_s:>10.1f}"

@@ -41,14 +41,18 @@ def _partition(text: str) -> tuple[int, ...]:
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="model description (YAML)")
     parser.add_argument("--ssm-dtype", choices=["fp32", "fp16"], help="SSM state dtype (overrides the model)")
-    parser.add_argument("--kv-cache-memory", type=_bytes, metavar="BYTES", help="KV pool bytes per rank (e.g. 4.1e9)")
+    parser.add_argument(
+        "--kv-cache-memory", type=_bytes, metavar="BYTES", help="KV pool bytes per rank (e.g. 4.1e9)"
+    )
     parser.add_argument("--max-model-len", type=int, metavar="TOKENS")
     parser.add_argument("--max-num-seqs", type=int, metavar="N")
     parser.add_argument("--tensor-parallel-size", "--tp", type=int, metavar="N")
     parser.add_argument("--pipeline-parallel-size", "--pp", type=int, metavar="N")
     parser.add_argument("--layer-partition", type=_partition, metavar="A,B", help="layers per PP stage")
     parser.add_argument("--kv-cache-layout", choices=["BLNHC", "BLHNC", "LBNHC", "LBHNC"])
-    parser.add_argument("--kv-connector", action="store_true", default=None, help="a KV connector is configured")
+    parser.add_argument(
+        "--kv-connector", action="store_true", default=None, help="a KV connector is configured"
+    )
 
 
 _DEPLOYMENT_FLAGS = {
@@ -68,9 +72,7 @@ def model_and_deployment(args: argparse.Namespace) -> tuple[ModelConfig, Deploym
     if args.ssm_dtype:
         model = model.model_copy(update={"ssm_state_dtype": args.ssm_dtype})
     overrides = {
-        key: getattr(args, flag)
-        for flag, key in _DEPLOYMENT_FLAGS.items()
-        if getattr(args, flag) is not None
+        key: getattr(args, flag) for flag, key in _DEPLOYMENT_FLAGS.items() if getattr(args, flag) is not None
     }
     if "pipeline_parallel_size" in overrides and "layer_partition" not in overrides:
         raise CLIError("--pipeline-parallel-size needs --layer-partition (layers per stage)")
@@ -84,16 +86,14 @@ def cmd_layout(args: argparse.Namespace) -> int:
     from sim.vllm_bridge import vllm_info
 
     wanted = {"both": (False, True), "on": (True,), "off": (False,)}[args.layout]
-    plans = {
-        ("on" if on else "off"): plan_kv_cache(model, deployment, side_cache_layout=on)
-        for on in wanted
-    }
+    plans = {("on" if on else "off"): plan_kv_cache(model, deployment, side_cache_layout=on) for on in wanted}
     if args.json:
         print(json.dumps({name: plan.to_dict() for name, plan in plans.items()}, indent=2))
         return 0
     print(
-        f"kvsim layout: {model.name} (SSM state {model.ssm_state_dtype}) on TP{deployment.tensor_parallel_size}"
-        f" x PP{deployment.pipeline_parallel_size}, {deployment.kv_cache_memory_bytes:,} B per rank,"
+        f"kvsim layout: {model.name} (SSM state {model.ssm_state_dtype}) on "
+        f"TP{deployment.tensor_parallel_size} x PP{deployment.pipeline_parallel_size}, "
+        f"{deployment.kv_cache_memory_bytes:,} B per rank,"
         f" max_model_len {deployment.max_model_len:,}, max_num_seqs {deployment.max_num_seqs}"
     )
     print(f"  {vllm_info().describe()}")
@@ -129,14 +129,18 @@ def _run_and_write(args: argparse.Namespace, layouts: tuple[str, ...] | None) ->
 
     result = run_scenario(scenario, layouts, progress=sys.stderr.isatty() or args.progress)
     write_results(out_dir, result.frames(), scenario_to_dict(scenario))
-    print(f"kvsim: {scenario.name}: {len(result.requests) // max(len(result.summary), 1)} requests per layout")
+    print(
+        f"kvsim: {scenario.name}: {len(result.requests) // max(len(result.summary), 1)} requests per layout"
+    )
     _print_summary(result)
     from sim.analysis.plots import write_standard_figures
 
     figures = write_standard_figures(out_dir, result.frames())
     print(f"frames written to {out_dir}/ (steps, requests, samples, summary: parquet)")
-    print(f"figures written to {out_dir / 'plots'}/ ({len(figures)} files: "
-          f"{', '.join(sorted({p.stem for p in figures}))})")
+    print(
+        f"figures written to {out_dir / 'plots'}/ ({len(figures)} files: "
+        f"{', '.join(sorted({p.stem for p in figures}))})"
+    )
     return 0
 
 
@@ -161,12 +165,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _add_scenario_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("scenario", nargs="?", default="default",
-                        help="a scenario file, or the name of one in scenarios/ (default: default)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a scenario key (dotted, value read as YAML); repeatable")
+    parser.add_argument(
+        "scenario",
+        nargs="?",
+        default="default",
+        help="a scenario file, or the name of one in scenarios/ (default: default)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a scenario key (dotted, value read as YAML); repeatable",
+    )
     parser.add_argument("--out", metavar="DIR", help="results directory (default results/SCENARIO)")
-    parser.add_argument("--progress", action="store_true", help="show a progress bar even when not on a terminal")
+    parser.add_argument(
+        "--progress", action="store_true", help="show a progress bar even when not on a terminal"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -106,10 +106,7 @@ class ModelConfig(StrictModel):
     @model_validator(mode="after")
     def _ple_inside_model(self) -> ModelConfig:
         if self.ple is not None and self.ple.layer >= self.num_layers:
-            raise ValueError(
-                f"ple.layer {self.ple.layer} is past the last layer "
-                f"({self.num_layers - 1})"
-            )
+            raise ValueError(f"ple.layer {self.ple.layer} is past the last layer ({self.num_layers - 1})")
         return self
 
     def is_qsa_layer(self, index: int) -> bool:

@@ -4,7 +4,8 @@ Three processes, named for what they do: ``arrivals`` feeds the workload's
 requests to the scheduler at their arrival times; ``engine_loop`` schedules a
 step, waits the step's duration, applies the sampled tokens, and records the
 step; ``sampler`` records the gauges at a fixed interval (time-uniform
-curves, exact at each instant: the state changes only at events). The scheduler, the allocator and the step-time model never see SimPy.
+curves, exact at each instant: the state changes only at events). The
+scheduler, the allocator and the step-time model never see SimPy.
 Everything a simulation owns (clock, RNG, allocator, ids) lives in it, so two
 simulations in one process do not interfere. No twin in vLLM.
 """
@@ -53,7 +54,9 @@ def _rngs(seed: int) -> np.random.Generator:
 
 
 class Simulation:
-    def __init__(self, scenario: Scenario, layout: Layout, workload: Workload, *, progress: bool = False) -> None:
+    def __init__(
+        self, scenario: Scenario, layout: Layout, workload: Workload, *, progress: bool = False
+    ) -> None:
         self.scenario = scenario
         self.layout = layout
         self.workload = workload
@@ -98,8 +101,14 @@ class Simulation:
             self.env.process(self.sampler(self.scenario.simulation.sample_interval_s))
         horizon = self.scenario.simulation.max_time_s
         total = horizon or max(self.workload.duration_s, 1e-9)
-        with tqdm(total=round(total, 1), unit="sim s", delay=3, disable=not self.progress,
-                  desc=f"{self.scenario.name} [{self.layout}]", leave=False) as bar:
+        with tqdm(
+            total=round(total, 1),
+            unit="sim s",
+            delay=3,
+            disable=not self.progress,
+            desc=f"{self.scenario.name} [{self.layout}]",
+            leave=False,
+        ) as bar:
             self._bar = bar
             self.env.run(until=horizon)
         self.recording.end_time_s = float(self.env.now)
@@ -142,25 +151,31 @@ class Simulation:
                     break
                 yield self._sleep()
                 continue
-            token_counts = {item.request_id: self.scheduler.requests[item.request_id].num_tokens
-                            for item in output.scheduled}
+            token_counts = {
+                item.request_id: self.scheduler.requests[item.request_id].num_tokens
+                for item in output.scheduled
+            }
             step_s = self.step_time.step_time_s(output)
             yield self.env.timeout(step_s)
-            outcome = self.scheduler.update_from_output(output, self.model_runner.execute(output, token_counts))
+            outcome = self.scheduler.update_from_output(
+                output, self.model_runner.execute(output, token_counts)
+            )
             self._record_step(output, outcome, started_s, step_s)
         self._engine_done = True
 
     def sampler(self, interval_s: float) -> Generator[simpy.Event, Any, None]:
         while not self._engine_done:
             pool = self.kv_cache_manager.block_pool
-            self.recording.samples.append({
-                "time_s": self.env.now,
-                "num_requests_running": self.scheduler.num_running,
-                "num_requests_waiting": self.scheduler.num_waiting,
-                "num_free_blocks": pool.get_num_free_blocks(),
-                "num_deferred_blocks": self.scheduler.num_deferred_blocks(),
-                "kv_cache_usage_perc": pool.get_usage(),
-            })
+            self.recording.samples.append(
+                {
+                    "time_s": self.env.now,
+                    "num_requests_running": self.scheduler.num_running,
+                    "num_requests_waiting": self.scheduler.num_waiting,
+                    "num_free_blocks": pool.get_num_free_blocks(),
+                    "num_deferred_blocks": self.scheduler.num_deferred_blocks(),
+                    "kv_cache_usage_perc": pool.get_usage(),
+                }
+            )
             yield self.env.timeout(interval_s)
 
     # ------------------------------------------------------------- recording
@@ -179,7 +194,9 @@ class Simulation:
             "generated_tokens": 0,
         }
 
-    def _record_step(self, output: SchedulerOutput, outcome: StepOutcome, started_s: float, step_s: float) -> None:
+    def _record_step(
+        self, output: SchedulerOutput, outcome: StepOutcome, started_s: float, step_s: float
+    ) -> None:
         now = self.env.now
         requests = self.recording.requests
         for request_id in output.new_request_ids:
@@ -193,31 +210,33 @@ class Simulation:
             requests[request_id]["finished_s"] = now
             requests[request_id]["generated_tokens"] = num_output_tokens
         pool = self.kv_cache_manager.block_pool
-        self.recording.steps.append({
-            "step": output.step_index,
-            "time_s": now,
-            "step_time_s": step_s,
-            "num_requests_running": self.scheduler.num_running,
-            "num_requests_waiting": self.scheduler.num_waiting,
-            "num_scheduled_requests": len(output.scheduled),
-            "num_scheduled_tokens": output.total_num_scheduled_tokens,
-            "num_prefill_tokens": output.num_prefill_tokens,
-            "num_decode_tokens": output.num_decode_tokens,
-            "num_admitted": len(output.new_request_ids),
-            "num_resumed": len(output.resumed_request_ids),
-            "num_preemptions": len(output.preempted_request_ids),
-            "num_finished": len(outcome.finished),
-            "num_generation_tokens": outcome.num_generated_tokens,
-            "num_draft_tokens": outcome.num_draft_tokens,
-            "num_accepted_tokens": outcome.num_accepted_tokens,
-            "num_free_blocks": pool.get_num_free_blocks(),
-            "num_deferred_blocks": self.scheduler.num_deferred_blocks(),
-            "kv_cache_usage_perc": pool.get_usage(),
-            "prefix_cache_queries_tokens": output.prefix_cache_queries,
-            "prefix_cache_hits_tokens": output.prefix_cache_hits,
-            "prefix_cache_evicted_blocks": output.num_evicted_blocks,
-            "num_retained_checkpoints": self.kv_cache_manager.num_retained_checkpoints(),
-        })
+        self.recording.steps.append(
+            {
+                "step": output.step_index,
+                "time_s": now,
+                "step_time_s": step_s,
+                "num_requests_running": self.scheduler.num_running,
+                "num_requests_waiting": self.scheduler.num_waiting,
+                "num_scheduled_requests": len(output.scheduled),
+                "num_scheduled_tokens": output.total_num_scheduled_tokens,
+                "num_prefill_tokens": output.num_prefill_tokens,
+                "num_decode_tokens": output.num_decode_tokens,
+                "num_admitted": len(output.new_request_ids),
+                "num_resumed": len(output.resumed_request_ids),
+                "num_preemptions": len(output.preempted_request_ids),
+                "num_finished": len(outcome.finished),
+                "num_generation_tokens": outcome.num_generated_tokens,
+                "num_draft_tokens": outcome.num_draft_tokens,
+                "num_accepted_tokens": outcome.num_accepted_tokens,
+                "num_free_blocks": pool.get_num_free_blocks(),
+                "num_deferred_blocks": self.scheduler.num_deferred_blocks(),
+                "kv_cache_usage_perc": pool.get_usage(),
+                "prefix_cache_queries_tokens": output.prefix_cache_queries,
+                "prefix_cache_hits_tokens": output.prefix_cache_hits,
+                "prefix_cache_evicted_blocks": output.num_evicted_blocks,
+                "num_retained_checkpoints": self.kv_cache_manager.num_retained_checkpoints(),
+            }
+        )
         if self.scenario.simulation.check_invariants:
             check_allocator(self.kv_cache_manager, self.scheduler.deferred_blocks())
         self._bar.update(round(now, 1) - self._bar.n)

@@ -15,11 +15,11 @@ from dataclasses import dataclass, fields
 
 from sim.vllm_bridge import (
     CircularBufferSpec,
-    MambaSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
     KVCacheTensor,
+    MambaSpec,
     UniformTypeKVCacheSpecs,
 )
 

@@ -33,8 +33,8 @@ from sim.vllm_bridge import (
     MambaManager,
     MambaSpec,
     SingleTypeKVCacheManager,
-    sha256,
     init_none_hash,
+    sha256,
 )
 from sim.vllm_bridge import KVCacheManager as _VllmKVCacheManager
 
@@ -60,9 +60,7 @@ class KVCacheManager(_VllmKVCacheManager):
         return [i for m in self.ring_managers for i in m.take_new_ring_block_ids()]
 
     def num_retained_checkpoints(self) -> int:
-        return sum(
-            len(m.retained_blocks()) for m in self.managers if isinstance(m, RetainingMambaManager)
-        )
+        return sum(len(m.retained_blocks()) for m in self.managers if isinstance(m, RetainingMambaManager))
 
 
 def _scheduler_group(group: KVCacheGroupSpec, retain_mamba_checkpoint: bool) -> KVCacheGroupSpec:

@@ -99,9 +99,7 @@ def worker_strides(
 def _replicated_mamba_key(group: KVCacheGroupSpec) -> tuple | None:
     """The schedule key of a group made only of TP-replicated Mamba layers."""
     specs = group_layer_specs(group)
-    if not specs or not all(
-        isinstance(spec, MambaSpec) and spec.tp_replicated for spec in specs
-    ):
+    if not specs or not all(isinstance(spec, MambaSpec) and spec.tp_replicated for spec in specs):
         return None
     keys = {mamba_schedule_key(spec) for spec in specs}  # type: ignore[arg-type]
     return keys.pop() if len(keys) == 1 else None
@@ -113,9 +111,7 @@ def _is_fold_target(group: KVCacheGroupSpec, key: tuple, eagle: bool) -> bool:
         group.is_eagle_group == eagle
         and bool(specs)
         and all(
-            isinstance(spec, MambaSpec)
-            and not spec.tp_replicated
-            and mamba_schedule_key(spec) == key
+            isinstance(spec, MambaSpec) and not spec.tp_replicated and mamba_schedule_key(spec) == key
             for spec in specs
         )
     )
@@ -204,9 +200,7 @@ def is_ring_group(group: KVCacheGroupSpec) -> bool:
     return bool(specs) and all(type(spec) is CircularBufferSpec for spec in specs)
 
 
-def choose_ring_slots(
-    worker_groups: list[list[KVCacheGroupSpec]], layout: KVCacheLayout
-) -> dict[int, int]:
+def choose_ring_slots(worker_groups: list[list[KVCacheGroupSpec]], layout: KVCacheLayout) -> dict[int, int]:
     """Slots per pool block for every ring group (group index -> S >= 2).
 
     S must cut every worker's block stride into equal slots that are
@@ -223,9 +217,7 @@ def choose_ring_slots(
     if not worker_groups or not worker_groups[0]:
         return chosen
     strides = [
-        planning._get_kv_cache_bytes_per_block(groups, layout)
-        if any(g.layer_names for g in groups)
-        else 0
+        planning._get_kv_cache_bytes_per_block(groups, layout) if any(g.layer_names for g in groups) else 0
         for groups in worker_groups
     ]
     for index, group in enumerate(worker_groups[0]):
@@ -248,9 +240,7 @@ def _largest_slots(needs: list[tuple[int, int]]) -> int | None:
         return None
     for slots in range(RING_MAX_SLOTS, 1, -1):
         if all(
-            stride % slots == 0
-            and (stride // slots) % RING_SLOT_ALIGN == 0
-            and stride // slots >= ring_bytes
+            stride % slots == 0 and (stride // slots) % RING_SLOT_ALIGN == 0 and stride // slots >= ring_bytes
             for stride, ring_bytes in needs
         ):
             return slots
@@ -263,14 +253,10 @@ def pack_ring_slots(
     """``config`` with the chosen ring groups slot-packed: their specs carry
     ``slots_per_block`` and their tensors view every pool block as S slots."""
     groups = [
-        replace(group, kv_cache_spec=as_slot_packed(group.kv_cache_spec, slots[i]))
-        if i in slots
-        else group
+        replace(group, kv_cache_spec=as_slot_packed(group.kv_cache_spec, slots[i])) if i in slots else group
         for i, group in enumerate(config.kv_cache_groups)
     ]
-    slot_of_layer = {
-        name: slots[i] for i in slots for name in config.kv_cache_groups[i].layer_names
-    }
+    slot_of_layer = {name: slots[i] for i in slots for name in config.kv_cache_groups[i].layer_names}
     bytes_per_block = planning._get_kv_cache_bytes_per_block(config.kv_cache_groups, layout)
     layer_specs = {
         name: spec
@@ -278,7 +264,14 @@ def pack_ring_slots(
         for name, spec in zip(group.layer_names, group_layer_specs(group), strict=True)
     }
     tensors = [
-        _slot_tensor(tensor, slot_of_layer[tensor.layers[0]], layer_specs[tensor.layers[0]], config.num_blocks, bytes_per_block, layout)
+        _slot_tensor(
+            tensor,
+            slot_of_layer[tensor.layers[0]],
+            layer_specs[tensor.layers[0]],
+            config.num_blocks,
+            bytes_per_block,
+            layout,
+        )
         if tensor.layers and tensor.layers[0] in slot_of_layer
         else tensor
         for tensor in config.kv_cache_tensors
@@ -288,7 +281,9 @@ def pack_ring_slots(
     return SideCacheKVCacheConfig(**fields)
 
 
-def _slot_tensor(tensor, slots: int, spec: KVCacheSpec, num_blocks: int, bytes_per_block: int, layout: KVCacheLayout) -> SlotPackedKVCacheTensor:
+def _slot_tensor(
+    tensor, slots: int, spec: KVCacheSpec, num_blocks: int, bytes_per_block: int, layout: KVCacheLayout
+) -> SlotPackedKVCacheTensor:
     """A ring tensor re-strided so view block ``b * S + s`` is slot ``s`` of
     pool block ``b``."""
     assert layout.is_block_outermost, "slot-packed groups need a block-outermost layout"
@@ -299,7 +294,10 @@ def _slot_tensor(tensor, slots: int, spec: KVCacheSpec, num_blocks: int, bytes_p
         f"slot-packed ring needs {ring_bytes} B per slot, slot is {slot_stride} B"
     )
     layer_stride, block_stride, _, _, _ = compute_layout_strides(
-        spec, num_blocks * slots, len(tensor.layers), layout,
+        spec,
+        num_blocks * slots,
+        len(tensor.layers),
+        layout,
         fixed_strides=(None, slot_stride, None, None, None),
     )
     return SlotPackedKVCacheTensor(

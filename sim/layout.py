@@ -274,9 +274,7 @@ def _fork_capacity(engine: Any, config: KVCacheConfig) -> tuple[int, float]:
 def format_plan(plan: KVCachePlan, deployment: DeploymentConfig) -> list[str]:
     """The lines the fork's boot log prints for this layout."""
     switch = "1" if plan.side_cache_layout else "0"
-    stages = "  ".join(
-        f"PP{stage} {nbytes:,} B" for stage, nbytes in enumerate(plan.block_bytes_per_stage)
-    )
+    stages = "  ".join(f"PP{stage} {nbytes:,} B" for stage, nbytes in enumerate(plan.block_bytes_per_stage))
     lines = [
         f"[{plan.label}] side-cache layout {plan.label} ({SIDE_CACHE_SWITCH}={switch}; {plan.source})",
         f"  attention block size: {plan.block_size} tokens (Mamba pages padded to the attention page)",

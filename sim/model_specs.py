@@ -42,9 +42,7 @@ LAYER_PREFIX = "language_model.model.layers"
 MTP_PREFIX = "mtp.layers"
 
 
-def hybrid_block_size(
-    mamba_page_bytes: int, attn_page_bytes_per_token: int, alignment: int
-) -> int:
+def hybrid_block_size(mamba_page_bytes: int, attn_page_bytes_per_token: int, alignment: int) -> int:
     """Smallest multiple of ``alignment`` whose attention page holds the
     largest Mamba state page (vLLM's hybrid block-size rule, non-"all" modes).
 
@@ -71,9 +69,7 @@ class LayerSpecs:
     ple: MambaSpec | None
 
 
-def _attention_spec(
-    model: ModelConfig, deployment: DeploymentConfig, block_size: int
-) -> FullAttentionSpec:
+def _attention_spec(model: ModelConfig, deployment: DeploymentConfig, block_size: int) -> FullAttentionSpec:
     attn = model.qsa.attention
     return FullAttentionSpec(
         block_size=block_size,
@@ -81,9 +77,7 @@ def _attention_spec(
         head_size=attn.head_size,
         head_size_v=attn.head_size,
         dtype=TORCH_DTYPES[attn.kv_cache_dtype],
-        kv_quant_mode=get_kv_quant_mode(
-            "fp8_e4m3" if attn.kv_cache_dtype == "fp8_e4m3" else "auto"
-        ),
+        kv_quant_mode=get_kv_quant_mode("fp8_e4m3" if attn.kv_cache_dtype == "fp8_e4m3" else "auto"),
     )
 
 
@@ -176,9 +170,7 @@ def layer_specs(model: ModelConfig, deployment: DeploymentConfig) -> LayerSpecs:
 
 def _qsa_layer(prefix: str, specs: LayerSpecs, draft: bool) -> dict[str, KVCacheSpec]:
     return {
-        f"{prefix}.self_attn.indexer.raw_key_cache": specs.draft_ring
-        if draft
-        else specs.ring,
+        f"{prefix}.self_attn.indexer.raw_key_cache": specs.draft_ring if draft else specs.ring,
         f"{prefix}.self_attn.indexer.compressed_key_cache": specs.draft_compressed_keys
         if draft
         else specs.compressed_keys,
@@ -217,9 +209,7 @@ def build_worker_specs(
     first = 0
     num_stages = deployment.pipeline_parallel_size
     for stage, num_layers in enumerate(deployment.layer_partition):
-        stage_dict = stage_specs(
-            model, specs, first, first + num_layers, stage == num_stages - 1
-        )
+        stage_dict = stage_specs(model, specs, first, first + num_layers, stage == num_stages - 1)
         workers.extend(stage_dict for _ in range(deployment.tensor_parallel_size))
         first += num_layers
     return specs, workers

@@ -101,9 +101,7 @@ class RingSlotPool:
             assert block.ref_cnt == 0, f"ring slot {block.block_id} freed twice (single owner)"
             page_id, slot = divmod(block.block_id, self.slots_per_block)
             page = self._pages.get(page_id)
-            assert page is not None and slot not in page.free_slots, (
-                f"ring slot {block.block_id} freed twice"
-            )
+            assert page is not None and slot not in page.free_slots, f"ring slot {block.block_id} freed twice"
             heapq.heappush(page.free_slots, slot)
             page.live -= 1
             if page.live == 0:
@@ -125,9 +123,7 @@ class RingCircularBufferManager(CircularBufferManager):
     def __init__(self, kv_cache_spec: CircularBufferSpec, block_pool: BlockPool, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, block_pool, **kwargs)
         slots = getattr(kv_cache_spec, "slots_per_block", 1)
-        self.slot_pool: RingSlotPool | None = (
-            RingSlotPool(block_pool, slots) if slots > 1 else None
-        )
+        self.slot_pool: RingSlotPool | None = RingSlotPool(block_pool, slots) if slots > 1 else None
         self.new_ring_block_ids: list[int] = []
 
     def _claim_ring_block(self, request_id: str, record_for_zeroing: bool = True) -> list[KVCacheBlock]:
@@ -200,7 +196,9 @@ class RetainingMambaManager(MambaManager):
         dropped = [
             block
             for index, block in enumerate(before)
-            if not block.is_null and table is not None and table[index].is_null
+            if not block.is_null
+            and table is not None
+            and table[index].is_null
             and block.block_hash is not None
         ]
         if dropped:

@@ -86,7 +86,9 @@ class StepTimeModel:
     def __init__(self, config: StepTimeConfig) -> None:
         self.config = config
         c = config
-        self._stage_bandwidth = c.tensor_parallel_size * c.gpu_memory_bandwidth_bytes_per_s * c.memory_efficiency
+        self._stage_bandwidth = (
+            c.tensor_parallel_size * c.gpu_memory_bandwidth_bytes_per_s * c.memory_efficiency
+        )
         self._stage_flops = c.tensor_parallel_size * c.gpu_peak_flops * c.compute_efficiency
         self._bytes_per_param = c.weight_bits / 8
 
@@ -94,7 +96,9 @@ class StepTimeModel:
         if output.is_empty:
             return 0.0
         pp = self.config.pipeline_parallel_size
-        batch = _totals(output.scheduled, self.config.qsa_topk_tokens, 1 / self.config.compressed_tokens_per_state)
+        batch = _totals(
+            output.scheduled, self.config.qsa_topk_tokens, 1 / self.config.compressed_tokens_per_state
+        )
         micro_batches = min(pp, len(output.scheduled))
         micro = _MicroBatch(**{k: v / micro_batches for k, v in batch.__dict__.items()})
         return self.config.step_overhead_s + pp * self.stage_s(micro)
@@ -107,12 +111,20 @@ class StepTimeModel:
     def _stage_bytes(self, micro: _MicroBatch) -> float:
         c = self.config
         pp, tp = c.pipeline_parallel_size, c.tensor_parallel_size
-        experts = c.experts_per_layer * (1 - (1 - c.experts_per_token / c.experts_per_layer) ** micro.num_tokens)
-        weights = (c.dense_params + c.num_moe_layers * experts * c.params_per_expert) * self._bytes_per_param / pp
+        experts = c.experts_per_layer * (
+            1 - (1 - c.experts_per_token / c.experts_per_layer) ** micro.num_tokens
+        )
+        weights = (
+            (c.dense_params + c.num_moe_layers * experts * c.params_per_expert) * self._bytes_per_param / pp
+        )
         # KV and state bytes are per TP rank; the stage has tp ranks reading.
-        kv = (c.num_attention_layers / pp) * tp * (
-            micro.decode_context_tokens * c.compressed_key_bytes_per_token
-            + micro.decode_topk_tokens * c.kv_bytes_per_token
+        kv = (
+            (c.num_attention_layers / pp)
+            * tp
+            * (
+                micro.decode_context_tokens * c.compressed_key_bytes_per_token
+                + micro.decode_topk_tokens * c.kv_bytes_per_token
+            )
         )
         state = 2 * micro.num_requests * tp * (c.num_gdn_layers * c.gdn_state_bytes + c.ple_state_bytes) / pp
         return weights + kv + state
@@ -132,7 +144,11 @@ class StepTimeModel:
         allreduce = 0.0
         if c.tensor_parallel_size > 1:
             ring = 2 * (c.tensor_parallel_size - 1) / c.tensor_parallel_size
-            allreduce = 2 * layers_per_stage * (c.allreduce_latency_s + ring * message / c.interconnect_bandwidth_bytes_per_s)
+            allreduce = (
+                2
+                * layers_per_stage
+                * (c.allreduce_latency_s + ring * message / c.interconnect_bandwidth_bytes_per_s)
+            )
         send = c.pp_send_latency_s + message / c.interconnect_bandwidth_bytes_per_s
         return allreduce + send
 

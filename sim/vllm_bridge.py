@@ -38,6 +38,7 @@ _prepare_environment()
 
 # ruff: noqa: E402  (imports must follow the environment set-up above)
 import vllm
+from vllm.distributed.kv_events import BlockRemoved
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -54,8 +55,6 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.sched.utils import check_stop
-from vllm.v1.core.kv_cache_utils import BlockHash
-from vllm.distributed.kv_events import BlockRemoved
 from vllm.v1.core.single_type_kv_cache_manager import (
     CircularBufferManager,
     FullAttentionManager,
@@ -141,9 +140,7 @@ class VllmInfo:
 
     @property
     def flavour(self) -> str:
-        return "fork (side-cache layout built in)" if self.has_side_cache_layout else (
-            "upstream"
-        )
+        return "fork (side-cache layout built in)" if self.has_side_cache_layout else ("upstream")
 
     def describe(self) -> str:
         return f"vllm {self.version} ({self.flavour}) from {self.path}"
@@ -253,18 +250,14 @@ class MambaAlignedSplit:
             use_eagle_block_drop=use_eagle_block_drop,
             num_hash_lookahead_tokens=0,
             max_num_scheduled_tokens=max_num_scheduled_tokens,
-            scheduler_config=SimpleNamespace(
-                long_prefill_token_threshold=long_prefill_token_threshold
-            ),
+            scheduler_config=SimpleNamespace(long_prefill_token_threshold=long_prefill_token_threshold),
             mamba_partial_cache_hit=False,
             mamba_shared_prefix_checkpoint=False,
             mamba_has_prefill_checkpoint_blocks=False,
             mamba_prefill_checkpoint_alignment=None,
         )
 
-    def __call__(
-        self, request: Request, num_new_tokens: int, num_new_local_computed_tokens: int = 0
-    ) -> int:
+    def __call__(self, request: Request, num_new_tokens: int, num_new_local_computed_tokens: int = 0) -> int:
         return Scheduler._mamba_block_aligned_split(
             self._scheduler, request, num_new_tokens, num_new_local_computed_tokens
         )

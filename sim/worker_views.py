@@ -93,9 +93,7 @@ def pool_block_bytes(config: KVCacheConfig) -> int:
     return size // config.num_blocks
 
 
-def with_num_blocks(
-    config: KVCacheConfig, num_blocks: int, layout: KVCacheLayout
-) -> KVCacheConfig:
+def with_num_blocks(config: KVCacheConfig, num_blocks: int, layout: KVCacheLayout) -> KVCacheConfig:
     """``config`` with a pool of ``num_blocks`` blocks and the same placement.
 
     In a block-outermost layout every tensor's offset and strides are per
@@ -155,9 +153,7 @@ def layer_specs(config: KVCacheConfig) -> dict[str, KVCacheSpec]:
     return specs
 
 
-def bind_layer_views(
-    config: KVCacheConfig, kv_caches: Mapping[str, torch.Tensor]
-) -> dict[str, LayerView]:
+def bind_layer_views(config: KVCacheConfig, kv_caches: Mapping[str, torch.Tensor]) -> dict[str, LayerView]:
     """What every layer holds after its ``bind_kv_cache``.
 
     A Mamba layer splits its page into per-state views (vLLM's own
@@ -182,9 +178,7 @@ def bind_layer_views(
     return views
 
 
-def allocate_worker_views(
-    plan: KVCachePlan, rank: int, *, num_blocks: int | None = None
-) -> WorkerViews:
+def allocate_worker_views(plan: KVCachePlan, rank: int, *, num_blocks: int | None = None) -> WorkerViews:
     """Allocate rank ``rank``'s pool of ``plan`` on the CPU and bind its
     views, through vLLM's ``allocate_kv_cache``.
 
@@ -228,9 +222,7 @@ def _tensors(views: Iterable[LayerView]) -> list[torch.Tensor]:
     return [t for view in views for t in (view if isinstance(view, tuple) else (view,))]
 
 
-def byte_range(
-    view: LayerView | Sequence[torch.Tensor], index: int, base: int
-) -> tuple[int, int]:
+def byte_range(view: LayerView | Sequence[torch.Tensor], index: int, base: int) -> tuple[int, int]:
     """``[lo, hi)``: offsets from ``base`` of the bytes view block ``index``
     spans (first to one past the last byte it addresses). A Mamba layer's
     states are packed in its page, so its range is their hull.
@@ -246,10 +238,7 @@ def byte_range(
         return min(lo for lo, _ in ranges), max(hi for _, hi in ranges)
     page = view[index]
     lo = page.data_ptr() - base
-    last = sum(
-        (size - 1) * stride
-        for size, stride in zip(page.shape, page.stride(), strict=True)
-    )
+    last = sum((size - 1) * stride for size, stride in zip(page.shape, page.stride(), strict=True))
     return lo, lo + (last + 1) * page.element_size()
 
 
@@ -302,9 +291,7 @@ class ZeroPlan:
         return sum(hi - lo for lo, hi in self.ranges)
 
 
-def attention_groups(
-    config: KVCacheConfig, skip_group_ids: Iterable[int] = ()
-) -> list[AttentionGroup]:
+def attention_groups(config: KVCacheConfig, skip_group_ids: Iterable[int] = ()) -> list[AttentionGroup]:
     """The runner's attention groups: one per cache group and per-layer spec
     (the backend is not read by the zeroer, so the abstract base stands in).
     Groups in ``skip_group_ids`` are left out."""
@@ -345,9 +332,7 @@ def zeroed_segments(
         CPU,
         attn_groups_iter=attention_groups(config, skip),
         kernel_block_sizes=kernel_block_sizes(config),
-        static_forward_context={
-            name: SimpleNamespace(kv_cache=view) for name, view in views.items()
-        },
+        static_forward_context={name: SimpleNamespace(kv_cache=view) for name, view in views.items()},
         num_blocks=config.num_blocks,
     )
     base = backing_base(views.values())
@@ -357,11 +342,7 @@ def zeroed_segments(
     addrs, block_strides, page_sizes, *_ = zeroer._meta
     # The table counts int32 words: strides and pages are in 4-byte units.
     segments = tuple(
-        ZeroSegment(
-            offset_bytes=addr - base, block_stride_bytes=4 * s, page_bytes=4 * p
-        )
-        for addr, s, p in zip(
-            addrs.tolist(), block_strides.tolist(), page_sizes.tolist(), strict=True
-        )
+        ZeroSegment(offset_bytes=addr - base, block_stride_bytes=4 * s, page_bytes=4 * p)
+        for addr, s, p in zip(addrs.tolist(), block_strides.tolist(), page_sizes.tolist(), strict=True)
     )
     return ZeroPlan(segments=segments, block_stride_bytes=stride)

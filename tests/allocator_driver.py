@@ -65,8 +65,12 @@ def _after_step(manager: KVCacheManager, trace: Trace, check: bool) -> None:
 
 
 def prefill(
-    manager: KVCacheManager, req: Request, budget: int = 40, trace: Trace = None,
-    may_stall: bool = False, check: bool = True,
+    manager: KVCacheManager,
+    req: Request,
+    budget: int = 40,
+    trace: Trace = None,
+    may_stall: bool = False,
+    check: bool = True,
 ) -> int | None:
     """Prefill in scheduler-sized chunks. None if admission is refused (or,
     with ``may_stall``, if a later chunk does not fit: the request is then
@@ -78,8 +82,12 @@ def prefill(
         start = req.num_computed_tokens + hit
         num_new = _split(req, min(req.num_tokens - start, budget), hit)
         blocks = manager.allocate_slots(
-            req, num_new, num_new_computed_tokens=hit, new_computed_blocks=computed if first else None,
-            num_lookahead_tokens=K, full_sequence_must_fit=first,
+            req,
+            num_new,
+            num_new_computed_tokens=hit,
+            new_computed_blocks=computed if first else None,
+            num_lookahead_tokens=K,
+            full_sequence_must_fit=first,
         )
         if blocks is None:
             assert first or may_stall, "a later prefill chunk did not fit"
@@ -92,8 +100,12 @@ def prefill(
 
 
 def decode(
-    manager: KVCacheManager, req: Request, steps: int, accepted: Callable[[int], int] = lambda step: 0,
-    trace: Trace = None, check: bool = True,
+    manager: KVCacheManager,
+    req: Request,
+    steps: int,
+    accepted: Callable[[int], int] = lambda step: 0,
+    trace: Trace = None,
+    check: bool = True,
 ) -> None:
     """MTP decode: 1 + K slots per step, ``accepted(step)`` drafts kept."""
     next_token = 50000 + len(req.output_token_ids)

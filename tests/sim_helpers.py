@@ -42,7 +42,9 @@ def write_scenario(tmp_path: Path, name: str = "test", **sections: Any) -> Path:
     return path
 
 
-def scenario(tmp_path: Path, name: str = "test", overrides: list[str] | None = None, **sections: Any) -> Scenario:
+def scenario(
+    tmp_path: Path, name: str = "test", overrides: list[str] | None = None, **sections: Any
+) -> Scenario:
     return load_scenario(str(write_scenario(tmp_path, name, **sections)), overrides)
 
 

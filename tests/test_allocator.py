@@ -4,8 +4,8 @@ patch 0088 section 2 re-expressed against kvsim's API (issue: allocation)."""
 from __future__ import annotations
 
 import pytest
-
 from allocator_driver import ATTENTION, PLE, decode, prefill, request, tiny_manager, tokens
+
 from sim.allocator_invariants import held_blocks
 from sim.kv_cache_manager import KVCacheManager, group_index, mamba_group_indices
 from sim.single_type_kv_cache_manager import RingCircularBufferManager, RingSlotPool
@@ -44,13 +44,15 @@ def _trajectory(manager: KVCacheManager, accept_seed: int = 7) -> list:
         for req in live:
             blocks = manager.coordinator.get_blocks(req.request_id)
             if blocks[attn_gid]:
-                log.append((
-                    req.request_id,
-                    _pattern(blocks[attn_gid]),
-                    _pattern(blocks[ple_gid]),
-                    tuple(sorted(_pattern(blocks[g]) for g in gdn_gids)),
-                    len(blocks[ring_gid]),
-                ))
+                log.append(
+                    (
+                        req.request_id,
+                        _pattern(blocks[attn_gid]),
+                        _pattern(blocks[ple_gid]),
+                        tuple(sorted(_pattern(blocks[g]) for g in gdn_gids)),
+                        len(blocks[ring_gid]),
+                    )
+                )
 
     a = request("A", tokens(1, 150))
     live.append(a)

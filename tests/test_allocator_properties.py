@@ -5,10 +5,10 @@ layouts; and deliberately broken allocators are caught by the checker."""
 from __future__ import annotations
 
 import pytest
+from allocator_driver import BLOCK, K, request, tiny_manager
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from allocator_driver import BLOCK, K, request, tiny_manager
 from sim.allocator_invariants import AllocatorInvariantError, allocator_problems, check_allocator
 from sim.vllm_bridge import MambaAlignedSplit
 
@@ -49,8 +49,12 @@ class _Driver:
         if num_new == 0:
             return
         blocks = self.manager.allocate_slots(
-            req, num_new, num_new_computed_tokens=hit, new_computed_blocks=computed,
-            num_lookahead_tokens=0, full_sequence_must_fit=True,
+            req,
+            num_new,
+            num_new_computed_tokens=hit,
+            new_computed_blocks=computed,
+            num_lookahead_tokens=0,
+            full_sequence_must_fit=True,
         )
         if blocks is not None:
             req.num_computed_tokens = hit + num_new
@@ -114,7 +118,7 @@ def test_random_programs_keep_every_invariant(on, program):
     for name, a, b in program:
         getattr(driver, name)(a, b)
         check_allocator(driver.manager, driver.deferred)
-    for req in list(driver.running):
+    while driver.running:
         driver.finish(0, deferred=False)
     driver.drain()
     check_allocator(driver.manager)

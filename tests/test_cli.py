@@ -8,9 +8,9 @@ import sys
 
 import pandas as pd
 import pytest
+from sim_helpers import write_scenario
 
 from sim.cli import main
-from sim_helpers import write_scenario
 
 TINY = {
     "trace": "synthetic",
@@ -30,8 +30,14 @@ def test_compare_writes_both_layouts_and_prints_the_gain(tmp_path, capsys):
     summary = pd.read_parquet(out / "summary.parquet")
     assert sorted(summary["layout"]) == ["off", "on"]
     steps = pd.read_parquet(out / "steps.parquet")
-    assert {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",
-            "prefix_cache_hits_tokens", "time_s"} <= set(steps.columns)
+    assert {
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "num_preemptions",
+        "prefix_cache_hits_tokens",
+        "time_s",
+    } <= set(steps.columns)
     assert (out / "manifest.json").exists()
     assert not list(out.glob(".*.tmp"))  # no temporary file left behind
 
@@ -39,7 +45,10 @@ def test_compare_writes_both_layouts_and_prints_the_gain(tmp_path, capsys):
 def test_run_one_layout_with_overrides(tmp_path):
     path = write_scenario(tmp_path, workload=TINY)
     out = tmp_path / "out"
-    assert main(["run", str(path), "--layout", "off", "--set", "deployment.max_num_seqs=4", "--out", str(out)]) == 0
+    assert (
+        main(["run", str(path), "--layout", "off", "--set", "deployment.max_num_seqs=4", "--out", str(out)])
+        == 0
+    )
     summary = pd.read_parquet(out / "summary.parquet")
     assert list(summary["layout"]) == ["off"] and summary["peak_concurrency"].item() <= 4
 

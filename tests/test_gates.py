@@ -109,9 +109,7 @@ def test_new_gates_are_recorded_by_update_then_pass(
     assert "# Tiny gates for the tests (this comment must survive --update)." in text
     assert re.search(r"\n      num_admitted: \{off: 16, on: 22\} +# recorded by --update\n", text)
     assert "num_preemptions: {off: 2, on: 0}" in text and "num_preemptions: 1         # absolute" in text
-    assert load_yaml_text(text)["gates"]["tiny"]["baselines"]["peak_concurrency"] == {
-        "on": 22
-    }
+    assert load_yaml_text(text)["gates"]["tiny"]["baselines"]["peak_concurrency"] == {"on": 22}
 
     assert cli(str(path), "--report", str(tmp_path / "r3")) == 0
     assert {r["verdict"] for r in report(tmp_path / "r3")["rows"]} == {"pass"}

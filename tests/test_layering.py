@@ -16,7 +16,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("sim.config", "sim.paths"),
     ("sim.vllm_bridge",),
     ("sim.model_specs", "sim.kv_cache_interface", "sim.kv_cache_utils", "sim.layout"),
-    ("sim.single_type_kv_cache_manager", "sim.kv_cache_manager", "sim.allocator_invariants", "sim.worker_views"),
+    (
+        "sim.single_type_kv_cache_manager",
+        "sim.kv_cache_manager",
+        "sim.allocator_invariants",
+        "sim.worker_views",
+    ),
     ("sim.sched",),
     ("sim.workloads", "sim.step_time", "sim.scenario", "sim.engine"),
     ("sim.analysis", "sim.results", "sim.bench"),

@@ -5,17 +5,15 @@ figures. Each case runs the code path users run (``plan_kv_cache``, and the
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 
 from sim import kv_cache_utils as side
 from sim.cli import main
-from sim.config import DeploymentConfig
-from sim.kv_cache_interface import SlotPackedKVCacheTensor, group_layer_specs
+from sim.kv_cache_interface import SlotPackedKVCacheTensor
 from sim.layout import plan_kv_cache
 from sim.model_specs import build_worker_specs
-from sim.vllm_bridge import KVCacheGroupSpec, UniformTypeKVCacheSpecs, cdiv, kv_cache_utils, planning
+from sim.vllm_bridge import cdiv, kv_cache_utils, planning
 
 # SSM dtype -> block, block bytes PP0/PP1, blocks, per-request off/on, tokens off/on
 POOL_FIGURES = {
@@ -70,7 +68,9 @@ def test_old_layout_is_vllms_own_planner(flash_next, reference):
     plan = plan_kv_cache(flash_next, reference, side_cache_layout=False)
     _, workers = build_worker_specs(flash_next, reference)
     groups = planning.get_global_kv_cache_groups(plan.engine, workers)
-    direct = planning.get_kv_cache_configs(plan.engine, workers, [reference.kv_cache_memory_bytes] * 4, groups)
+    direct = planning.get_kv_cache_configs(
+        plan.engine, workers, [reference.kv_cache_memory_bytes] * 4, groups
+    )
     assert plan.worker_configs == direct
     assert plan.kv_cache_tokens == kv_cache_utils.get_kv_cache_capacity(plan.engine, direct[0])[0]
 
@@ -227,7 +227,9 @@ def test_an_installed_fork_plans_with_its_own_switch(flash_next, reference, monk
         seen.append(os.environ.get("VLLM_E2_SIDE_CACHE_LAYOUT"))
         return layout_module._plan_upstream(engine, workers, memory, seen[-1] == "1")[0]
 
-    stand_in = SimpleNamespace(get_kv_cache_configs=fork_configs, get_kv_cache_capacity=side.get_kv_cache_capacity)
+    stand_in = SimpleNamespace(
+        get_kv_cache_configs=fork_configs, get_kv_cache_capacity=side.get_kv_cache_capacity
+    )
     monkeypatch.setattr(layout_module, "fork_planning_module", lambda: stand_in)
     monkeypatch.delenv("VLLM_E2_SIDE_CACHE_LAYOUT", raising=False)
     on = plan_kv_cache(flash_next, reference, side_cache_layout=True)

@@ -66,12 +66,10 @@ def convention_problems(fig: Figure, scenario: str) -> list[str]:
     label, the scenario in the title."""
     problems = []
     legend = " ".join(t.get_text() for lg in fig.legends for t in lg.get_texts())
-    problems += [f"legend lacks {name}" for name in ("off", "on")
-                 if not re.search(rf"\b{name}\b", legend)]
+    problems += [f"legend lacks {name}" for name in ("off", "on") if not re.search(rf"\b{name}\b", legend)]
     for ax in fig.axes:
         labels = [label for label in (ax.get_xlabel(), ax.get_ylabel()) if label]
-        problems += [f"no unit in {label!r}" for label in labels
-                     if not re.search(r"\(.+\)", label)]
+        problems += [f"no unit in {label!r}" for label in labels if not re.search(r"\(.+\)", label)]
         if not ax.get_ylabel() and ax.get_subplotspec().colspan.start == 0:
             problems.append("an unlabelled y axis")
     if not any(ax.get_xlabel() for ax in fig.axes):
@@ -91,8 +89,7 @@ def _bad_figure() -> Figure:
     return fig
 
 
-@pytest.mark.parametrize("build", [plots.admission_figure, plots.eviction_figure,
-                                   plots.gain_figure])
+@pytest.mark.parametrize("build", [plots.admission_figure, plots.eviction_figure, plots.gain_figure])
 def test_step_figures_follow_conventions(build, steps: pd.DataFrame) -> None:
     fig = build(steps)
     assert convention_problems(fig, "tiny") == []
@@ -124,12 +121,14 @@ def test_step_series_are_drawn_as_steps_in_layout_colours(build, steps) -> None:
 # --- resampling ---------------------------------------------------------------
 
 
-HAND_STEPS = pd.DataFrame({
-    "scenario": "hand",
-    "layout": ["off", "off", "on", "on"],
-    "time_s": [1.0, 3.0, 2.0, 4.0],
-    "num_requests_running": [2, 5, 4, 1],
-})
+HAND_STEPS = pd.DataFrame(
+    {
+        "scenario": "hand",
+        "layout": ["off", "off", "on", "on"],
+        "time_s": [1.0, 3.0, 2.0, 4.0],
+        "num_requests_running": [2, 5, 4, 1],
+    }
+)
 
 
 def test_resampling_holds_the_last_value_at_or_before_each_time() -> None:
@@ -138,8 +137,7 @@ def test_resampling_holds_the_last_value_at_or_before_each_time() -> None:
     assert list(table["off"]) == [2, 2, 5, 5]
     assert list(table["on"]) == [0, 4, 4, 1]
     grid = np.array([0.5, 1.0, 2.9, 3.0, 10.0])
-    assert list(plots.step_values(np.array([1.0, 3.0]), np.array([2, 5]), grid, 0)) == [
-        0, 2, 2, 5, 5]
+    assert list(plots.step_values(np.array([1.0, 3.0]), np.array([2, 5]), grid, 0)) == [0, 2, 2, 5, 5]
     # Controls: interpolation, or taking the value just before a step ends,
     # gives other numbers at exactly these points.
     assert list(np.interp(grid, [1.0, 3.0], [2, 5])) != [0, 2, 2, 5, 5]
@@ -181,23 +179,37 @@ def hand_sweep() -> pd.DataFrame:
     """Two seeds per rate, rows shuffled: off first preempts at 1 (seed 1
     only), on at 4; the first row with preemptions is at x = 2."""
     rows = [
-        (2.0, "off", 0, 7), (4.0, "on", 0, 3), (0.5, "off", 0, 0), (1.0, "off", 0, 0),
-        (1.0, "off", 1, 2), (0.5, "on", 1, 0), (2.0, "on", 0, 0), (1.0, "on", 0, 0),
-        (4.0, "off", 1, 9), (0.5, "off", 1, 0), (0.5, "on", 0, 0), (1.0, "on", 1, 0),
-        (2.0, "off", 1, 5), (2.0, "on", 1, 0), (4.0, "off", 0, 8), (4.0, "on", 1, 0),
+        (2.0, "off", 0, 7),
+        (4.0, "on", 0, 3),
+        (0.5, "off", 0, 0),
+        (1.0, "off", 0, 0),
+        (1.0, "off", 1, 2),
+        (0.5, "on", 1, 0),
+        (2.0, "on", 0, 0),
+        (1.0, "on", 0, 0),
+        (4.0, "off", 1, 9),
+        (0.5, "off", 1, 0),
+        (0.5, "on", 0, 0),
+        (1.0, "on", 1, 0),
+        (2.0, "off", 1, 5),
+        (2.0, "on", 1, 0),
+        (4.0, "off", 0, 8),
+        (4.0, "on", 1, 0),
     ]
-    frame = pd.DataFrame(rows, columns=["workload.rate_scale", "layout", "seed",
-                                        "num_preemptions"])
+    frame = pd.DataFrame(rows, columns=["workload.rate_scale", "layout", "seed", "num_preemptions"])
     frame["scenario"] = "hand"
-    for column in ("num_admitted", "mean_concurrency", "peak_concurrency",
-                   "output_throughput_tokens_per_s"):
+    for column in ("num_admitted", "mean_concurrency", "peak_concurrency", "output_throughput_tokens_per_s"):
         frame[column] = frame["workload.rate_scale"] * (frame["layout"] == "on") + 10
     return frame
 
 
 def _onset_lines(fig: Figure, layout: str) -> set[float]:
-    return {float(line.get_xdata()[0]) for ax in fig.axes for line in ax.get_lines()
-            if line.get_gid() == f"onset-{layout}"}
+    return {
+        float(line.get_xdata()[0])
+        for ax in fig.axes
+        for line in ax.get_lines()
+        if line.get_gid() == f"onset-{layout}"
+    }
 
 
 def test_preemption_onset_is_the_first_x_with_preemptions(hand_sweep) -> None:
@@ -226,16 +238,15 @@ def test_sweep_gain_is_on_minus_off_averaged_over_seeds(hand_sweep) -> None:
 
 
 def _leftovers(directory: Path) -> list[str]:
-    return [p.name for p in directory.iterdir() if p.name.startswith(".") or
-            p.suffix == ".tmp"]
+    return [p.name for p in directory.iterdir() if p.name.startswith(".") or p.suffix == ".tmp"]
 
 
 def test_write_standard_figures_writes_png_and_svg_atomically(runs, tmp_path) -> None:
     written = plots.write_standard_figures(tmp_path, runs["binds"].frames())
     plot_dir = tmp_path / "plots"
     assert sorted(p.name for p in written) == sorted(
-        f"{name}.{fmt}" for name in ("admission", "eviction", "gain")
-        for fmt in ("png", "svg"))
+        f"{name}.{fmt}" for name in ("admission", "eviction", "gain") for fmt in ("png", "svg")
+    )
     assert all(p.parent == plot_dir for p in written)
     pngs = [p for p in written if p.suffix == ".png"]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in pngs)
@@ -261,8 +272,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp_file(runs, tmp_path) -> 
 
 
 def test_one_layout_gets_no_gain_figure(runs, tmp_path) -> None:
-    frames = {name: frame[frame["layout"] == "on"]
-              for name, frame in runs["binds"].frames().items()}
+    frames = {name: frame[frame["layout"] == "on"] for name, frame in runs["binds"].frames().items()}
     written = plots.write_standard_figures(tmp_path, frames, ["png"])
     assert sorted(p.name for p in written) == ["admission.png", "eviction.png"]
 
@@ -294,13 +304,15 @@ def test_kvsim_plot_on_an_incomplete_results_dir_is_a_one_line_error(runs, tmp_p
     assert not (tmp_path / "plots").exists()
 
 
-def test_kvsim_plot_draws_a_results_dir_and_its_sweep(runs, hand_sweep, tmp_path,
-                                                      capsys) -> None:
+def test_kvsim_plot_draws_a_results_dir_and_its_sweep(runs, hand_sweep, tmp_path, capsys) -> None:
     result = runs["binds"]
     write_results(tmp_path, result.frames(), {"name": "tiny"})
     assert _plot(str(tmp_path), "--format", "png") == 0
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
-        "admission.png", "eviction.png", "gain.png"]
+        "admission.png",
+        "eviction.png",
+        "gain.png",
+    ]
     assert "plots written" in capsys.readouterr().out
     hand_sweep.to_parquet(tmp_path / plots.SWEEP_FRAME)
     assert _plot(str(tmp_path), "--format", "svg") == 0
@@ -312,7 +324,8 @@ def test_kvsim_plot_sweep_only_dir_and_ambiguous_sweeps(hand_sweep, tmp_path) ->
     assert _plot(str(tmp_path), "--format", "png") == 0
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["sweep.png"]
     hand_sweep.assign(**{"deployment.max_num_seqs": hand_sweep["seed"] + 8}).to_parquet(
-        tmp_path / plots.SWEEP_FRAME)
+        tmp_path / plots.SWEEP_FRAME
+    )
     with pytest.raises(ConfigError, match="cannot tell the swept column.*--x"):
         _plot(str(tmp_path))
     assert _plot(str(tmp_path), "--x", "workload.rate_scale", "--format", "png") == 0
@@ -327,8 +340,9 @@ def test_kvsim_plot_rejects_unknown_formats(tmp_path, capsys) -> None:
 
 def test_plots_import_neither_vllm_nor_the_engine() -> None:
     """``kvsim plot`` only reads frames: it must not pay vLLM's import time."""
-    code = ("import sys, sim.analysis.plots; heavy = ('vllm', 'torch', 'sim.engine'); "
-            "print(sorted(m for m in heavy if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout
+    code = (
+        "import sys, sim.analysis.plots; heavy = ('vllm', 'torch', 'sim.engine'); "
+        "print(sorted(m for m in heavy if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

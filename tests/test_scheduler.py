@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from allocator_driver import K, tiny_plan
+
 from sim.allocator_invariants import check_allocator
 from sim.kv_cache_manager import build_kv_cache_manager
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
@@ -19,16 +19,35 @@ MAX_LEN = 512
 
 def _spec(index: int, prompt: int, output: int = 20, family: int | None = None) -> RequestSpec:
     ids = tuple((family if family is not None else 1000 + index) * 100 + i for i in range(-(-prompt // 16)))
-    return RequestSpec(request_id=f"r{index:03d}", arrival_s=0.0, prompt_len=prompt, output_len=output,
-                       prefix_ids=ids, prefix_unit=16)
+    return RequestSpec(
+        request_id=f"r{index:03d}",
+        arrival_s=0.0,
+        prompt_len=prompt,
+        output_len=output,
+        prefix_ids=ids,
+        prefix_unit=16,
+    )
 
 
-def _scheduler(num_blocks: int = 400, *, on: bool = True, batches: int = 2, defer: bool = True,
-               budget: int = 64, seqs: int = 8) -> Scheduler:
+def _scheduler(
+    num_blocks: int = 400,
+    *,
+    on: bool = True,
+    batches: int = 2,
+    defer: bool = True,
+    budget: int = 64,
+    seqs: int = 8,
+) -> Scheduler:
     manager = build_kv_cache_manager(tiny_plan(on), num_gpu_blocks=num_blocks)
-    config = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=MAX_LEN,
-                             block_size=32, num_speculative_tokens=K, defer_block_free=defer,
-                             max_concurrent_batches=batches)
+    config = SchedulerConfig(
+        max_num_seqs=seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=MAX_LEN,
+        block_size=32,
+        num_speculative_tokens=K,
+        defer_block_free=defer,
+        max_concurrent_batches=batches,
+    )
     return Scheduler(config, manager)
 
 
@@ -100,7 +119,7 @@ def test_waiting_queue_is_head_of_line_blocking():
     scheduler = _scheduler(num_blocks=44, budget=512)
     scheduler.add_request(_spec(0, 400))  # fits alone
     scheduler.add_request(_spec(1, 400))  # does not fit beside it
-    scheduler.add_request(_spec(2, 20))   # would fit, but waits behind 1
+    scheduler.add_request(_spec(2, 20))  # would fit, but waits behind 1
     output = scheduler.schedule()
     assert output.new_request_ids == ("r000",)
     assert scheduler.num_waiting == 2

@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
-
 from sim_helpers import LONG_PROMPTS, POOL_BINDS, run, scenario
+
 from sim.analysis.frames import frames
 from sim.analysis.runs import run_scenario, scenario_workload
 from sim.engine import Simulation
@@ -36,7 +36,9 @@ def test_same_scenario_and_seed_give_identical_frames(tmp_path):
     again = run(tmp_path, workload=SMALL, deployment={"max_num_seqs": 16})
     _assert_same(first, again)
     # CONTROL: another seed is another run, and the comparison sees it.
-    other = run_scenario(scenario(tmp_path, overrides=["seed=7"], workload=SMALL, deployment={"max_num_seqs": 16}))
+    other = run_scenario(
+        scenario(tmp_path, overrides=["seed=7"], workload=SMALL, deployment={"max_num_seqs": 16})
+    )
     with pytest.raises(AssertionError):
         _assert_same(first, other)
 
@@ -74,10 +76,18 @@ class _NoBar:
 def test_every_arrival_is_accounted_for(tmp_path):
     """Admitted and finished, rejected, or still queued/running at the end;
     finished requests generated exactly the tokens they asked for."""
-    workload = dict(SMALL, num_requests=40, arrival={"process": "poisson", "rate_per_s": 4.0},
-                    prompt={"distribution": "uniform", "lo": 2000, "hi": 40000})
-    result = run(tmp_path, workload=workload, simulation={"max_time_s": 30},
-                 deployment={"max_num_seqs": 16, "max_model_len": 32768})
+    workload = dict(
+        SMALL,
+        num_requests=40,
+        arrival={"process": "poisson", "rate_per_s": 4.0},
+        prompt={"distribution": "uniform", "lo": 2000, "hi": 40000},
+    )
+    result = run(
+        tmp_path,
+        workload=workload,
+        simulation={"max_time_s": 30},
+        deployment={"max_num_seqs": 16, "max_model_len": 32768},
+    )
     for layout, requests in result.requests.groupby("layout"):
         summary = result.summary.set_index("layout").loc[layout]
         rejected = requests["rejected"]
@@ -103,11 +113,20 @@ def test_littles_law_on_a_stable_run(tmp_path):
     sampler's gauges, read at uniform instants) equals the arrival rate times
     the mean time in system (the per-request records): two independent
     recordings of one run."""
-    workload = dict(SMALL, num_requests=120, arrival={"process": "poisson", "rate_per_s": 0.5},
-                    prompt={"distribution": "uniform", "lo": 1000, "hi": 4000},
-                    output={"distribution": "uniform", "lo": 20, "hi": 100})
-    result = run(tmp_path, layouts=("on",), workload=workload, deployment={"max_num_seqs": 16},
-                 simulation={"sample_interval_s": 0.1})
+    workload = dict(
+        SMALL,
+        num_requests=120,
+        arrival={"process": "poisson", "rate_per_s": 0.5},
+        prompt={"distribution": "uniform", "lo": 1000, "hi": 4000},
+        output={"distribution": "uniform", "lo": 20, "hi": 100},
+    )
+    result = run(
+        tmp_path,
+        layouts=("on",),
+        workload=workload,
+        deployment={"max_num_seqs": 16},
+        simulation={"sample_interval_s": 0.1},
+    )
     samples, requests = result.samples, result.requests
     assert requests["finished"].all() and result.steps["num_preemptions"].sum() == 0
     horizon = float(requests["finished_s"].max())
@@ -127,9 +146,13 @@ def test_littles_law_on_a_stable_run(tmp_path):
 
 def test_overload_preempts_and_every_preempted_request_finishes(tmp_path):
     # Outputs long enough to grow past the blocks the admission gate reserved.
-    workload = dict(LONG_PROMPTS, num_requests=20, arrival={"process": "poisson", "rate_per_s": 10.0},
-                    prompt={"distribution": "fixed", "tokens": 6000},
-                    output={"distribution": "fixed", "tokens": 3000})
+    workload = dict(
+        LONG_PROMPTS,
+        num_requests=20,
+        arrival={"process": "poisson", "rate_per_s": 10.0},
+        prompt={"distribution": "fixed", "tokens": 6000},
+        output={"distribution": "fixed", "tokens": 3000},
+    )
     result = run(tmp_path, layouts=("off",), workload=workload, deployment={"max_num_seqs": 32})
     requests = result.requests
     preempted = requests[requests["num_preemptions"] > 0]
@@ -157,19 +180,30 @@ def test_prefix_hits_on_shared_prefixes_and_none_without(tmp_path):
     # information, so no shared tokens) never hit.
     rows = [json.loads(line) for line in _mooncake_lines(10, 12, 134)]
     azure = tmp_path / "turns.csv"
-    azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
-        f"2023-11-16 18:00:{r['timestamp'] // 1000:02d}.0000000,{r['input_length']},{r['output_length']}\n"
-        for r in rows))
+    azure.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        + "".join(
+            f"2023-11-16 18:00:{r['timestamp'] // 1000:02d}.0000000,"
+            f"{r['input_length']},{r['output_length']}\n"
+            for r in rows
+        )
+    )
     control = run(tmp_path, "azure", layouts=("on",), workload={"trace": str(azure)})
     assert control.summary["prefix_cache_hits_tokens"].item() == 0
 
 
-@pytest.mark.parametrize("max_num_seqs, binds", [(32, True), (8, False)], ids=["pool-binds", "seqs-bind-control"])
+@pytest.mark.parametrize(
+    "max_num_seqs, binds", [(32, True), (8, False)], ids=["pool-binds", "seqs-bind-control"]
+)
 def test_new_layout_admits_more_only_where_the_pool_binds(tmp_path, max_num_seqs, binds):
     """Long outputs keep requests resident, so by the horizon the admitted
     count is what the pool (or the sequence cap) lets run at once."""
-    result = run(tmp_path, workload=POOL_BINDS, simulation={"max_time_s": 30},
-                 deployment={"max_num_seqs": max_num_seqs})
+    result = run(
+        tmp_path,
+        workload=POOL_BINDS,
+        simulation={"max_time_s": 30},
+        deployment={"max_num_seqs": max_num_seqs},
+    )
     admitted = result.summary.set_index("layout")["num_admitted"]
     peak = result.summary.set_index("layout")["peak_concurrency"]
     if binds:

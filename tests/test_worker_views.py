@@ -39,21 +39,15 @@ PLE = "language_model.model.layers.2.ple"
 SLOTS = 800  # ring slots per pool block on Flash-Next, both stages
 
 
-def small_plan(
-    model: ModelConfig, reference: DeploymentConfig, on: bool, num_blocks: int
-) -> KVCachePlan:
+def small_plan(model: ModelConfig, reference: DeploymentConfig, on: bool, num_blocks: int) -> KVCachePlan:
     """The reference deployment at ``MAX_MODEL_LEN``, with a pinned pool."""
     deployment = reference.model_copy(update={"max_model_len": MAX_MODEL_LEN})
-    return plan_kv_cache(
-        model, deployment, side_cache_layout=on, num_gpu_blocks_override=num_blocks
-    )
+    return plan_kv_cache(model, deployment, side_cache_layout=on, num_gpu_blocks_override=num_blocks)
 
 
 @pytest.fixture(scope="module")
 def plans(flash_next, reference) -> dict[bool, KVCachePlan]:
-    return {
-        on: small_plan(flash_next, reference, on, PLAN_BLOCKS) for on in (False, True)
-    }
+    return {on: small_plan(flash_next, reference, on, PLAN_BLOCKS) for on in (False, True)}
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +57,7 @@ def views(plans):
 
     def get(on: bool, rank: int) -> WorkerViews:
         if (on, rank) not in pools:
-            pools[on, rank] = allocate_worker_views(
-                plans[on], rank, num_blocks=POOL_BLOCKS
-            )
+            pools[on, rank] = allocate_worker_views(plans[on], rank, num_blocks=POOL_BLOCKS)
         return pools[on, rank]
 
     return get
@@ -93,9 +85,7 @@ def assert_slots_inside_their_block(
         for slot in (0, 1, slots - 1):
             for name, view in rings.items():
                 lo, hi = byte_range(view, block * slots + slot, pool.base)
-                assert lo_block <= lo < hi <= hi_block, (
-                    f"{name} slot {slot} of block {block} at [{lo}, {hi})"
-                )
+                assert lo_block <= lo < hi <= hi_block, f"{name} slot {slot} of block {block} at [{lo}, {hi})"
                 spans.append((lo, hi))
         spans.sort()
         assert all(a[1] <= b[0] for a, b in pairwise(spans)), "slots overlap"
@@ -126,9 +116,7 @@ def test_ring_slots_stay_inside_their_pool_block(views, rank):
     pool = views(True, rank)
     rings = ring_views(pool)
     assert len(rings) == (6 if rank == 0 else 7)
-    [ring_group] = [
-        g for g in pool.config.kv_cache_groups if group_slots_per_block(g) > 1
-    ]
+    [ring_group] = [g for g in pool.config.kv_cache_groups if group_slots_per_block(g) > 1]
     assert group_slots_per_block(ring_group) == SLOTS
     assert all(v.shape[0] == POOL_BLOCKS * SLOTS for v in rings.values())
     assert_slots_inside_their_block(pool, rings, SLOTS)
@@ -233,11 +221,7 @@ def test_zeroer_without_the_slot_skip(views, rank):
     unskipped = zeroed_segments(pool.config, pool.views, skip_slot_packed=False)
     assert (new.num_segments, unskipped.num_segments) == (num_new, num_unskipped)
     rings = ring_views(pool)
-    slot_starts = [
-        byte_range(view, slot, pool.base)[0]
-        for view in rings.values()
-        for slot in range(SLOTS)
-    ]
+    slot_starts = [byte_range(view, slot, pool.base)[0] for view in rings.values() for slot in range(SLOTS)]
     on_attention = set(slot_starts) & {seg.offset_bytes for seg in new.segments}
     assert len(on_attention) == (2 if rank == 0 else 1)  # slot 0 (and 200 on PP0)
     extra_segments = unskipped.num_segments - new.num_segments
@@ -281,19 +265,12 @@ def test_old_layout_views_are_vllms_own(plans, views, rank):
     full = allocate_kv_cache(config, torch.device("meta"), layout)
     assert full.keys() == pool.kv_caches.keys()
     for name, view in full.items():
-        assert (
-            view.shape[0] == PLAN_BLOCKS
-            and pool.kv_caches[name].shape[0] == POOL_BLOCKS
-        )
+        assert view.shape[0] == PLAN_BLOCKS and pool.kv_caches[name].shape[0] == POOL_BLOCKS
         assert geometry(pool.kv_caches[name]) == geometry(view), name
     # CONTROL: the comparison sees the layout change, and nothing else: the
     # new layout moves exactly the ring layers and (on PP0) the PLE page.
     new = views(True, rank)
-    moved = {
-        name
-        for name, view in new.kv_caches.items()
-        if geometry(view) != geometry(full[name])
-    }
+    moved = {name for name, view in new.kv_caches.items() if geometry(view) != geometry(full[name])}
     assert moved == set(ring_views(new)) | ({PLE} if rank == 0 else set())
 
 
@@ -303,9 +280,7 @@ def test_a_small_pool_is_the_planners_own(flash_next, reference, plans, on):
     23-block configs, slot-packed tensors included."""
     smaller = small_plan(flash_next, reference, on, 23)
     layout = KVCacheLayout.BLNHC
-    for config, expected in zip(
-        plans[on].worker_configs, smaller.worker_configs, strict=True
-    ):
+    for config, expected in zip(plans[on].worker_configs, smaller.worker_configs, strict=True):
         assert with_num_blocks(config, 23, layout) == expected
         assert type(with_num_blocks(config, 23, layout)) is type(expected)
 

@@ -288,8 +288,7 @@ def test_workload_requires_sorted_unique_requests(mooncake):
 MOONCAKE_GOOD = [
     '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]}',
     '{"timestamp": 3000, "input_length": 512, "output_length": 7, "hash_ids": [0]}',
-    '{"timestamp": 3000, "input_length": 1100, "output_length": 9, '
-    '"hash_ids": [0, 1, 2]}',
+    '{"timestamp": 3000, "input_length": 1100, "output_length": 9, "hash_ids": [0, 1, 2]}',
 ]
 AZURE_GOOD = [
     "TIMESTAMP,ContextTokens,GeneratedTokens",
@@ -310,9 +309,7 @@ def _load(fmt: str, path: Path) -> Workload:
         return load_mooncake(path)
     if fmt == "azure":
         return load_azure(path)
-    return load_sharegpt_lengths(
-        path, arrival=Poisson(rate_per_s=1.0), rng=np.random.default_rng(0)
-    )
+    return load_sharegpt_lengths(path, arrival=Poisson(rate_per_s=1.0), rng=np.random.default_rng(0))
 
 
 # (format, line to replace (1-based), new text, fragment of the message)
@@ -493,9 +490,7 @@ def test_poisson_mean_gap_is_one_over_the_rate():
     assert _cv(gaps_s) == pytest.approx(1.0, rel=0.05)
     # Control: a process 10 % too fast fails the same check (4 sd is 2.8 %).
     fast = Poisson(rate_per_s=1.1 * rate_per_s)
-    assert not _mean_gap_matches(
-        fast.inter_arrival_s(n, np.random.default_rng(5)), rate_per_s, cv=1.0
-    )
+    assert not _mean_gap_matches(fast.inter_arrival_s(n, np.random.default_rng(5)), rate_per_s, cv=1.0)
 
 
 def test_gamma_cv3_is_burstier_than_poisson_with_the_same_mean():

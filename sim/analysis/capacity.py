@@ -221,5 +221,3 @@ def _gain(on: MaxRate | None, off: MaxRate | None) -> float:
     if on is None or off is None or on.max_rate is None or not off.max_rate:
         return math.nan
     return on.max_rate / off.max_rate
-
-

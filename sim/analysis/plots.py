@@ -39,11 +39,18 @@ SWEEP_FRAME = "sweep.parquet"
 TIME_LABEL = "simulated time (s)"
 
 # Figures are built under these settings (fonts are fixed when artists are made).
-_styled = matplotlib.rc_context({
-    "font.size": 11, "axes.titlesize": 12, "axes.labelsize": 11,
-    "legend.fontsize": 10, "figure.titlesize": 14,
-    "axes.grid": True, "grid.alpha": 0.3, "lines.linewidth": 1.6,
-})
+_styled = matplotlib.rc_context(
+    {
+        "font.size": 11,
+        "axes.titlesize": 12,
+        "axes.labelsize": 11,
+        "legend.fontsize": 10,
+        "figure.titlesize": 14,
+        "axes.grid": True,
+        "grid.alpha": 0.3,
+        "lines.linewidth": 1.6,
+    }
+)
 
 
 # --- frames -> series -------------------------------------------------------
@@ -61,8 +68,9 @@ def scenario_of(frame: pd.DataFrame) -> str:
     return ", ".join(str(name) for name in names) or "kvsim"
 
 
-def step_values(times_s: np.ndarray, values: np.ndarray, grid_s: np.ndarray,
-                before: float = np.nan) -> np.ndarray:
+def step_values(
+    times_s: np.ndarray, values: np.ndarray, grid_s: np.ndarray, before: float = np.nan
+) -> np.ndarray:
     """A step series read at ``grid_s``: the last value at or before each
     grid time (``before`` where no step has ended yet). ``times_s`` ascend.
 
@@ -84,7 +92,9 @@ def time_grid(steps: pd.DataFrame) -> np.ndarray:
 
 
 def resample_steps(
-    steps: pd.DataFrame, column: str, grid_s: np.ndarray | None = None,
+    steps: pd.DataFrame,
+    column: str,
+    grid_s: np.ndarray | None = None,
     before: float = np.nan,
 ) -> pd.DataFrame:
     """``column`` of each layout on one time grid, one column per layout."""
@@ -97,8 +107,7 @@ def resample_steps(
     return pd.DataFrame(series, index=pd.Index(grid, name="time_s"))
 
 
-def concurrency_gain(steps: pd.DataFrame,
-                     column: str = "num_requests_running") -> pd.DataFrame:
+def concurrency_gain(steps: pd.DataFrame, column: str = "num_requests_running") -> pd.DataFrame:
     """Off, on, ``gain`` (on - off) and ``ratio`` (on / off, NaN where off is
     0) of a request count on the common grid. Before its first step a layout
     runs nothing, so counts start at 0."""
@@ -152,8 +161,9 @@ EVICTION_PANELS = (
 )
 
 
-def _axes(nrows: int, ncols: int = 1, *, height_in: float = 2.6,
-          width_in: float = 10.0) -> tuple[Figure, np.ndarray]:
+def _axes(
+    nrows: int, ncols: int = 1, *, height_in: float = 2.6, width_in: float = 10.0
+) -> tuple[Figure, np.ndarray]:
     fig = Figure(figsize=(width_in, 1.4 + height_in * nrows), layout="constrained")
     return fig, fig.subplots(nrows, ncols, sharex=True, squeeze=False)
 
@@ -170,8 +180,14 @@ def _draw_steps(ax: Axes, steps: pd.DataFrame, column: str, ylabel: str) -> None
     """Off drawn wider, underneath: where the layouts agree it edges the on line."""
     for width, layout in zip((2.6, 1.4, 1.4), layouts_of(steps), strict=False):
         rows = steps[steps["layout"] == layout].sort_values("time_s", kind="stable")
-        ax.plot(rows["time_s"], rows[column], drawstyle="steps-post",
-                color=_color(layout), linewidth=width, label=_label(layout))
+        ax.plot(
+            rows["time_s"],
+            rows[column],
+            drawstyle="steps-post",
+            color=_color(layout),
+            linewidth=width,
+            label=_label(layout),
+        )
     _count_axis(ax, ylabel, flat=bool((steps[column] == 0).all()))
 
 
@@ -180,26 +196,21 @@ def _count_axis(ax: Axes, ylabel: str, *, flat: bool = False) -> None:
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     if flat:
         ax.set_ylim(-0.05, 1)
-        ax.text(0.5, 0.5, "none in this run", transform=ax.transAxes,
-                ha="center", va="center", color="grey")
+        ax.text(0.5, 0.5, "none in this run", transform=ax.transAxes, ha="center", va="center", color="grey")
 
 
-def _finish(
-    fig: Figure, axes: np.ndarray, title: str, handles: Sequence[Any] | None = None
-) -> Figure:
+def _finish(fig: Figure, axes: np.ndarray, title: str, handles: Sequence[Any] | None = None) -> Figure:
     """One legend for the figure, under the panels, so it hides no curve."""
     for ax in axes[-1]:
         ax.set_xlabel(ax.get_xlabel() or TIME_LABEL)
     if handles is None:
         handles, _ = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles=list(handles), loc="outside lower center",
-               ncols=min(len(handles), 4), frameon=False)
+    fig.legend(handles=list(handles), loc="outside lower center", ncols=min(len(handles), 4), frameon=False)
     fig.suptitle(title)
     return fig
 
 
-def _steps_figure(steps: pd.DataFrame, panels: Sequence[tuple[str, str]],
-                  title: str) -> Figure:
+def _steps_figure(steps: pd.DataFrame, panels: Sequence[tuple[str, str]], title: str) -> Figure:
     fig, axes = _axes(len(panels))
     for ax, (column, ylabel) in zip(axes[:, 0], panels, strict=True):
         _draw_steps(ax, steps, column, ylabel)
@@ -227,8 +238,9 @@ def gain_figure(steps: pd.DataFrame, *, ratio: bool = True) -> Figure:
     _draw_gain(axes[0, 0], table["gain"])
     if ratio:
         _draw_ratio(axes[1, 0], table["ratio"])
-    handles = [Patch(color=_color(name), alpha=0.4, label=f"{name} runs more requests")
-               for name in ("on", "off")]
+    handles = [
+        Patch(color=_color(name), alpha=0.4, label=f"{name} runs more requests") for name in ("on", "off")
+    ]
     title = f"{scenario_of(steps)}: concurrency gain of the side-cache layout"
     return _finish(fig, axes, title, handles)
 
@@ -237,14 +249,28 @@ def _draw_gain(ax: Axes, gain: pd.Series) -> None:
     ax.axhline(0, color="grey", linewidth=0.8)
     ax.plot(gain.index, gain, drawstyle="steps-post", color="black", lw=1.0, gid="gain")
     for sign, layout in ((1, "on"), (-1, "off")):
-        ax.fill_between(gain.index, 0, gain, where=sign * gain > 0, step="post",
-                        color=_color(layout), alpha=0.4, linewidth=0)
+        ax.fill_between(
+            gain.index,
+            0,
+            gain,
+            where=sign * gain > 0,
+            step="post",
+            color=_color(layout),
+            alpha=0.4,
+            linewidth=0,
+        )
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("running, on − off\n(requests)")
     if (gain == 0).all():
         ax.set_ylim(-1, 1)
-        ax.text(0.5, 0.75, "both layouts run equally many requests throughout",
-                transform=ax.transAxes, ha="center", color="grey")
+        ax.text(
+            0.5,
+            0.75,
+            "both layouts run equally many requests throughout",
+            transform=ax.transAxes,
+            ha="center",
+            color="grey",
+        )
     mean = f"time-weighted mean {time_weighted(gain):+.2f} requests"
     extremes = f"most {gain.max():+.0f}, least {gain.min():+.0f}"
     ax.set_title(f"{mean}, {extremes}", loc="left")
@@ -288,20 +314,28 @@ def sweep_figure(sweep: pd.DataFrame, x: str) -> Figure:
     repeats = sweep.groupby([x, "layout"]).size().max() > 1
     axes[0, 0].set_title("by layout" + (" (mean of runs at one x)" if repeats else ""), loc="left")
     axes[0, 1].set_title("gain, on − off (same units)", loc="left")
-    handles = [Line2D([], [], color=_color(name), marker="o", ms=size, label=_label(name))
-               for size, name in zip((9, 6, 6), layouts_of(sweep), strict=False)]
+    handles = [
+        Line2D([], [], color=_color(name), marker="o", ms=size, label=_label(name))
+        for size, name in zip((9, 6, 6), layouts_of(sweep), strict=False)
+    ]
     x_max = float(sweep[x].max())
     handles += [_onset_handle(name, value, x_max) for name, value in onset.items()]
     return _finish(fig, axes, f"{scenario_of(sweep)}: sweep over {x}", handles)
 
 
-def _draw_sweep_row(row: np.ndarray, means: pd.DataFrame, x: str, metric: str,
-                    ylabel: str) -> None:
+def _draw_sweep_row(row: np.ndarray, means: pd.DataFrame, x: str, metric: str, ylabel: str) -> None:
     """Off drawn bigger, underneath, so equal values show both layouts."""
     wide = means.pivot(index=x, columns="layout", values=metric)
     for size, layout in zip((9, 6, 6), layouts_of(means), strict=False):
-        row[0].plot(wide.index, wide[layout], marker="o", markersize=size,
-                    linewidth=size / 3, color=_color(layout), label=_label(layout))
+        row[0].plot(
+            wide.index,
+            wide[layout],
+            marker="o",
+            markersize=size,
+            linewidth=size / 3,
+            color=_color(layout),
+            label=_label(layout),
+        )
     row[0].set_ylabel(ylabel)
     if {"off", "on"} <= set(wide.columns):
         gain = wide["on"] - wide["off"]
@@ -318,8 +352,7 @@ def _mark_onset(axes: np.ndarray, onset: dict[str, float | None]) -> None:
     for ax in axes.flat:
         for layout, value in onset.items():
             if value is not None:
-                ax.axvline(value, color=_color(layout), linestyle=":", linewidth=1.8,
-                           gid=f"onset-{layout}")
+                ax.axvline(value, color=_color(layout), linestyle=":", linewidth=1.8, gid=f"onset-{layout}")
 
 
 def _onset_handle(layout: str, value: float | None, x_max: float) -> Line2D:
@@ -361,8 +394,11 @@ def write_standard_figures(
     out_dir: Path, frames: dict[str, pd.DataFrame], formats: Iterable[str] = FORMATS
 ) -> list[Path]:
     formats = tuple(formats)
-    return [path for name, fig in standard_figures(frames).items()
-            for path in write_figure(fig, Path(out_dir) / "plots" / name, formats)]
+    return [
+        path
+        for name, fig in standard_figures(frames).items()
+        for path in write_figure(fig, Path(out_dir) / "plots" / name, formats)
+    ]
 
 
 def write_sweep_figures(
@@ -387,8 +423,7 @@ def sweep_x(sweep: pd.DataFrame, path: Path) -> str:
     dotted = [c for c in sweep.columns if "." in str(c)]
     varying = [c for c in dotted if sweep[c].nunique() > 1] or dotted
     if len(varying) != 1:
-        raise ConfigError(f"{path}: cannot tell the swept column among {varying};"
-                          " pass --x COLUMN")
+        raise ConfigError(f"{path}: cannot tell the swept column among {varying}; pass --x COLUMN")
     return str(varying[0])
 
 
@@ -423,11 +458,16 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def register_cli(subparsers: Any) -> argparse.ArgumentParser:
     plot = subparsers.add_parser("plot", help="draw the figures of a results directory")
-    plot.add_argument("results_dir", metavar="RESULTS_DIR",
-                      help="a directory written by kvsim run, compare or sweep")
-    plot.add_argument("--format", type=_formats, default=FORMATS, metavar="FMT[,FMT]",
-                      help="image formats: png, svg, pdf (default png,svg)")
-    plot.add_argument("--x", metavar="COLUMN",
-                      help="the swept column of sweep.parquet (default: inferred)")
+    plot.add_argument(
+        "results_dir", metavar="RESULTS_DIR", help="a directory written by kvsim run, compare or sweep"
+    )
+    plot.add_argument(
+        "--format",
+        type=_formats,
+        default=FORMATS,
+        metavar="FMT[,FMT]",
+        help="image formats: png, svg, pdf (default png,svg)",
+    )
+    plot.add_argument("--x", metavar="COLUMN", help="the swept column of sweep.parquet (default: inferred)")
     plot.set_defaults(func=cmd_plot)
     return plot

@@ -23,7 +23,12 @@ class RunResult:
     summary: pd.DataFrame
 
     def frames(self) -> dict[str, pd.DataFrame]:
-        return {"steps": self.steps, "requests": self.requests, "samples": self.samples, "summary": self.summary}
+        return {
+            "steps": self.steps,
+            "requests": self.requests,
+            "samples": self.samples,
+            "summary": self.summary,
+        }
 
     def comparison(self) -> pd.DataFrame:
         return comparison_table(self.summary)

@@ -461,5 +461,3 @@ def run_sweep(
     write_frame(out_dir / "sweep.parquet", frame)
     write_json(out_dir / "sweep.json", {**manifest, "complete": True})
     return frame
-
-

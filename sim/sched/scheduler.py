@@ -46,6 +46,7 @@ class RequestSpec(Protocol):
 
     def prompt_token_ids(self) -> list[int]: ...
 
+
 # Drafts are never hashed or cached; their ids only need to be ints.
 DRAFT_TOKEN_ID = OUTPUT_TOKEN_BASE - 1
 
@@ -251,7 +252,9 @@ class Scheduler:
             request.num_computed_tokens += item.num_scheduled_tokens
             self.last_sched_seq[request_id] = self.sched_step_seq
         queries, hits = self._take_prefix_cache_stats()
-        evicted = sum(len(e.block_hashes) for e in self.kv_cache_manager.take_events() if isinstance(e, BlockRemoved))
+        evicted = sum(
+            len(e.block_hashes) for e in self.kv_cache_manager.take_events() if isinstance(e, BlockRemoved)
+        )
         self.num_evicted_blocks += evicted
         self.step_index += 1
         return SchedulerOutput(
@@ -394,4 +397,3 @@ class Scheduler:
     def token_counts(self) -> dict[str, int]:
         """Each running request's tokens (prompt plus outputs, no drafts)."""
         return {r.request_id: r.num_tokens for r in self.running}
-

@@ -149,9 +149,7 @@ class WorkloadConfig(StrictModel):
 
     @field_validator("window_s")
     @classmethod
-    def _window_in_order(
-        cls, window_s: tuple[float, float] | None
-    ) -> tuple[float, float] | None:
+    def _window_in_order(cls, window_s: tuple[float, float] | None) -> tuple[float, float] | None:
         if window_s is not None:
             start_s, end_s = window_s
             if not (math.isfinite(start_s) and 0 <= start_s < end_s):
@@ -173,9 +171,7 @@ class WorkloadConfig(StrictModel):
             return "synthetic"
         named = _named_format(self.trace)
         if named is not None and self.format not in (None, named):
-            raise ValueError(
-                f"format: {self.format} does not match trace {self.trace!r}"
-            )
+            raise ValueError(f"format: {self.format} does not match trace {self.trace!r}")
         return self.format or named
 
 
@@ -213,14 +209,10 @@ def check_keys_for_format(cfg: WorkloadConfig, fmt: TraceFormat) -> None:
         if key in cfg.model_fields_set and getattr(cfg, key) not in (None, 0):
             raise ValueError(f"{key}: not used by {fmt} traces (they have their own)")
     if cfg.spread_bursts and fmt != "mooncake":
-        raise ValueError(
-            "spread_bursts: only for mooncake traces (3 s quantised stamps)"
-        )
+        raise ValueError("spread_bursts: only for mooncake traces (3 s quantised stamps)")
 
 
-def resolve_trace(
-    cfg: WorkloadConfig, base_dir: Path
-) -> tuple[Path | None, TraceFormat]:
+def resolve_trace(cfg: WorkloadConfig, base_dir: Path) -> tuple[Path | None, TraceFormat]:
     """(trace file, format); the file is None for synthetic workloads."""
     try:
         known = cfg.known_format()
@@ -237,9 +229,7 @@ def resolve_trace(
     return path, known or detect_format(path)
 
 
-def _load(
-    cfg: WorkloadConfig, path: Path | None, fmt: TraceFormat, rng: np.random.Generator
-) -> Workload:
+def _load(cfg: WorkloadConfig, path: Path | None, fmt: TraceFormat, rng: np.random.Generator) -> Workload:
     if fmt == "mooncake":
         assert path is not None
         return load_mooncake(path)
@@ -301,9 +291,7 @@ def build_workload(cfg: WorkloadConfig, *, base_dir: Path, seed: int) -> Workloa
     load_rng, sample_rng, spread_rng = (
         np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3)
     )
-    w = _retime(
-        cfg, _select(cfg, _load(cfg, path, fmt, load_rng), sample_rng), spread_rng
-    )
+    w = _retime(cfg, _select(cfg, _load(cfg, path, fmt, load_rng), sample_rng), spread_rng)
     if cfg.max_prompt_len is not None or cfg.max_output_len is not None:
         w = clamp_lengths(w, cfg.max_prompt_len, cfg.max_output_len)
     if w.num_requests == 0:
@@ -312,8 +300,4 @@ def build_workload(cfg: WorkloadConfig, *, base_dir: Path, seed: int) -> Workloa
             f"{cfg.sample_fraction:g} leave no requests of {cfg.trace!r}"
         )
     random = fmt in ("sharegpt", "synthetic") or cfg.sample_fraction < 1
-    return (
-        replace(w, source=f"{w.source}; seed {seed}")
-        if random or cfg.spread_bursts
-        else w
-    )
+    return replace(w, source=f"{w.source}; seed {seed}") if random or cfg.spread_bursts else w

@@ -37,9 +37,7 @@ class ArrivalProcess(Protocol):
     def inter_arrival_s(self, num: int, rng: np.random.Generator) -> FloatArray: ...
 
 
-def arrival_times_s(
-    process: ArrivalProcess, num: int, rng: np.random.Generator
-) -> FloatArray:
+def arrival_times_s(process: ArrivalProcess, num: int, rng: np.random.Generator) -> FloatArray:
     """Arrival times of ``num`` requests; the clock starts at 0, so the first
     request arrives after one gap (not at 0), as in a renewal process.
 

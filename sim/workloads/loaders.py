@@ -51,9 +51,7 @@ SHAREGPT_HEADER = (
     "num_total_tokens",
     "pd_ratio",
 )
-_AZURE_TIME = re.compile(
-    r"(\d{4})-(\d{2})-(\d{2}) (\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,7}))?"
-)
+_AZURE_TIME = re.compile(r"(\d{4})-(\d{2})-(\d{2}) (\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,7}))?")
 _DIGITS = re.compile(r"[0-9]+")
 _EPOCH = datetime(1970, 1, 1)
 _TICKS_PER_S = 10_000_000  # Azure stamps carry 7 fractional digits (100 ns)
@@ -93,9 +91,7 @@ def _int_field(path: Path, line: int, record: dict[str, Any], field: str) -> int
         raise TraceError(path, line, f"missing field '{field}'")
     value = record[field]
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise TraceError(
-            path, line, f"{field}: expected a positive integer, got {_short(value)}"
-        )
+        raise TraceError(path, line, f"{field}: expected a positive integer, got {_short(value)}")
     return value
 
 
@@ -115,15 +111,11 @@ def _timestamp_ms(path: Path, line: int, record: dict[str, Any]) -> float:
     value = record["timestamp"]
     ok = isinstance(value, int | float) and not isinstance(value, bool)
     if not ok or not math.isfinite(value) or value < 0:
-        raise TraceError(
-            path, line, f"timestamp: expected milliseconds >= 0, got {_short(value)}"
-        )
+        raise TraceError(path, line, f"timestamp: expected milliseconds >= 0, got {_short(value)}")
     return float(value)
 
 
-def _hash_ids(
-    path: Path, line: int, record: dict[str, Any], input_length: int, unit: int
-) -> tuple[int, ...]:
+def _hash_ids(path: Path, line: int, record: dict[str, Any], input_length: int, unit: int) -> tuple[int, ...]:
     if "hash_ids" not in record:
         raise TraceError(path, line, "missing field 'hash_ids'")
     value = record["hash_ids"]
@@ -136,15 +128,12 @@ def _hash_ids(
         raise TraceError(
             path,
             line,
-            f"hash_ids: expected ceil(input_length / {unit}) = {expected} ids, "
-            f"got {len(value)}",
+            f"hash_ids: expected ceil(input_length / {unit}) = {expected} ids, got {len(value)}",
         )
     return tuple(value)
 
 
-def _check_order(
-    path: Path, line: int, time: tuple[float, str], previous: tuple[float, str] | None
-) -> None:
+def _check_order(path: Path, line: int, time: tuple[float, str], previous: tuple[float, str] | None) -> None:
     """``time`` and ``previous`` are (comparable value, text as in the file)."""
     if previous is not None and time[0] < previous[0]:
         raise TraceError(
@@ -198,8 +187,7 @@ def load_mooncake(
         raise _empty(path)
     return Workload(
         name=name or path.stem,
-        source=f"mooncake trace {display_path(path)}: {len(requests)} requests, "
-        "timestamps ms -> s",
+        source=f"mooncake trace {display_path(path)}: {len(requests)} requests, timestamps ms -> s",
         requests=sort_requests(requests),
     )
 
@@ -208,17 +196,13 @@ def _cells(text: str) -> list[str]:
     return [cell.strip() for cell in next(csv.reader([text]))]
 
 
-def _check_header(
-    path: Path, lines: Iterator[tuple[int, str]], header: tuple[str, ...]
-) -> None:
+def _check_header(path: Path, lines: Iterator[tuple[int, str]], header: tuple[str, ...]) -> None:
     first = next(lines, None)
     if first is None:
         raise _empty(path)
     line, text = first
     if tuple(_cells(text)) != header:
-        raise TraceError(
-            path, line, f"expected header '{','.join(header)}', got '{_clip(text)}'"
-        )
+        raise TraceError(path, line, f"expected header '{','.join(header)}', got '{_clip(text)}'")
 
 
 def _row(path: Path, line: int, text: str, header: tuple[str, ...]) -> list[str]:
@@ -234,9 +218,7 @@ def _row(path: Path, line: int, text: str, header: tuple[str, ...]) -> list[str]
 
 def _int_cell(path: Path, line: int, column: str, cell: str) -> int:
     if _DIGITS.fullmatch(cell) is None or int(cell) < 1:
-        raise TraceError(
-            path, line, f"{column}: expected a positive integer, got {_short(cell)}"
-        )
+        raise TraceError(path, line, f"{column}: expected a positive integer, got {_short(cell)}")
     return int(cell)
 
 
@@ -259,9 +241,7 @@ def _azure_ticks(path: Path, line: int, cell: str) -> int:
     return whole_s * _TICKS_PER_S + int((fraction or "0").ljust(7, "0"))
 
 
-def load_azure(
-    path: Path | str, *, name: str | None = None, max_requests: int | None = None
-) -> Workload:
+def load_azure(path: Path | str, *, name: str | None = None, max_requests: int | None = None) -> Workload:
     """Read an Azure LLM inference CSV (2023 format). Absolute timestamps
     become seconds after the first request, which therefore arrives at 0.
     No prefix information: every chunk gets a fresh content id."""
@@ -315,9 +295,7 @@ def _sharegpt_row(path: Path, line: int, text: str) -> tuple[int, int]:
     try:
         float(ratio)
     except ValueError:
-        raise TraceError(
-            path, line, f"pd_ratio: expected a number, got {_short(ratio)}"
-        ) from None
+        raise TraceError(path, line, f"pd_ratio: expected a number, got {_short(ratio)}") from None
     return prompt_len, output_len
 
 
@@ -357,9 +335,7 @@ def load_sharegpt_lengths(
             prefix_ids=fresh.take(ceil_div(prompt_len, NO_PREFIX_UNIT)),
             prefix_unit=NO_PREFIX_UNIT,
         )
-        for index, ((prompt_len, output_len), time_s) in enumerate(
-            zip(lengths, times_s, strict=True)
-        )
+        for index, ((prompt_len, output_len), time_s) in enumerate(zip(lengths, times_s, strict=True))
     ]
     return Workload(
         name=name or path.stem,

@@ -67,9 +67,7 @@ def request_id(index: int) -> str:
     return f"r{index:06d}"
 
 
-def materialise_tokens(
-    prefix_ids: Iterable[int], prefix_unit: int, prompt_len: int
-) -> list[int]:
+def materialise_tokens(prefix_ids: Iterable[int], prefix_unit: int, prompt_len: int) -> list[int]:
     """Token ids of a prompt: chunk ``c`` is ``c*unit .. c*unit+unit-1``, cut at
     ``prompt_len``.
 

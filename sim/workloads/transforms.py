@@ -16,9 +16,7 @@ from sim.workloads.spec import RequestSpec, Workload, ceil_div, sort_requests
 
 
 def _derive(w: Workload, requests: list[RequestSpec], note: str) -> Workload:
-    return Workload(
-        name=w.name, source=f"{w.source}; {note}", requests=sort_requests(requests)
-    )
+    return Workload(name=w.name, source=f"{w.source}; {note}", requests=sort_requests(requests))
 
 
 def _check_factor(name: str, factor: float) -> None:
@@ -52,14 +50,8 @@ def window(w: Workload, start_s: float, end_s: float) -> Workload:
     ``end_s`` may be ``math.inf``.
     """
     if not (math.isfinite(start_s) and 0 <= start_s < end_s):
-        raise ValueError(
-            f"window: expected 0 <= start_s < end_s, got [{start_s}, {end_s})"
-        )
-    kept = [
-        replace(r, arrival_s=r.arrival_s - start_s)
-        for r in w.requests
-        if start_s <= r.arrival_s < end_s
-    ]
+        raise ValueError(f"window: expected 0 <= start_s < end_s, got [{start_s}, {end_s})")
+    kept = [replace(r, arrival_s=r.arrival_s - start_s) for r in w.requests if start_s <= r.arrival_s < end_s]
     return _derive(w, kept, f"window [{start_s:g}, {end_s:g}) s re-based to 0")
 
 
@@ -97,9 +89,7 @@ def spread_bursts(w: Workload, quantum_s: float, rng: np.random.Generator) -> Wo
     return _derive(w, moved, f"arrivals spread over {quantum_s:g} s quanta")
 
 
-def _clamp(
-    request: RequestSpec, max_prompt_len: int, max_output_len: int
-) -> RequestSpec:
+def _clamp(request: RequestSpec, max_prompt_len: int, max_output_len: int) -> RequestSpec:
     if request.prompt_len <= max_prompt_len and request.output_len <= max_output_len:
         return request
     prompt_len = min(request.prompt_len, max_prompt_len)
