@@ -10,10 +10,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sim.config import ConfigError, DeploymentConfig, ModelConfig, load_model, validate
 from sim.paths import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from sim.scenario import Layout
 
 
 class CLIError(ValueError):
@@ -119,7 +122,7 @@ def _print_summary(result) -> None:
     print(table.to_string(formatters={column: _format_number for column in table.columns}))
 
 
-def _run_and_write(args: argparse.Namespace, layouts: tuple[str, ...] | None) -> int:
+def _run_and_write(args: argparse.Namespace, layouts: tuple[Layout, ...] | None) -> int:
     from sim.scenario import load_scenario, scenario_to_dict
 
     scenario = load_scenario(args.scenario, args.set)

@@ -24,6 +24,7 @@ from sim.vllm_bridge import (
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
+    clear_vllm_env_cache,
     engine_config,
     fork_planning_module,
     kv_cache_utils,
@@ -173,10 +174,11 @@ def _plan_with_fork(
     """The fork's own planner with its switch set (it reads the switch from
     the environment at each call)."""
     fork = fork_planning_module()
+    assert fork is not None
     previous = os.environ.get(SIDE_CACHE_SWITCH)
     os.environ[SIDE_CACHE_SWITCH] = "1" if side_cache_layout else "0"
     try:
-        _clear_fork_env_cache()
+        clear_vllm_env_cache()
         plan_fn = fork.get_kv_cache_configs
         if len(inspect.signature(plan_fn).parameters) >= 4:
             groups = planning.get_global_kv_cache_groups(engine, workers)
@@ -188,17 +190,9 @@ def _plan_with_fork(
             os.environ.pop(SIDE_CACHE_SWITCH, None)
         else:
             os.environ[SIDE_CACHE_SWITCH] = previous
-        _clear_fork_env_cache()
+        clear_vllm_env_cache()
     applied = any(group_slots_per_block(g) > 1 or _is_folded(g) for g in configs[0].kv_cache_groups)
     return configs, applied, ["planned by the installed fork's own side-cache layout"], "fork"
-
-
-def _clear_fork_env_cache() -> None:
-    from sim import vllm_bridge
-
-    getattr_fn = getattr(vllm_bridge.vllm.envs, "__getattr__", None)
-    if hasattr(getattr_fn, "cache_clear"):
-        getattr_fn.cache_clear()
 
 
 def _is_folded(group: KVCacheGroupSpec) -> bool:
@@ -268,6 +262,7 @@ def _summarise(
 
 def _fork_capacity(engine: Any, config: KVCacheConfig) -> tuple[int, float]:
     fork = fork_planning_module()
+    assert fork is not None
     return fork.get_kv_cache_capacity(engine, config)
 
 

@@ -112,6 +112,7 @@ __all__ = [
     "VllmInfo",
     "BlockRemoved",
     "cdiv",
+    "clear_vllm_env_cache",
     "check_stop",
     "compute_layout_strides",
     "engine_config",
@@ -152,6 +153,13 @@ def fork_planning_module() -> Any | None:
         if all(hasattr(module, name) for name in _FORK_MARKERS):
             return module
     return None
+
+
+def clear_vllm_env_cache() -> None:
+    """Make vLLM re-read its environment switches (it caches them)."""
+    cache_clear = getattr(getattr(vllm.envs, "__getattr__", None), "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()
 
 
 def vllm_info() -> VllmInfo:
@@ -258,8 +266,12 @@ class MambaAlignedSplit:
         )
 
     def __call__(self, request: Request, num_new_tokens: int, num_new_local_computed_tokens: int = 0) -> int:
+        # Called unbound on the stand-in: only the attributes above are read.
         return Scheduler._mamba_block_aligned_split(
-            self._scheduler, request, num_new_tokens, num_new_local_computed_tokens
+            self._scheduler,  # type: ignore[arg-type]
+            request,
+            num_new_tokens,
+            num_new_local_computed_tokens,
         )
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -291,12 +292,12 @@ class ZeroPlan:
         return sum(hi - lo for lo, hi in self.ranges)
 
 
-def attention_groups(config: KVCacheConfig, skip_group_ids: Iterable[int] = ()) -> list[AttentionGroup]:
+def attention_groups(config: KVCacheConfig, skip_group_ids: Iterable[int] = ()) -> list[Any]:
     """The runner's attention groups: one per cache group and per-layer spec
     (the backend is not read by the zeroer, so the abstract base stands in).
     Groups in ``skip_group_ids`` are left out."""
     skip = set(skip_group_ids)
-    groups: list[AttentionGroup] = []
+    groups: list[Any] = []
     specs = layer_specs(config)
     for group_id, group in enumerate(config.kv_cache_groups):
         if group_id in skip:

@@ -39,11 +39,14 @@ class RequestSpec(Protocol):
     """What the scheduler needs of an arriving request (the workloads'
     ``RequestSpec`` satisfies it; the scheduler does not import workloads)."""
 
-    request_id: str
-    arrival_s: float
-    prompt_len: int
-    output_len: int
-
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def arrival_s(self) -> float: ...
+    @property
+    def prompt_len(self) -> int: ...
+    @property
+    def output_len(self) -> int: ...
     def prompt_token_ids(self) -> list[int]: ...
 
 
