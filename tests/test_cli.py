@@ -115,3 +115,16 @@ def test_layout_names_stay_strings_in_yaml(tmp_path):
     assert "\n- on\n" in path.read_text()
     assert load_scenario(str(path)).layouts == ("on",)
     assert load_scenario(str(path), ["layouts=[off, on]"]).layouts == ("off", "on")
+
+
+def test_bench_measures_a_run(tmp_path):
+    """The benchmark's figures come from a real run (measured in-process
+    here; ``kvsim bench`` runs each layout in a fresh process)."""
+    from sim.bench import BenchFigures, _measure, format_bench
+
+    path = write_scenario(tmp_path, workload=TINY)
+    figures = BenchFigures(**_measure(str(path), [], "on"))
+    assert figures.steps > 0 and figures.requests == 8
+    assert figures.sim_s_per_wall_s > 0 and figures.peak_rss_mib > 0
+    table = format_bench("tiny", [figures])
+    assert "sim s/wall s" in table and "steps/s" in table and "peak MiB" in table
