@@ -77,6 +77,7 @@ class Simulation:
         self._wakeup = self.env.event()
         self._arrivals_done = False
         self._engine_done = False
+        self._bar: tqdm | None = None
         self.recording = Recording(scenario=scenario.name, layout=layout, plan=self.plan.to_dict())
 
     def _scheduler_config(self) -> SchedulerConfig:
@@ -94,11 +95,21 @@ class Simulation:
         )
 
     # ------------------------------------------------------------------- run
-    def run(self) -> Recording:
+    def start(self) -> None:
+        """Register the processes; ``run`` then advances the clock to the end
+        (a caller may instead advance ``env`` itself, a little at a time)."""
         self.env.process(self.arrivals())
         self.env.process(self.engine_loop())
         if self.scenario.simulation.sample_interval_s:
             self.env.process(self.sampler(self.scenario.simulation.sample_interval_s))
+
+    def finish(self) -> Recording:
+        self.recording.end_time_s = float(self.env.now)
+        self.recording.num_rejected = self.scheduler.num_rejected
+        return self.recording
+
+    def run(self) -> Recording:
+        self.start()
         horizon = self.scenario.simulation.max_time_s
         total = horizon or max(self.workload.duration_s, 1e-9)
         with tqdm(
@@ -111,9 +122,8 @@ class Simulation:
         ) as bar:
             self._bar = bar
             self.env.run(until=horizon)
-        self.recording.end_time_s = float(self.env.now)
-        self.recording.num_rejected = self.scheduler.num_rejected
-        return self.recording
+        self._bar = None
+        return self.finish()
 
     def arrivals(self) -> Generator[simpy.Event, Any, None]:
         for spec in self.workload.requests:
@@ -239,7 +249,8 @@ class Simulation:
         )
         if self.scenario.simulation.check_invariants:
             check_allocator(self.kv_cache_manager, self.scheduler.deferred_blocks())
-        self._bar.update(round(now, 1) - self._bar.n)
+        if self._bar is not None:
+            self._bar.update(round(now, 1) - self._bar.n)
 
 
 def simulate(scenario: Scenario, layout: Layout, workload: Workload, *, progress: bool = False) -> Recording:

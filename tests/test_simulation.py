@@ -50,27 +50,16 @@ def test_two_simulations_in_one_process_do_not_interfere(tmp_path):
     assert sc.simulation.sample_interval_s  # the sampler runs too
     sims = {layout: Simulation(sc, layout, workload) for layout in ("off", "on")}
     for sim in sims.values():
-        sim.env.process(sim.arrivals())
-        sim.env.process(sim.engine_loop())
-        sim.env.process(sim.sampler(sc.simulation.sample_interval_s))
-        sim._bar = _NoBar()
+        sim.start()
     for until in np.arange(1.0, 200.0, 1.0):  # interleave the two clocks
         for sim in sims.values():
             sim.env.run(until=float(until))
     for layout, sim in sims.items():
         sim.env.run()
-        sim.recording.end_time_s = float(sim.env.now)
-        steps, requests, samples, _ = frames(sim.recording)
+        steps, requests, samples, _ = frames(sim.finish())
         pd.testing.assert_frame_equal(steps, alone[layout][0])
         pd.testing.assert_frame_equal(requests, alone[layout][1])
         pd.testing.assert_frame_equal(samples, alone[layout][2])
-
-
-class _NoBar:
-    n = 0
-
-    def update(self, _: float) -> None:
-        pass
 
 
 def test_every_arrival_is_accounted_for(tmp_path):
