@@ -161,10 +161,7 @@ class Simulation:
                     break
                 yield self._sleep()
                 continue
-            token_counts = {
-                item.request_id: self.scheduler.requests[item.request_id].num_tokens
-                for item in output.scheduled
-            }
+            token_counts = self.scheduler.token_counts()  # as scheduled, before the output
             step_s = self.step_time.step_time_s(output)
             yield self.env.timeout(step_s)
             outcome = self.scheduler.update_from_output(

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
-from typing import Any
 
 from sim.kv_cache_interface import (
     RetainedCheckpointMambaSpec,
     RingSlotsSpec,
     convert_spec,
-    first_layer_spec,
     group_slots_per_block,
 )
 from sim.layout import KVCachePlan
@@ -133,13 +131,3 @@ def group_index(manager: KVCacheManager, layer_name: str) -> int:
 
 def mamba_group_indices(manager: KVCacheManager) -> list[int]:
     return [i for i, m in enumerate(manager.managers) if isinstance(m, MambaManager)]
-
-
-def group_kinds(manager: KVCacheManager) -> list[str]:
-    from sim.layout import group_kind
-
-    return [group_kind(g) for g in manager.kv_cache_config.kv_cache_groups]
-
-
-def describe_spec(spec: Any) -> str:
-    return type(first_layer_spec(spec) if isinstance(spec, KVCacheGroupSpec) else spec).__name__

@@ -73,9 +73,6 @@ class RingSlotPool:
     def pages(self) -> list[KVCacheBlock]:
         return [page.block for page in self._pages.values()]
 
-    def free_slots_of(self, pool_block_id: int) -> list[int]:
-        return sorted(self._pages[pool_block_id].free_slots)
-
     def has_free_slot(self) -> bool:
         return any(page.free_slots for page in self._pages.values())
 
@@ -179,10 +176,6 @@ class RetainingMambaManager(MambaManager):
         super().__init__(kv_cache_spec, block_pool, **kwargs)
         # request id -> (cache key at retention, block)
         self._retained_checkpoints: dict[str, tuple[Any, KVCacheBlock]] = {}
-
-    def retained_checkpoint(self, request_id: str) -> KVCacheBlock | None:
-        entry = self._retained_checkpoints.get(request_id)
-        return entry[1] if entry is not None else None
 
     def retained_blocks(self) -> list[KVCacheBlock]:
         return [block for _, block in self._retained_checkpoints.values()]

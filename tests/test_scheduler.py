@@ -63,7 +63,7 @@ class _Engine:
         if output.is_empty:
             self.scheduler.complete_in_flight_steps()
             return output, None
-        counts = {i.request_id: self.scheduler.requests[i.request_id].num_tokens for i in output.scheduled}
+        counts = self.scheduler.token_counts()
         outcome = self.scheduler.update_from_output(output, self.runner.execute(output, counts))
         check_allocator(self.scheduler.kv_cache_manager, self.scheduler.deferred_blocks())
         return output, outcome
