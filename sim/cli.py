@@ -10,13 +10,11 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sim.config import ConfigError, DeploymentConfig, ModelConfig, load_model, validate
 from sim.paths import DEFAULT_MODEL
-
-if TYPE_CHECKING:
-    from sim.scenario import Layout
+from sim.scenario import Layout, add_override_argument
 
 
 class CLIError(ValueError):
@@ -174,13 +172,7 @@ def _add_scenario_flags(parser: argparse.ArgumentParser) -> None:
         default="default",
         help="a scenario file, or the name of one in scenarios/ (default: default)",
     )
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a scenario key (dotted, value read as YAML); repeatable",
-    )
+    add_override_argument(parser)
     parser.add_argument("--out", metavar="DIR", help="results directory (default results/SCENARIO)")
     parser.add_argument(
         "--progress", action="store_true", help="show a progress bar even when not on a terminal"
@@ -209,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="simulator speed and memory, per layout (prints figures)")
     bench.add_argument("scenario", nargs="?", default="default")
-    bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    add_override_argument(bench)
     bench.add_argument("--layouts", default="off,on")
     bench.set_defaults(func=cmd_bench)
 

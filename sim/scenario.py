@@ -8,6 +8,7 @@ key and the file. No twin in vLLM.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any, Literal
 
@@ -129,6 +130,17 @@ def load_scenario(name_or_path: str, overrides: list[str] | None = None) -> Scen
     scenario.load_model()
     scenario.step_time_config(source)
     return scenario
+
+
+def add_override_argument(parser: argparse.ArgumentParser, scope: str = "") -> None:
+    """The ``--set KEY=VALUE`` flag every scenario command takes."""
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override a scenario key{scope} (dotted, value read as YAML); repeatable",
+    )
 
 
 def scenario_to_dict(scenario: Scenario) -> dict[str, Any]:

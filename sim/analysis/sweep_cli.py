@@ -11,7 +11,7 @@ import pandas as pd
 from sim.analysis.capacity import CapacitySearch, run_capacity_search
 from sim.analysis.sweep import LAYOUT_KEY, RATE_KEY, import_ray, parse_grid, plan_runs, run_sweep
 from sim.config import ConfigError
-from sim.scenario import load_scenario
+from sim.scenario import add_override_argument, load_scenario
 
 
 # -------------------------------------------------------------------- CLI
@@ -23,13 +23,7 @@ def register_cli(subparsers: Any) -> None:
         "results go to OUT/runs/ as each run finishes and to OUT/sweep.parquet at the end.",
     )
     parser.add_argument("scenario", help="a scenario file, or the name of one in scenarios/")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a scenario key for every run; repeatable",
-    )
+    add_override_argument(parser, " for every run")
     parser.add_argument(
         "--grid",
         action="append",
