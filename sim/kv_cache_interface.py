@@ -91,6 +91,15 @@ def group_layer_specs(group: KVCacheGroupSpec) -> list[KVCacheSpec]:
     return [spec] * len(group.layer_names)
 
 
+def config_layer_specs(config: KVCacheConfig) -> dict[str, KVCacheSpec]:
+    """Every layer's own spec, across all groups of ``config``."""
+    return {
+        name: spec
+        for group in config.kv_cache_groups
+        for name, spec in zip(group.layer_names, group_layer_specs(group), strict=True)
+    }
+
+
 def first_layer_spec(group: KVCacheGroupSpec) -> KVCacheSpec:
     spec = group.kv_cache_spec
     if isinstance(spec, UniformTypeKVCacheSpecs):

@@ -26,6 +26,7 @@ from sim.kv_cache_interface import (
     SideCacheKVCacheConfig,
     SlotPackedKVCacheTensor,
     as_slot_packed,
+    config_layer_specs,
     group_layer_specs,
     group_slots_per_block,
 )
@@ -258,11 +259,7 @@ def pack_ring_slots(
     ]
     slot_of_layer = {name: slots[i] for i in slots for name in config.kv_cache_groups[i].layer_names}
     bytes_per_block = planning._get_kv_cache_bytes_per_block(config.kv_cache_groups, layout)
-    layer_specs = {
-        name: spec
-        for group in config.kv_cache_groups
-        for name, spec in zip(group.layer_names, group_layer_specs(group), strict=True)
-    }
+    layer_specs = config_layer_specs(config)
     tensors = [
         _slot_tensor(
             tensor,

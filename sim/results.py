@@ -52,9 +52,14 @@ def write_json(path: Path, data: Any) -> None:
     write_text(path, json.dumps(data, indent=2, default=_json_default) + "\n")
 
 
+def plain_value(value: Any) -> Any:
+    """A numpy scalar (what a frame cell holds) as the Python value it carries."""
+    return value.item() if hasattr(value, "item") else value
+
+
 def _json_default(value: Any) -> Any:
     if hasattr(value, "item"):
-        return value.item()
+        return plain_value(value)
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 

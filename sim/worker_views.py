@@ -30,14 +30,13 @@ from typing import Any
 
 import torch
 
-from sim.kv_cache_interface import first_layer_spec
+from sim.kv_cache_interface import config_layer_specs, first_layer_spec
 from sim.layout import KVCachePlan
 from sim.vllm_bridge import (
     KVCacheConfig,
     KVCacheLayout,
     KVCacheSpec,
     MambaSpec,
-    UniformTypeKVCacheSpecs,
     worker_api,
 )
 
@@ -141,19 +140,6 @@ def without_unowned_tensors(
     return replace(config, kv_cache_tensors=tensors), tuple(unowned)
 
 
-def layer_specs(config: KVCacheConfig) -> dict[str, KVCacheSpec]:
-    """Every layer's own spec (a uniform group's per-layer entry)."""
-    specs: dict[str, KVCacheSpec] = {}
-    for group in config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        for name in group.layer_names:
-            if isinstance(spec, UniformTypeKVCacheSpecs):
-                specs[name] = spec.kv_cache_specs[name]
-            else:
-                specs[name] = spec
-    return specs
-
-
 def bind_layer_views(config: KVCacheConfig, kv_caches: Mapping[str, torch.Tensor]) -> dict[str, LayerView]:
     """What every layer holds after its ``bind_kv_cache``.
 
@@ -163,7 +149,7 @@ def bind_layer_views(config: KVCacheConfig, kv_caches: Mapping[str, torch.Tensor
     keep the view (QSA caches transpose the two inner dims; that moves no
     byte of any page, so it is left out).
     """
-    specs = layer_specs(config)
+    specs = config_layer_specs(config)
     views: dict[str, LayerView] = {}
     for name, cache in kv_caches.items():
         spec = specs[name]
@@ -298,7 +284,7 @@ def attention_groups(config: KVCacheConfig, skip_group_ids: Iterable[int] = ()) 
     Groups in ``skip_group_ids`` are left out."""
     skip = set(skip_group_ids)
     groups: list[Any] = []
-    specs = layer_specs(config)
+    specs = config_layer_specs(config)
     for group_id, group in enumerate(config.kv_cache_groups):
         if group_id in skip:
             continue

@@ -22,6 +22,7 @@ import pytest
 from matplotlib.figure import Figure
 
 from sim.analysis import plots
+from sim.analysis.frames import time_weighted
 from sim.config import ConfigError
 from sim.results import write_results
 
@@ -150,7 +151,7 @@ def test_gain_on_a_hand_made_example() -> None:
     assert list(table["gain"]) == [-2, 2, -1, -4]
     assert list(table["ratio"]) == [0.0, 2.0, 0.8, 0.2]
     # Mean over [1, 4]: (-2 * 1 + 2 * 1 - 1 * 1) / 3; the last value has no duration.
-    assert plots.time_weighted(table["gain"]) == pytest.approx(-1 / 3)
+    assert time_weighted(table["gain"]) == pytest.approx(-1 / 3)
     with pytest.raises(ValueError, match="layout: .*missing \\['on'\\]"):
         plots.concurrency_gain(HAND_STEPS[HAND_STEPS["layout"] == "off"])
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from sim.config import DeploymentConfig, ModelConfig
-from sim.kv_cache_interface import group_slots_per_block
+from sim.kv_cache_interface import config_layer_specs, group_slots_per_block
 from sim.layout import KVCachePlan, plan_kv_cache
 from sim.vllm_bridge import KVCacheLayout, MambaSpec
 from sim.worker_views import (
@@ -25,7 +25,6 @@ from sim.worker_views import (
     allocate_kv_cache,
     allocate_worker_views,
     byte_range,
-    layer_specs,
     with_num_blocks,
     without_unowned_tensors,
     zeroed_segments,
@@ -159,7 +158,7 @@ def test_mamba_layers_bind_their_states_inside_their_page(views):
     """A Mamba layer's raw page is split into its spec's states, packed from
     the start of the page (vLLM's ``MambaBase.bind_kv_cache``)."""
     pool = views(True, 0)
-    specs = layer_specs(pool.config)
+    specs = config_layer_specs(pool.config)
     mamba = [n for n, s in specs.items() if isinstance(s, MambaSpec)]
     assert PLE in mamba and len(mamba) == 19 + 1
     for name in mamba:

@@ -6,12 +6,13 @@ names where one exists (``num_requests_running``, ``kv_cache_usage_perc``,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
-from sim.engine import Recording
+if TYPE_CHECKING:  # frames only read a recording: no engine (nor vLLM) at import
+    from sim.engine import Recording
 
 _CUMULATIVE = {
     "num_admitted": "num_admitted_total",
@@ -59,15 +60,21 @@ def requests_frame(recording: Recording) -> pd.DataFrame:
     return frame
 
 
+def time_weighted(series: pd.Series) -> float:
+    """Mean of a step series indexed by time: each value holds to the next."""
+    if len(series) < 2:
+        return float(series.mean()) if len(series) else 0.0
+    durations = np.diff(series.index.to_numpy(float))
+    if durations.sum() <= 0:
+        return float(series.mean())
+    return float(np.dot(series.to_numpy(float)[:-1], durations) / durations.sum())
+
+
 def time_weighted_mean(steps: pd.DataFrame, column: str) -> float:
     """Mean of a gauge over time: each step's value holds until the next."""
-    if len(steps) < 2:
-        return float(steps[column].mean()) if len(steps) else 0.0
-    times = steps["time_s"].to_numpy()
-    durations = np.diff(times)
-    if durations.sum() <= 0:
-        return float(steps[column].mean())
-    return float(np.dot(steps[column].to_numpy()[:-1], durations) / durations.sum())
+    if steps.empty:  # a run that scheduled nothing has no gauge columns
+        return 0.0
+    return time_weighted(steps.set_index("time_s")[column])
 
 
 def _percentile(values: pd.Series, q: float) -> float:

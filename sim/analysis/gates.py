@@ -46,7 +46,7 @@ from tqdm import tqdm
 from sim.analysis.sweep import make_spec, open_runner
 from sim.config import ConfigError, StrictModel, YamlLoader, load_yaml_text, read_yaml, validate
 from sim.paths import SCENARIOS_DIR
-from sim.results import atomic_write, write_json
+from sim.results import atomic_write, plain_value, write_json
 from sim.scenario import Layout, Scenario, load_scenario
 
 DEFAULT_GATES = SCENARIOS_DIR / "gates.yaml"
@@ -456,11 +456,7 @@ def _replace(node: Any, text: str) -> tuple[int, int, str]:
 
 def _scalar(value: Any) -> str:
     """A YAML scalar that reads back as ``value`` (``1.0e-05``, ``.nan``)."""
-    return yaml.safe_dump(_plain(value), default_flow_style=True).removesuffix("\n...\n").strip()
-
-
-def _plain(value: Any) -> Any:
-    return value.item() if hasattr(value, "item") else value
+    return yaml.safe_dump(plain_value(value), default_flow_style=True).removesuffix("\n...\n").strip()
 
 
 def _same(read: Any, written: Any) -> bool:

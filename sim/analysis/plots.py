@@ -28,6 +28,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
+from sim.analysis.frames import time_weighted
 from sim.config import ConfigError
 from sim.results import FRAMES, atomic_write, read_results
 
@@ -118,14 +119,6 @@ def concurrency_gain(steps: pd.DataFrame, column: str = "num_requests_running") 
     table["gain"] = table["on"] - table["off"]
     table["ratio"] = table["on"] / table["off"].where(table["off"] != 0)
     return table
-
-
-def time_weighted(series: pd.Series) -> float:
-    """Mean of a step series indexed by time: each value holds to the next."""
-    if len(series) < 2:
-        return float(series.mean()) if len(series) else 0.0
-    durations = np.diff(series.index.to_numpy(float))
-    return float(np.dot(series.to_numpy(float)[:-1], durations) / durations.sum())
 
 
 def sweep_means(sweep: pd.DataFrame, x: str) -> pd.DataFrame:

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from sim.config import ConfigError, load_yaml_text
 from sim.paths import PROJECT_ROOT
-from sim.results import write_frame, write_json
+from sim.results import plain_value, write_frame, write_json
 from sim.scenario import Layout, Scenario, load_scenario, scenario_to_dict
 
 Executor = Literal["local", "ray"]
@@ -207,7 +207,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
         row = run_scenario(spec.scenario, [spec.layout]).summary.iloc[0]
     except ConfigError as error:  # e.g. a pool too small for max_model_len
         raise ConfigError(f"run {describe(spec.params)}: {error}") from None
-    return {str(key): _plain(value) for key, value in row.items()}
+    return {str(key): plain_value(value) for key, value in row.items()}
 
 
 def describe(params: dict[str, Any]) -> str:
@@ -216,10 +216,6 @@ def describe(params: dict[str, Any]) -> str:
 
 def _run_pair(spec: RunSpec) -> tuple[str, dict[str, Any]]:
     return spec.run_id, run_one(spec)
-
-
-def _plain(value: Any) -> Any:
-    return value.item() if hasattr(value, "item") else value
 
 
 # --------------------------------------------------------------- executors
