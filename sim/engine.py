@@ -47,7 +47,7 @@ class Recording:
     stalled: bool = False
 
 
-def _rngs(seed: int) -> np.random.Generator:
+def _runner_rng(seed: int) -> np.random.Generator:
     """The simulation's own RNG stream, derived from the scenario seed and
     independent of the workload's."""
     return np.random.default_rng(np.random.SeedSequence([seed, 1]))
@@ -71,7 +71,7 @@ class Simulation:
         )
         self.scheduler = Scheduler(self._scheduler_config(), self.kv_cache_manager)
         acceptance = AcceptanceModel(conditional_rates=scenario.mtp.acceptance_rates)
-        self.model_runner = ModelRunner(acceptance, _rngs(scenario.seed))
+        self.model_runner = ModelRunner(acceptance, _runner_rng(scenario.seed))
         self.step_time = StepTimeModel(scenario.step_time_config())
         self.env = simpy.Environment()
         self._wakeup = self.env.event()

@@ -129,11 +129,11 @@ def plan_kv_cache(
         else:
             configs, applied, notes, source = _plan_upstream(engine, workers, memory, side_cache_layout)
     except ValueError as error:  # the planner's own "does not fit" checks
-        raise ConfigError(f"deployment: {_first_sentence(error)}") from None
+        raise ConfigError(f"deployment: {_without_advice(error)}") from None
     return _summarise(engine, layer_specs, configs, deployment, side_cache_layout, applied, notes, source)
 
 
-def _first_sentence(error: Exception) -> str:
+def _without_advice(error: Exception) -> str:
     """vLLM's message up to its generic advice (which names engine flags)."""
     text = " ".join(str(error).split())
     return text.split(" Try increasing")[0].split(" See https")[0]
