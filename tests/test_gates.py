@@ -18,6 +18,7 @@ import yaml
 import sim.engine
 from sim.analysis import gates
 from sim.analysis.gates import DEFAULT_GATES, judge, parse_tolerance, rewrite_baselines, run_gates
+from sim.commands import gate as gate_command
 from sim.config import ConfigError, load_yaml_text
 from sim.paths import DEFAULT_MODEL
 
@@ -60,7 +61,7 @@ def write_gates(directory: Path, text: str = GATES) -> Path:
 
 def cli(*argv: str) -> int:
     parser = argparse.ArgumentParser(prog="kvsim")
-    gates.register_cli(parser.add_subparsers())
+    gate_command.register(parser.add_subparsers())
     args = parser.parse_args(["gate", *argv])
     return args.func(args)
 

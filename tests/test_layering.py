@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("sim.sched",),
     ("sim.workloads", "sim.step_time", "sim.scenario", "sim.engine"),
     ("sim.analysis", "sim.results", "sim.bench"),
+    ("sim.commands",),
     ("sim.cli",),
 ]
 # Third-party packages a layer must not use.
@@ -86,3 +87,32 @@ def test_the_checker_catches_an_upward_import(tmp_path):
     probe.write_text(text)
     assert "sim.engine" in _imports(probe)
     assert _layer("sim.engine") > _layer("sim.sched.scheduler")
+
+
+def _prints(path: Path) -> bool:
+    return any(
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"
+        for node in ast.walk(ast.parse(path.read_text()))
+    )
+
+
+@pytest.mark.parametrize("path", [p for p in MODULES if "analysis" in p.parts], ids=lambda p: p.stem)
+def test_analysis_returns_frames_and_prints_nothing(path):
+    """Printing belongs to the commands (``sim/commands``), not to analysis."""
+    assert not _prints(path), f"{_module_name(path)} prints"
+
+
+def test_the_print_check_catches_a_print(tmp_path):
+    """CONTROL: a module with a print call is flagged."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    print('x')\n")
+    assert _prints(probe)
+
+
+def test_every_command_module_is_registered():
+    """A module in sim/commands that is not in COMMAND_MODULES would be dead."""
+    from sim.commands import COMMAND_MODULES
+
+    helpers = {"__init__", "common"}
+    on_disk = {p.stem for p in (SIM / "commands").glob("*.py")} - helpers
+    assert on_disk == set(COMMAND_MODULES)

@@ -23,6 +23,7 @@ from matplotlib.figure import Figure
 
 from sim.analysis import plots
 from sim.analysis.frames import time_weighted
+from sim.commands import plot as plot_command
 from sim.config import ConfigError
 from sim.results import write_results
 
@@ -283,7 +284,7 @@ def test_one_layout_gets_no_gain_figure(runs, tmp_path) -> None:
 
 def _plot(*argv: str) -> int:
     parser = argparse.ArgumentParser()
-    plots.register_cli(parser.add_subparsers())
+    plot_command.register(parser.add_subparsers())
     args = parser.parse_args(["plot", *argv])
     return args.func(args)
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from sim.analysis import sweep
 from sim.analysis.capacity import CapacitySearch, find_max_rate, run_capacity_search
 from sim.analysis.sweep import GridAxis, parse_grid, plan_runs, run_sweep
-from sim.analysis.sweep_cli import register_cli
+from sim.commands.sweep import register as register_cli
 from sim.config import ConfigError
 from sim.paths import DEFAULT_MODEL, PROJECT_ROOT
 
@@ -201,7 +201,7 @@ def test_interrupted_sweep_resumes_without_loss_or_duplicates(
 
 CHILD = """
 import argparse, sys
-from sim.analysis.sweep_cli import register_cli
+from sim.commands.sweep import register as register_cli
 parser = argparse.ArgumentParser()
 register_cli(parser.add_subparsers())
 args = parser.parse_args(sys.argv[1:])

@@ -13,7 +13,6 @@ This module imports neither vLLM nor the engine, so ``kvsim plot`` starts fast.
 
 from __future__ import annotations
 
-import argparse
 import functools
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -29,8 +28,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from sim.analysis.frames import time_weighted
-from sim.config import ConfigError
-from sim.results import FRAMES, atomic_write, read_results
+from sim.results import atomic_write
 
 # Okabe-Ito vermillion and blue: told apart with the common colour blindnesses.
 LAYOUT_COLORS = {"off": "#D55E00", "on": "#0072B2"}
@@ -398,69 +396,3 @@ def write_sweep_figures(
     out_dir: Path, sweep: pd.DataFrame, x: str, formats: Iterable[str] = FORMATS
 ) -> list[Path]:
     return write_figure(sweep_figure(sweep, x), Path(out_dir) / "plots" / "sweep", formats)
-
-
-# --- kvsim plot -----------------------------------------------------------------
-
-
-def _formats(text: str) -> tuple[str, ...]:
-    formats = tuple(part.strip().lower() for part in text.split(",") if part.strip())
-    unknown = sorted(set(formats) - {"png", "svg", "pdf"})
-    if not formats or unknown:
-        raise argparse.ArgumentTypeError(f"expected formats among png,svg,pdf: {text!r}")
-    return formats
-
-
-def sweep_x(sweep: pd.DataFrame, path: Path) -> str:
-    """The swept key: the one dotted scenario key that takes several values."""
-    dotted = [c for c in sweep.columns if "." in str(c)]
-    varying = [c for c in dotted if sweep[c].nunique() > 1] or dotted
-    if len(varying) != 1:
-        raise ConfigError(f"{path}: cannot tell the swept column among {varying}; pass --x COLUMN")
-    return str(varying[0])
-
-
-def _read(out_dir: Path) -> dict[str, pd.DataFrame]:
-    """The run's frames; one a directory from an older kvsim lacks is a
-    one-line error too."""
-    missing = [f"{name}.parquet" for name in FRAMES if not (out_dir / f"{name}.parquet").exists()]
-    if missing and (out_dir / "manifest.json").exists():
-        raise ConfigError(f"{out_dir}: incomplete results directory: no {', '.join(missing)}")
-    return read_results(out_dir)
-
-
-def cmd_plot(args: argparse.Namespace) -> int:
-    """Standard figures for a results directory, and sweep figures if it
-    holds ``sweep.parquet`` (a sweep-only directory needs no manifest)."""
-    out_dir = Path(args.results_dir)
-    sweep_path = out_dir / SWEEP_FRAME
-    written: list[Path] = []
-    if (out_dir / "manifest.json").exists() or not sweep_path.exists():
-        written += write_standard_figures(out_dir, _read(out_dir), args.format)
-    if sweep_path.exists():
-        sweep = pd.read_parquet(sweep_path)
-        x = args.x or sweep_x(sweep, sweep_path)
-        if x not in sweep:
-            raise ConfigError(f"{sweep_path}: no column {x!r} (--x)")
-        written += write_sweep_figures(out_dir, sweep, x, args.format)
-    names = sorted({path.stem for path in written})
-    formats = ", ".join(args.format)
-    print(f"kvsim: plots written to {out_dir / 'plots'}/ ({', '.join(names)}; {formats})")
-    return 0
-
-
-def register_cli(subparsers: Any) -> argparse.ArgumentParser:
-    plot = subparsers.add_parser("plot", help="draw the figures of a results directory")
-    plot.add_argument(
-        "results_dir", metavar="RESULTS_DIR", help="a directory written by kvsim run, compare or sweep"
-    )
-    plot.add_argument(
-        "--format",
-        type=_formats,
-        default=FORMATS,
-        metavar="FMT[,FMT]",
-        help="image formats: png, svg, pdf (default png,svg)",
-    )
-    plot.add_argument("--x", metavar="COLUMN", help="the swept column of sweep.parquet (default: inferred)")
-    plot.set_defaults(func=cmd_plot)
-    return plot

@@ -10,19 +10,19 @@ import pandas as pd
 
 from sim.analysis.capacity import CapacitySearch, run_capacity_search
 from sim.analysis.sweep import LAYOUT_KEY, RATE_KEY, import_ray, parse_grid, plan_runs, run_sweep
+from sim.commands.common import add_progress_flag, add_scenario_argument
 from sim.config import ConfigError
 from sim.scenario import add_override_argument, load_scenario
 
 
-# -------------------------------------------------------------------- CLI
-def register_cli(subparsers: Any) -> None:
+def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "sweep",
         help="run a scenario over a grid of settings, or search its capacity",
         description="Run the cartesian product of --grid axes, one run per point and layout; "
         "results go to OUT/runs/ as each run finishes and to OUT/sweep.parquet at the end.",
     )
-    parser.add_argument("scenario", help="a scenario file, or the name of one in scenarios/")
+    add_scenario_argument(parser, default=None)
     add_override_argument(parser, " for every run")
     parser.add_argument(
         "--grid",
@@ -38,7 +38,7 @@ def register_cli(subparsers: Any) -> None:
     parser.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
     parser.add_argument("--workers", type=int, metavar="N", help="parallel runs (default: all cores)")
     parser.add_argument("--resume", action="store_true", help="keep OUT's finished runs, run the rest")
-    parser.add_argument("--progress", action="store_true", help="a progress bar even off a terminal")
+    add_progress_flag(parser)
     parser.add_argument(
         "--find-max-rate",
         metavar="LO,HI",

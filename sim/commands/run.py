@@ -1,0 +1,45 @@
+"""``kvsim run`` (one layout) and ``kvsim compare`` (both layouts)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from sim.commands.common import add_scenario_flags, print_table
+from sim.scenario import Layout
+
+
+def register(subparsers: Any) -> None:
+    run = subparsers.add_parser("run", help="simulate a scenario under one layout")
+    add_scenario_flags(run)
+    run.add_argument("--layout", choices=["on", "off"], default="on")
+    run.set_defaults(func=lambda args: run_and_write(args, (args.layout,)))
+
+    compare = subparsers.add_parser("compare", help="simulate a scenario under both layouts and compare")
+    add_scenario_flags(compare)
+    compare.set_defaults(func=lambda args: run_and_write(args, ("off", "on")))
+
+
+def run_and_write(args: argparse.Namespace, layouts: tuple[Layout, ...]) -> int:
+    from sim.analysis.plots import write_standard_figures
+    from sim.analysis.runs import run_scenario
+    from sim.results import write_results
+    from sim.scenario import load_scenario, scenario_to_dict
+
+    scenario = load_scenario(args.scenario, args.set)
+    out_dir = Path(args.out) if args.out else Path("results") / scenario.name
+    result = run_scenario(scenario, layouts, progress=sys.stderr.isatty() or args.progress)
+    write_results(out_dir, result.frames(), scenario_to_dict(scenario))
+    print(
+        f"kvsim: {scenario.name}: {len(result.requests) // max(len(result.summary), 1)} requests per layout"
+    )
+    print_table(result.comparison())
+    figures = write_standard_figures(out_dir, result.frames())
+    print(f"frames written to {out_dir}/ (steps, requests, samples, summary: parquet)")
+    print(
+        f"figures written to {out_dir / 'plots'}/ ({len(figures)} files: "
+        f"{', '.join(sorted({p.stem for p in figures}))})"
+    )
+    return 0
