@@ -21,26 +21,30 @@ import simpy
 from tqdm import tqdm
 
 from sim.allocator_invariants import check_allocator
+from sim.config import ModelConfig
 from sim.kv_cache_manager import build_kv_cache_manager
 from sim.layout import KVCachePlan, plan_kv_cache
-from sim.scenario import Layout, Scenario
+from sim.metrics import SAMPLE_RECORD, STEP_RECORD
+from sim.scenario import AllocatorSection, Layout, Scenario
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import SchedulerOutput, StepOutcome
 from sim.sched.scheduler import Scheduler, SchedulerConfig
+from sim.sched.stats import Columns, SchedulerGauges, flat_columns
 from sim.step_time import StepTimeModel
 from sim.workloads import RequestSpec, Workload
 
 
 @dataclass
 class Recording:
-    """What a simulation observed: one row per step, one record per request."""
+    """What a simulation observed: one row per step and per sample (stored
+    column-wise, the registry's columns), one record per request."""
 
     scenario: str
     layout: Layout
     plan: dict[str, Any]
-    steps: list[dict[str, Any]] = field(default_factory=list)
+    steps: Columns = field(default_factory=lambda: Columns(STEP_RECORD))
     requests: dict[str, dict[str, Any]] = field(default_factory=dict)
-    samples: list[dict[str, Any]] = field(default_factory=list)
+    samples: Columns = field(default_factory=lambda: Columns(SAMPLE_RECORD))
     end_time_s: float = 0.0
     num_rejected: int = 0
     # True when requests remained that could never be scheduled.
@@ -61,45 +65,27 @@ class Simulation:
         self.layout = layout
         self.workload = workload
         self.progress = progress
-        self.plan: KVCachePlan = plan_kv_cache(
-            scenario.load_model(), scenario.deployment, side_cache_layout=layout == "on"
-        )
-        self.kv_cache_manager = build_kv_cache_manager(
-            self.plan,
-            retain_mamba_checkpoint=scenario.allocator.retain_mamba_checkpoint,
-            enable_caching=scenario.allocator.enable_prefix_caching,
-        )
-        self.scheduler = Scheduler(self._scheduler_config(), self.kv_cache_manager)
+        model = scenario.load_model()  # read once
+        self.plan: KVCachePlan = plan_kv_cache(model, scenario.deployment, side_cache_layout=layout == "on")
+        self.kv_cache_manager = build_kv_cache_manager(self.plan, **allocator_options(scenario.allocator))
+        self.scheduler = Scheduler(scheduler_config(scenario, model, self.plan), self.kv_cache_manager)
         acceptance = AcceptanceModel(conditional_rates=scenario.mtp.acceptance_rates)
         self.model_runner = ModelRunner(acceptance, _runner_rng(scenario.seed))
         self.step_time = StepTimeModel(scenario.step_time_config())
         self.env = simpy.Environment()
         self._wakeup = self.env.event()
-        self._arrivals_done = False
-        self._engine_done = False
+        # The processes are events that trigger when they end.
+        self._arrivals: simpy.Process | None = None
+        self._engine: simpy.Process | None = None
         self._bar: tqdm | None = None
         self.recording = Recording(scenario=scenario.name, layout=layout, plan=self.plan.to_dict())
-
-    def _scheduler_config(self) -> SchedulerConfig:
-        s, d = self.scenario.scheduler, self.scenario.deployment
-        return SchedulerConfig(
-            max_num_seqs=d.max_num_seqs,
-            max_num_batched_tokens=s.max_num_batched_tokens,
-            max_model_len=d.max_model_len,
-            block_size=self.plan.block_size,
-            num_speculative_tokens=self.scenario.load_model().mtp.num_speculative_tokens,
-            long_prefill_token_threshold=s.long_prefill_token_threshold,
-            scheduler_reserve_full_isl=s.scheduler_reserve_full_isl,
-            defer_block_free=s.defer_block_free,
-            max_concurrent_batches=s.max_concurrent_batches,
-        )
 
     # ------------------------------------------------------------------- run
     def start(self) -> None:
         """Register the processes; ``run`` then advances the clock to the end
         (a caller may instead advance ``env`` itself, a little at a time)."""
-        self.env.process(self.arrivals())
-        self.env.process(self.engine_loop())
+        self._arrivals = self.env.process(self.arrivals())
+        self._engine = self.env.process(self.engine_loop())
         if self.scenario.simulation.sample_interval_s:
             self.env.process(self.sampler(self.scenario.simulation.sample_interval_s))
 
@@ -131,8 +117,7 @@ class Simulation:
                 yield self.env.timeout(spec.arrival_s - self.env.now)
             self._record_arrival(spec, accepted=self.scheduler.add_request(spec))
             self._wake()
-        self._arrivals_done = True
-        self._wake()
+        self._wake()  # the engine may be asleep on an empty queue: let it see the end
 
     def _wake(self) -> None:
         if not self._wakeup.triggered:
@@ -145,7 +130,7 @@ class Simulation:
     def engine_loop(self) -> Generator[simpy.Event, Any, None]:
         while True:
             if not self.scheduler.has_unfinished_requests():
-                if self._arrivals_done:
+                if self._arrivals_ended():
                     break
                 yield self._sleep()
                 continue
@@ -156,7 +141,7 @@ class Simulation:
                 # returns no blocks, wait for the next arrival.
                 if self.scheduler.complete_in_flight_steps():
                     continue
-                if self._arrivals_done:
+                if self._arrivals_ended():
                     self.recording.stalled = True
                     break
                 yield self._sleep()
@@ -168,21 +153,14 @@ class Simulation:
                 output, self.model_runner.execute(output, token_counts)
             )
             self._record_step(output, outcome, started_s, step_s)
-        self._engine_done = True
+
+    def _arrivals_ended(self) -> bool:
+        return self._arrivals is not None and not self._arrivals.is_alive
 
     def sampler(self, interval_s: float) -> Generator[simpy.Event, Any, None]:
-        while not self._engine_done:
-            pool = self.kv_cache_manager.block_pool
-            self.recording.samples.append(
-                {
-                    "time_s": self.env.now,
-                    "num_requests_running": self.scheduler.num_running,
-                    "num_requests_waiting": self.scheduler.num_waiting,
-                    "num_free_blocks": pool.get_num_free_blocks(),
-                    "num_deferred_blocks": self.scheduler.num_deferred_blocks(),
-                    "kv_cache_usage_perc": pool.get_usage(),
-                }
-            )
+        assert self._engine is not None, "start() registers the engine before the sampler"
+        while self._engine.is_alive:
+            self._record_sample(self.scheduler.make_gauges())
             yield self.env.timeout(interval_s)
 
     # ------------------------------------------------------------- recording
@@ -216,38 +194,43 @@ class Simulation:
         for request_id, num_output_tokens in outcome.finished.items():
             requests[request_id]["finished_s"] = now
             requests[request_id]["generated_tokens"] = num_output_tokens
-        pool = self.kv_cache_manager.block_pool
-        self.recording.steps.append(
-            {
-                "step": output.step_index,
-                "time_s": now,
-                "step_time_s": step_s,
-                "num_requests_running": self.scheduler.num_running,
-                "num_requests_waiting": self.scheduler.num_waiting,
-                "num_scheduled_requests": len(output.scheduled),
-                "num_scheduled_tokens": output.total_num_scheduled_tokens,
-                "num_prefill_tokens": output.num_prefill_tokens,
-                "num_decode_tokens": output.num_decode_tokens,
-                "num_admitted": len(output.new_request_ids),
-                "num_resumed": len(output.resumed_request_ids),
-                "num_preemptions": len(output.preempted_request_ids),
-                "num_finished": len(outcome.finished),
-                "num_generation_tokens": outcome.num_generated_tokens,
-                "num_draft_tokens": outcome.num_draft_tokens,
-                "num_accepted_tokens": outcome.num_accepted_tokens,
-                "num_free_blocks": pool.get_num_free_blocks(),
-                "num_deferred_blocks": self.scheduler.num_deferred_blocks(),
-                "kv_cache_usage_perc": pool.get_usage(),
-                "prefix_cache_queries_tokens": output.prefix_cache_queries,
-                "prefix_cache_hits_tokens": output.prefix_cache_hits,
-                "prefix_cache_evicted_blocks": output.num_evicted_blocks,
-                "num_retained_checkpoints": self.kv_cache_manager.num_retained_checkpoints(),
-            }
-        )
+        stats = flat_columns(self.scheduler.make_stats(output, outcome))
+        self.recording.steps.append({"time_s": now, "step_time_s": step_s, **stats})
         if self.scenario.simulation.check_invariants:
             check_allocator(self.kv_cache_manager, self.scheduler.deferred_blocks())
         if self._bar is not None:
             self._bar.update(round(now, 1) - self._bar.n)
+
+    def _record_sample(self, gauges: SchedulerGauges) -> None:
+        values = flat_columns(gauges)
+        row = {"time_s": self.env.now} | {name: values[name] for name in SAMPLE_RECORD if name != "time_s"}
+        self.recording.samples.append(row)
+
+
+def scheduler_config(scenario: Scenario, model: ModelConfig, plan: KVCachePlan) -> SchedulerConfig:
+    """The scheduler's flags: every field of the scenario's ``scheduler:``
+    section by name (a section field the scheduler lacks is a TypeError here,
+    not a silently ignored key), the rest from the deployment, plan and model."""
+    return SchedulerConfig(
+        **scenario.scheduler.model_dump(),
+        max_num_seqs=scenario.deployment.max_num_seqs,
+        max_model_len=scenario.deployment.max_model_len,
+        block_size=plan.block_size,
+        num_speculative_tokens=model.mtp.num_speculative_tokens,
+    )
+
+
+# The ``allocator:`` section's fields -> ``build_kv_cache_manager``'s arguments.
+_ALLOCATOR_ARGUMENTS = {
+    "retain_mamba_checkpoint": "retain_mamba_checkpoint",
+    "enable_prefix_caching": "enable_caching",
+}
+
+
+def allocator_options(section: AllocatorSection) -> dict[str, Any]:
+    """``build_kv_cache_manager``'s keyword arguments from every field of the
+    section (a new field without an argument is a KeyError, not ignored)."""
+    return {_ALLOCATOR_ARGUMENTS[name]: value for name, value in section.model_dump().items()}
 
 
 def simulate(scenario: Scenario, layout: Layout, workload: Workload, *, progress: bool = False) -> Recording:

@@ -57,6 +57,12 @@ class KVCacheManager(_VllmKVCacheManager):
         clears their tag words before the step that first writes them)."""
         return [i for m in self.ring_managers for i in m.take_new_ring_block_ids()]
 
+    @property
+    def num_free_blocks(self) -> int:
+        """Free pool blocks (evictable cached ones included), as the
+        admission check counts them."""
+        return self.block_pool.get_num_free_blocks()
+
     def num_retained_checkpoints(self) -> int:
         return sum(len(m.retained_blocks()) for m in self.managers if isinstance(m, RetainingMambaManager))
 

@@ -11,26 +11,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from sim.metrics import CUMULATIVE, GAIN_METRICS, Frame, columns
+
 if TYPE_CHECKING:  # frames only read a recording: no engine (nor vLLM) at import
     from sim.engine import Recording
-
-_CUMULATIVE = {
-    "num_admitted": "num_admitted_total",
-    "num_preemptions": "num_preemptions_total",
-    "num_finished": "num_finished_total",
-    "prefix_cache_queries_tokens": "prefix_cache_queries_total_tokens",
-    "prefix_cache_hits_tokens": "prefix_cache_hits_total_tokens",
-    "prefix_cache_evicted_blocks": "prefix_cache_evicted_total_blocks",
-    "num_generation_tokens": "num_generation_total_tokens",
-}
 
 
 def steps_frame(recording: Recording) -> pd.DataFrame:
     """One row per engine step, gauges as after the step, plus running totals."""
-    frame = pd.DataFrame.from_records(recording.steps)
-    if frame.empty:
-        frame = pd.DataFrame(columns=["step", "time_s", *_CUMULATIVE])
-    for column, total in _CUMULATIVE.items():
+    frame = pd.DataFrame(recording.steps.to_dict())
+    for column, total in CUMULATIVE.items():
         frame[total] = frame[column].cumsum() if len(frame) else pd.Series(dtype="int64")
     frame.insert(0, "layout", recording.layout)
     frame.insert(0, "scenario", recording.scenario)
@@ -39,7 +29,7 @@ def steps_frame(recording: Recording) -> pd.DataFrame:
 
 def samples_frame(recording: Recording) -> pd.DataFrame:
     """The gauges at a fixed simulated-time interval (time-uniform curves)."""
-    frame = pd.DataFrame.from_records(recording.samples)
+    frame = pd.DataFrame(recording.samples.to_dict())
     frame.insert(0, "layout", recording.layout)
     frame.insert(0, "scenario", recording.scenario)
     return frame
@@ -91,7 +81,7 @@ def summarise(steps: pd.DataFrame, requests: pd.DataFrame, recording: Recording)
     running_now = int(steps["num_requests_running"].iloc[-1]) if len(steps) else 0
     waiting_now = int(steps["num_requests_waiting"].iloc[-1]) if len(steps) else 0
     generated = int(steps["num_generation_tokens"].sum()) if len(steps) else 0
-    return {
+    values = {
         "scenario": recording.scenario,
         "layout": recording.layout,
         "kv_cache_tokens": recording.plan["kv_cache_tokens"],
@@ -119,27 +109,23 @@ def summarise(steps: pd.DataFrame, requests: pd.DataFrame, recording: Recording)
         "ttft_p99_s": _percentile(finished["ttft_s"], 99) if len(finished) else float("nan"),
         "e2e_mean_s": float(finished["e2e_s"].mean()) if len(finished) else float("nan"),
     }
+    return in_registry_order("summary", values)
+
+
+def in_registry_order(frame: Frame, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` in the registry's column order; a column computed but not
+    registered, or registered but not computed, is a bug here."""
+    names = columns(frame)
+    assert set(values) == set(names), (
+        f"{frame}: unregistered {set(values) - set(names)}, missing {set(names) - set(values)}"
+    )
+    return {name: values[name] for name in names}
 
 
 def frames(recording: Recording) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, dict[str, Any]]:
     steps = steps_frame(recording)
     requests = requests_frame(recording)
     return steps, requests, samples_frame(recording), summarise(steps, requests, recording)
-
-
-GAIN_METRICS = (
-    "kv_cache_tokens",
-    "num_admitted",
-    "num_finished",
-    "peak_concurrency",
-    "mean_concurrency",
-    "num_preemptions",
-    "prefix_cache_hit_rate",
-    "prefix_cache_evicted_blocks",
-    "output_throughput_tokens_per_s",
-    "ttft_p50_s",
-    "ttft_p99_s",
-)
 
 
 def comparison_table(summary: pd.DataFrame) -> pd.DataFrame:

@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 from sim.analysis.sweep import make_spec, open_runner
 from sim.config import ConfigError, StrictModel, YamlLoader, load_yaml_text, read_yaml, validate
+from sim.metrics import DIRECTIONS, Direction
 from sim.paths import SCENARIOS_DIR
 from sim.results import atomic_write, plain_value, write_json
 from sim.scenario import Layout, Scenario, load_scenario
@@ -50,36 +51,10 @@ from sim.scenario import Layout, Scenario, load_scenario
 DEFAULT_GATES = SCENARIOS_DIR / "gates.yaml"
 LAYOUTS: tuple[Layout, ...] = ("off", "on")
 ON_VS_OFF = "on-vs-off"
-Direction = Literal["higher", "lower", "either"]
 Verdict = Literal["pass", "fail", "new", "improved", "updated"]
 
-# Which way is better for each summary metric; "either": any change past
-# the tolerance is a regression (the metric should not move at all).
-DIRECTIONS: dict[str, Direction] = {
-    "num_admitted": "higher",
-    "num_finished": "higher",
-    "peak_concurrency": "higher",
-    "mean_concurrency": "higher",
-    "output_throughput_tokens_per_s": "higher",
-    "prefix_cache_hit_rate": "higher",
-    "prefix_cache_hits_tokens": "higher",
-    "kv_cache_tokens": "higher",
-    "num_gpu_blocks": "higher",
-    "num_preemptions": "lower",
-    "num_rejected": "lower",
-    "num_waiting_at_end": "lower",
-    "mean_waiting": "lower",
-    "prefix_cache_evicted_blocks": "lower",
-    "ttft_p50_s": "lower",
-    "ttft_p90_s": "lower",
-    "ttft_p99_s": "lower",
-    "e2e_mean_s": "lower",
-    "num_requests": "either",
-    "num_running_at_end": "either",
-    "num_steps": "either",
-    "duration_s": "either",
-    "prefix_cache_queries_tokens": "either",
-}
+# Which way is better for each summary metric: ``DIRECTIONS``, from the
+# metric registry (``sim.metrics``).
 Baselines = dict[str, dict[str, dict[Layout, Any]]]  # gate -> metric -> layout -> value
 _WORSE = {"higher": "a drop", "lower": "a rise", "either": "any change"}
 

@@ -22,6 +22,7 @@ from typing import Protocol
 from sim.kv_cache_manager import KVCacheManager
 from sim.sched.model_runner import OUTPUT_TOKEN_BASE
 from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepOutcome
+from sim.sched.stats import PrefixCacheStats, SchedulerGauges, SchedulerStats, SpecDecodingStats
 from sim.vllm_bridge import (
     BlockRemoved,
     KVCacheBlock,
@@ -396,6 +397,44 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting)
+
+    # ------------------------------------------------------------------- stats
+    def make_gauges(self) -> SchedulerGauges:
+        """The gauges now (the one builder for step records and samples)."""
+        kv = self.kv_cache_manager
+        return SchedulerGauges(
+            num_requests_running=self.num_running,
+            num_requests_waiting=self.num_waiting,
+            num_free_blocks=kv.num_free_blocks,
+            num_deferred_blocks=self.num_deferred_blocks(),
+            kv_cache_usage_perc=kv.usage,
+            num_retained_checkpoints=kv.num_retained_checkpoints(),
+        )
+
+    def make_stats(self, output: SchedulerOutput, outcome: StepOutcome) -> SchedulerStats:
+        """One step's stats once its output is applied (vLLM's ``make_stats``)."""
+        return SchedulerStats(
+            step=output.step_index,
+            num_scheduled_requests=len(output.scheduled),
+            num_scheduled_tokens=output.total_num_scheduled_tokens,
+            num_prefill_tokens=output.num_prefill_tokens,
+            num_decode_tokens=output.num_decode_tokens,
+            num_admitted=len(output.new_request_ids),
+            num_resumed=len(output.resumed_request_ids),
+            num_preemptions=len(output.preempted_request_ids),
+            num_finished=len(outcome.finished),
+            num_generation_tokens=outcome.num_generated_tokens,
+            gauges=self.make_gauges(),
+            prefix_cache_stats=PrefixCacheStats(
+                prefix_cache_queries_tokens=output.prefix_cache_queries,
+                prefix_cache_hits_tokens=output.prefix_cache_hits,
+                prefix_cache_evicted_blocks=output.num_evicted_blocks,
+            ),
+            spec_decoding_stats=SpecDecodingStats(
+                num_draft_tokens=outcome.num_draft_tokens,
+                num_accepted_tokens=outcome.num_accepted_tokens,
+            ),
+        )
 
     def token_counts(self) -> dict[str, int]:
         """Each running request's tokens (prompt plus outputs, no drafts)."""

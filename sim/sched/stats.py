@@ -1,0 +1,113 @@
+"""What the scheduler reports about itself: typed records, stored column-wise.
+
+Twin of ``vllm/v1/metrics/stats.py`` (0.33.0), reduced to what a block
+allocation simulator observes: ``SchedulerStats`` (one per step, made by
+``Scheduler.make_stats`` after the step's output is applied, as vLLM's
+scheduler makes its own), with the scheduler's gauges (``SchedulerGauges``,
+vLLM's ``num_running_reqs``/``num_waiting_reqs``/``kv_cache_usage`` plus the
+pool's free and fenced blocks), ``PrefixCacheStats`` and
+``SpecDecodingStats``. Field names are the frame columns of the metric
+registry (``sim.metrics``), so a record flattens straight into a row.
+
+``Columns`` stores records as one list per column, in registry order, and
+refuses a record whose fields differ from its columns: a field added here
+but not registered (or the other way round) fails at the first step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SchedulerGauges:
+    """The scheduler's levels at one instant (the step record and the
+    samples both take them from ``Scheduler.make_gauges``)."""
+
+    num_requests_running: int
+    num_requests_waiting: int
+    num_free_blocks: int
+    num_deferred_blocks: int
+    kv_cache_usage_perc: float
+    num_retained_checkpoints: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrefixCacheStats:
+    """vLLM's ``PrefixCacheStats`` of one step (fresh and preempted lookups
+    together, in tokens) and the cached blocks the step evicted."""
+
+    prefix_cache_queries_tokens: int
+    prefix_cache_hits_tokens: int
+    prefix_cache_evicted_blocks: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SpecDecodingStats:
+    """vLLM's ``SpecDecodingStats`` of one step (MTP drafts)."""
+
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SchedulerStats:
+    """One step, as the scheduler saw it once the step's output was applied."""
+
+    step: int
+    num_scheduled_requests: int
+    num_scheduled_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_admitted: int
+    num_resumed: int
+    num_preemptions: int
+    num_finished: int
+    num_generation_tokens: int
+    gauges: SchedulerGauges
+    prefix_cache_stats: PrefixCacheStats
+    spec_decoding_stats: SpecDecodingStats
+
+
+def flat_columns(record: Any) -> dict[str, Any]:
+    """A record's leaf fields by name, nested records flattened.
+
+    >>> flat_columns(SpecDecodingStats(num_draft_tokens=3, num_accepted_tokens=2))
+    {'num_draft_tokens': 3, 'num_accepted_tokens': 2}
+    """
+    values: dict[str, Any] = {}
+    for spec in fields(record):
+        value = getattr(record, spec.name)
+        if is_dataclass(value):
+            values.update(flat_columns(value))
+        else:
+            values[spec.name] = value
+    return values
+
+
+class Columns:
+    """Rows of one shape, one list per column, columns in a fixed order."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self._columns: dict[str, list[Any]] = {name: [] for name in names}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._columns)
+
+    def append(self, row: Mapping[str, Any]) -> None:
+        if row.keys() != self._columns.keys():
+            extra = sorted(set(row) - set(self._columns))
+            missing = sorted(set(self._columns) - set(row))
+            raise KeyError(f"row does not match the columns: unregistered {extra}, missing {missing}")
+        for name, value in row.items():
+            self._columns[name].append(value)
+
+    def __len__(self) -> int:
+        return len(next(iter(self._columns.values()), []))
+
+    def to_dict(self) -> dict[str, list[Any]]:
+        """The columns in order (the lists themselves: read, do not change)."""
+        return self._columns
