@@ -116,3 +116,28 @@ def test_every_command_module_is_registered():
     helpers = {"__init__", "common"}
     on_disk = {p.stem for p in (SIM / "commands").glob("*.py")} - helpers
     assert on_disk == set(COMMAND_MODULES)
+
+
+# Analysis modules that run scenarios but must not lean on one another:
+# each takes its runners from sim.analysis.executors.
+INDEPENDENT = {"sim.analysis.gates": {"sim.analysis.sweep", "sim.analysis.capacity"}}
+
+
+def _leans_on(path: Path, banned: set[str]) -> set[str]:
+    return {name for name in _imports(path) if name in banned}
+
+
+@pytest.mark.parametrize("module", sorted(INDEPENDENT))
+def test_gates_run_through_the_executors_not_the_sweep(module):
+    path = SIM.parent / (module.replace(".", "/") + ".py")
+    assert _leans_on(path, INDEPENDENT[module]) == set()
+    assert "sim.analysis.executors" in _imports(path)
+
+
+def test_the_independence_check_catches_a_sweep_import(tmp_path):
+    """CONTROL: gates importing the sweep again is flagged."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        (SIM / "analysis" / "gates.py").read_text() + "\nfrom sim.analysis.sweep import run_sweep\n"
+    )
+    assert _leans_on(probe, INDEPENDENT["sim.analysis.gates"]) == {"sim.analysis.sweep"}

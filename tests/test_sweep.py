@@ -20,7 +20,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sim.analysis import sweep
+from sim.analysis import executors
 from sim.analysis.capacity import CapacitySearch, find_max_rate, run_capacity_search
 from sim.analysis.sweep import GridAxis, parse_grid, plan_runs, run_sweep
 from sim.commands.sweep import register as register_cli
@@ -55,7 +55,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def plan(tiny: Path, grid: list[str] = GRID) -> list[sweep.RunSpec]:
+def plan(tiny: Path, grid: list[str] = GRID) -> list[executors.RunSpec]:
     return plan_runs(str(tiny), [], [parse_grid(text) for text in grid])
 
 
@@ -126,7 +126,7 @@ def test_malformed_grid_is_one_line_error(text: str, says: str) -> None:
 def test_bad_grid_fails_before_any_run(
     tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grid: list[str], says: str
 ) -> None:
-    monkeypatch.setattr(sweep, "run_one", lambda spec: pytest.fail("a run started"))
+    monkeypatch.setattr(executors, "run_one", lambda spec: pytest.fail("a run started"))
     argv = [str(tiny), "--out", str(tmp_path / "out"), "--workers", "1"]
     with pytest.raises(ConfigError, match=says) as error:
         cli(*argv, *(f"--grid={g}" for g in grid))
@@ -175,15 +175,15 @@ def test_ray_gives_the_in_process_frame(tiny: Path, tmp_path: Path, reference: p
 def test_interrupted_sweep_resumes_without_loss_or_duplicates(
     tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference: pd.DataFrame
 ) -> None:
-    real_run_one, calls = sweep.run_one, []
+    real_run_one, calls = executors.run_one, []
 
-    def interrupted(spec: sweep.RunSpec) -> dict:
+    def interrupted(spec: executors.RunSpec) -> dict:
         if len(calls) == 2:
             raise KeyboardInterrupt
         calls.append(spec.run_id)
         return real_run_one(spec)
 
-    monkeypatch.setattr(sweep, "run_one", interrupted)
+    monkeypatch.setattr(executors, "run_one", interrupted)
     with pytest.raises(KeyboardInterrupt):
         run_sweep(plan(tiny), tmp_path, workers=1)
     assert sorted(p.stem for p in (tmp_path / "runs").glob("*.json")) == sorted(calls)
@@ -192,7 +192,7 @@ def test_interrupted_sweep_resumes_without_loss_or_duplicates(
         run_sweep(plan(tiny), tmp_path, workers=1)
 
     resumed: list[str] = []
-    monkeypatch.setattr(sweep, "run_one", lambda spec: resumed.append(spec.run_id) or real_run_one(spec))
+    monkeypatch.setattr(executors, "run_one", lambda spec: resumed.append(spec.run_id) or real_run_one(spec))
     frame = run_sweep(plan(tiny), tmp_path, workers=1, resume=True)
     assert len(resumed) == NUM_RUNS - 2 and not set(resumed) & set(calls)
     assert len(list((tmp_path / "runs").glob("*.json"))) == NUM_RUNS
@@ -304,7 +304,7 @@ def test_find_max_rate_on_a_real_scenario(
     assert preemptions[row.bracket_lo] == 0 and preemptions[row.bracket_hi] > 0
     assert len(runs) == row.num_evaluations
     # Every evaluation is a cached run: resuming replays the search with no new run.
-    monkeypatch.setattr(sweep, "run_one", lambda spec: pytest.fail("a run started"))
+    monkeypatch.setattr(executors, "run_one", lambda spec: pytest.fail("a run started"))
     again = run_capacity_search(search, tmp_path, workers=1, resume=True)
     pd.testing.assert_frame_equal(again, frame)
 

@@ -18,16 +18,12 @@ from typing import Any
 
 import pandas as pd
 
+from sim.analysis.executors import Executor, RunSpec, make_spec, open_runner, parallel_runs
 from sim.analysis.sweep import (
     RATE_KEY,
-    Executor,
     GridAxis,
-    RunSpec,
     grid_points,
     load_point,
-    make_spec,
-    open_runner,
-    parallel_runs,
     plan_runs,
     prepare_out,
     run_cached,

@@ -41,7 +41,7 @@ import yaml
 from pydantic import field_validator, model_validator
 from tqdm import tqdm
 
-from sim.analysis.sweep import make_spec, open_runner
+from sim.analysis.executors import make_spec, open_runner
 from sim.config import ConfigError, StrictModel, YamlLoader, load_yaml_text, read_yaml, validate
 from sim.metrics import DIRECTIONS, Direction
 from sim.paths import SCENARIOS_DIR

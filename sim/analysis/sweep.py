@@ -22,36 +22,35 @@ the missing ones. No twin in vLLM.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
-import multiprocessing
-import os
 import re
-import signal
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import pandas as pd
 import yaml
 from tqdm import tqdm
 
+from sim.analysis.executors import (
+    LAYOUT_KEY,
+    Executor,
+    Runner,
+    RunSpec,
+    describe,
+    make_spec,
+    open_runner,
+    parallel_runs,
+    yaml_inline,
+)
 from sim.config import ConfigError, load_yaml_text
-from sim.paths import PROJECT_ROOT
-from sim.results import plain_value, write_frame, write_json
-from sim.scenario import Layout, Scenario, load_scenario, scenario_to_dict
+from sim.results import write_frame, write_json
+from sim.scenario import Layout, Scenario, load_scenario
 
-Executor = Literal["local", "ray"]
-LAYOUT_KEY = "layout"
 RATE_KEY = "workload.rate_scale"
 _KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
-RAY_MISSING = (
-    "--executor ray needs Ray, an optional extra: "
-    "pip install 'kvsim[ray]' (or pip install 'ray[default]>=2.9')"
-)
 
 
 # ------------------------------------------------------------------ the grid
@@ -113,11 +112,6 @@ def _split_top_level(raw: str) -> list[str]:
     return parts
 
 
-def _yaml_inline(value: Any) -> str:
-    text = yaml.safe_dump(value, default_flow_style=True, width=float("inf"))
-    return text.removesuffix("\n...\n").strip()
-
-
 def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
@@ -129,37 +123,9 @@ def check_axes(axes: Sequence[GridAxis]) -> None:
             raise ConfigError(f"--grid {key}: given more than once")
 
 
-# ------------------------------------------------------------------ the runs
-@dataclass(frozen=True)
-class RunSpec:
-    """One scenario under one layout; ``params`` are the swept values."""
-
-    run_id: str
-    params: dict[str, Any]
-    scenario: Scenario
-    layout: Layout
-
-
-def run_id_for(scenario: Scenario, layout: Layout) -> str:
-    """A hash of what decides the run's result: the resolved scenario (less
-    where its file lies, its description and its layout list), the model's
-    content and the layout."""
-    identity = scenario_to_dict(scenario)
-    for key in ("base_dir", "description", "layouts"):
-        del identity[key]
-    identity["model"] = scenario.load_model().model_dump(mode="json")
-    identity["run_layout"] = layout
-    text = json.dumps(identity, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def make_spec(scenario: Scenario, layout: Layout, params: dict[str, Any]) -> RunSpec:
-    return RunSpec(run_id_for(scenario, layout), {**params, LAYOUT_KEY: layout}, scenario, layout)
-
-
 def load_point(scenario_ref: str, overrides: Sequence[str], params: dict[str, Any]) -> Scenario:
     """The scenario at one grid point; errors name the point."""
-    sets = [*overrides, *(f"{key}={_yaml_inline(value)}" for key, value in params.items())]
+    sets = [*overrides, *(f"{key}={yaml_inline(value)}" for key, value in params.items())]
     try:
         return load_scenario(scenario_ref, sets)
     except ConfigError as error:
@@ -197,166 +163,6 @@ def plan_runs(scenario_ref: str, overrides: Sequence[str], axes: Sequence[GridAx
     if len(set(ids)) < len(ids):
         raise ConfigError("--grid: two grid points resolve to the same scenario")
     return specs
-
-
-def run_one(spec: RunSpec) -> dict[str, Any]:
-    """Simulate one run; the summary row as plain Python values."""
-    from sim.analysis.runs import run_scenario  # imports vLLM: only where runs run
-
-    try:
-        row = run_scenario(spec.scenario, [spec.layout]).summary.iloc[0]
-    except ConfigError as error:  # e.g. a pool too small for max_model_len
-        raise ConfigError(f"run {describe(spec.params)}: {error}") from None
-    return {str(key): plain_value(value) for key, value in row.items()}
-
-
-def describe(params: dict[str, Any]) -> str:
-    return " ".join(f"{key}={_yaml_inline(value)}" for key, value in params.items())
-
-
-def _run_pair(spec: RunSpec) -> tuple[str, dict[str, Any]]:
-    return spec.run_id, run_one(spec)
-
-
-# --------------------------------------------------------------- executors
-class Runner(Protocol):
-    def run(self, specs: Sequence[RunSpec]) -> Iterator[tuple[RunSpec, dict[str, Any]]]: ...
-
-    def close(self, *, abort: bool) -> None: ...
-
-
-class InProcessRunner:
-    """Runs in this process, one after another (``--workers 1``)."""
-
-    def run(self, specs: Sequence[RunSpec]) -> Iterator[tuple[RunSpec, dict[str, Any]]]:
-        for spec in specs:
-            yield spec, run_one(spec)
-
-    def close(self, *, abort: bool) -> None:
-        pass
-
-
-def _init_worker() -> None:
-    """Ctrl-C is the driver's to handle; pay the vLLM import up front."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import sim.analysis.runs  # noqa: F401
-
-
-class PoolRunner:
-    """Local worker processes, kept for the whole sweep so each pays the
-    vLLM import once. ``multiprocessing.Pool`` rather than
-    ``ProcessPoolExecutor`` because it can ``terminate()`` its workers, so
-    Ctrl-C stops a sweep at once instead of after the runs in flight. The
-    forkserver imports vLLM once and forks the workers from it."""
-
-    def __init__(self, workers: int) -> None:
-        self.workers = workers
-        self._pool: Any = None
-
-    def _start(self) -> Any:
-        if self._pool is None:
-            methods = multiprocessing.get_all_start_methods()
-            context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-            if context.get_start_method() == "forkserver":
-                context.set_forkserver_preload(["sim.analysis.runs"])
-            self._pool = context.Pool(self.workers, initializer=_init_worker)
-        return self._pool
-
-    def run(self, specs: Sequence[RunSpec]) -> Iterator[tuple[RunSpec, dict[str, Any]]]:
-        if not specs:
-            return
-        by_id = {spec.run_id: spec for spec in specs}
-        for run_id, summary in self._start().imap_unordered(_run_pair, specs):
-            yield by_id[run_id], summary
-
-    def close(self, *, abort: bool) -> None:
-        if self._pool is not None:
-            self._pool.terminate() if abort else self._pool.close()
-            self._pool.join()
-
-
-def import_ray() -> Any:
-    try:
-        import ray
-    except ImportError:
-        raise ConfigError(RAY_MISSING) from None
-    return ray
-
-
-class RayRunner:
-    """Ray tasks, on the cluster at ``address`` or on a local instance this
-    runner starts (and stops) with ``workers`` CPUs, at its first run. Ray
-    keeps its worker processes, so each pays the vLLM import once."""
-
-    def __init__(self, workers: int, address: str | None) -> None:
-        self.ray = import_ray()
-        self.workers, self.address = workers, address
-        self.owns = False
-        self.task: Any = None
-        self.pending: list[Any] = []
-
-    def _start(self) -> Any:
-        if self.task is None:
-            if not self.ray.is_initialized():
-                where: dict[str, Any] = (
-                    {"address": self.address}
-                    if self.address
-                    else {
-                        "num_cpus": self.workers,
-                        "runtime_env": {"env_vars": {"PYTHONPATH": _python_path()}},
-                    }
-                )
-                self.ray.init(**where, include_dashboard=False, logging_level="WARNING")
-                self.owns = True
-            self.task = self.ray.remote(num_cpus=1)(_run_pair)
-        return self.task
-
-    def run(self, specs: Sequence[RunSpec]) -> Iterator[tuple[RunSpec, dict[str, Any]]]:
-        if not specs:
-            return
-        task = self._start()
-        by_ref = {task.remote(spec): spec for spec in specs}
-        self.pending = list(by_ref)
-        while self.pending:
-            done, self.pending = self.ray.wait(self.pending, num_returns=1)
-            _, summary = self.ray.get(done[0])
-            yield by_ref[done[0]], summary
-
-    def close(self, *, abort: bool) -> None:
-        for ref in self.pending if abort else []:
-            self.ray.cancel(ref, force=True)
-        if self.owns:
-            self.ray.shutdown()
-
-
-def _python_path() -> str:
-    """A local Ray worker must import ``sim`` even from an uninstalled checkout."""
-    return os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p)
-
-
-def parallel_runs(workers: int | None, num_runs: int) -> int:
-    """Worker count: as asked (default all cores), but no more than runs."""
-    return max(1, min(workers or os.cpu_count() or 1, num_runs))
-
-
-@contextmanager
-def open_runner(
-    executor: Executor = "local", workers: int | None = None, address: str | None = None
-) -> Iterator[Runner]:
-    """A runner that lives for the whole sweep; on any exception (Ctrl-C
-    included) runs in flight are abandoned and workers stopped."""
-    count = workers or os.cpu_count() or 1
-    runner: Runner
-    if executor == "ray":
-        runner = RayRunner(count, address)
-    else:
-        runner = InProcessRunner() if count == 1 else PoolRunner(count)
-    try:
-        yield runner
-    except BaseException:
-        runner.close(abort=True)
-        raise
-    runner.close(abort=False)
 
 
 # ------------------------------------------------------- finished-run files

@@ -9,7 +9,8 @@ from typing import Any
 import pandas as pd
 
 from sim.analysis.capacity import CapacitySearch, run_capacity_search
-from sim.analysis.sweep import LAYOUT_KEY, RATE_KEY, import_ray, parse_grid, plan_runs, run_sweep
+from sim.analysis.executors import LAYOUT_KEY, import_ray
+from sim.analysis.sweep import RATE_KEY, parse_grid, plan_runs, run_sweep
 from sim.commands.common import add_progress_flag, add_scenario_argument
 from sim.config import ConfigError
 from sim.scenario import add_override_argument, load_scenario
