@@ -148,13 +148,50 @@ def test_resampling_holds_the_last_value_at_or_before_each_time() -> None:
 
 
 def test_gain_on_a_hand_made_example() -> None:
+    """Off's run ends at 3 s (its last step), so the gain stops there; the
+    closing row at 3 s holds the state just before (off 2, on 4)."""
     table = plots.concurrency_gain(HAND_STEPS)
-    assert list(table["gain"]) == [-2, 2, -1, -4]
-    assert list(table["ratio"]) == [0.0, 2.0, 0.8, 0.2]
-    # Mean over [1, 4]: (-2 * 1 + 2 * 1 - 1 * 1) / 3; the last value has no duration.
-    assert time_weighted(table["gain"]) == pytest.approx(-1 / 3)
+    assert list(table.index) == [1.0, 2.0, 3.0]
+    assert list(table["gain"]) == [-2, 2, 2]
+    assert list(table["ratio"]) == [0.0, 2.0, 2.0]
+    # Mean over [1, 3]: (-2 * 1 + 2 * 1) / 2; the closing value has no duration.
+    assert time_weighted(table["gain"]) == pytest.approx(0.0)
     with pytest.raises(ValueError, match="layout: .*missing \\['on'\\]"):
         plots.concurrency_gain(HAND_STEPS[HAND_STEPS["layout"] == "off"])
+
+
+# The new layout runs one more request than the old at every moment, then
+# drains at 3 s; the old layout runs on (its queue drains at 10 s).
+EARLY_END = pd.DataFrame(
+    {
+        "scenario": "hand",
+        "layout": ["on"] * 3 + ["off"] * 10,
+        "time_s": [1.0, 2.0, 3.0, *np.arange(1.0, 11.0)],
+        "num_requests_running": [3, 3, 0, *[2] * 9, 0],
+    }
+)
+
+
+def test_a_layout_that_finishes_early_shows_no_false_loss() -> None:
+    table = plots.concurrency_gain(EARLY_END)
+    assert table.index[-1] == 3.0  # the span both runs cover
+    assert (table["gain"] == 1).all()
+    title = plots.gain_figure(EARLY_END).axes[0].get_title(loc="left")
+    assert "most +1, least +1" in title
+    # CONTROL: compared past the early end (the old figure), the drained
+    # run's 0 reads as a loss of 2 that no moment of both runs had.
+    naive = plots.resample_steps(EARLY_END, "num_requests_running", before=0.0)
+    assert (naive["on"] - naive["off"]).min() == -2
+
+
+def test_the_gain_figure_draws_a_rolling_mean_over_the_noisy_steps(steps) -> None:
+    fig = plots.gain_figure(steps)
+    (trend,) = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_gid() == "gain_rolling_mean"]
+    raw = _gain_line(fig)
+    smoothed = np.asarray(trend.get_ydata(), dtype=float)
+    # A mean never leaves the range of what it averages, and it is calmer.
+    assert raw.min() <= smoothed.min() and smoothed.max() <= raw.max()
+    assert np.abs(np.diff(smoothed)).max() < np.abs(np.diff(raw)).max()
 
 
 def _gain_line(fig: Figure) -> np.ndarray:

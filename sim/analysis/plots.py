@@ -106,14 +106,39 @@ def resample_steps(
     return pd.DataFrame(series, index=pd.Index(grid, name="time_s"))
 
 
+def common_end_s(steps: pd.DataFrame) -> float:
+    """When the first of the layouts' runs ended (its last step)."""
+    return float(steps.groupby("layout")["time_s"].max().min())
+
+
+def both_running(table: pd.DataFrame, end_s: float) -> pd.DataFrame:
+    """``table`` cut to the span both runs cover: the rows before ``end_s``
+    and a closing row at ``end_s`` holding the state just before it. After
+    its last step a run has ended (typically with 0 running), so comparing
+    past it would read as a loss (or gain) that no moment of both runs had.
+
+    >>> table = pd.DataFrame({"x": [1, 2, 0]}, index=pd.Index([0.0, 1.0, 2.0], name="time_s"))
+    >>> both_running(table, 2.0)["x"].tolist(), both_running(table, 2.0).index.tolist()
+    ([1, 2, 2], [0.0, 1.0, 2.0])
+    """
+    before = table[table.index < end_s]
+    if before.empty:
+        return table[table.index <= end_s]
+    closing = before.iloc[[-1]].set_axis(pd.Index([end_s], name=table.index.name))
+    return pd.concat([before, closing])
+
+
 def concurrency_gain(steps: pd.DataFrame, column: str = "num_requests_running") -> pd.DataFrame:
     """Off, on, ``gain`` (on - off) and ``ratio`` (on / off, NaN where off is
-    0) of a request count on the common grid. Before its first step a layout
-    runs nothing, so counts start at 0."""
+    0) of a request count on the common grid, over the span both runs cover
+    (``both_running``). Before its first step a layout runs nothing, so
+    counts start at 0."""
     missing = {"off", "on"} - set(steps["layout"])
     if missing:
         raise ValueError(f"layout: the gain needs off and on; missing {sorted(missing)}")
-    table = resample_steps(steps, column, before=0.0)[["off", "on"]]
+    both = steps[steps["layout"].isin(["off", "on"])]
+    table = resample_steps(both, column, before=0.0)[["off", "on"]]
+    table = both_running(table, common_end_s(both))
     table["gain"] = table["on"] - table["off"]
     table["ratio"] = table["on"] / table["off"].where(table["off"] != 0)
     return table
@@ -236,9 +261,33 @@ def gain_figure(steps: pd.DataFrame, *, ratio: bool = True) -> Figure:
     return _finish(fig, axes, title, handles)
 
 
+def rolling_mean(series: pd.Series, window_s: float, num_points: int = 401) -> pd.Series:
+    """A step series (indexed by time) averaged over a sliding window of
+    ``window_s``, read on ``num_points`` evenly spaced times: the trend
+    under a gain that flips every few steps.
+
+    >>> flips = pd.Series([1, -1] * 50 + [1], index=np.arange(101.0))  # +1, -1 each second
+    >>> float(rolling_mean(flips, 10.0).loc[10:90].abs().max())
+    0.0
+    """
+    times_s = series.index.to_numpy(float)
+    grid_s = np.linspace(times_s[0], times_s[-1], num_points)
+    values = step_values(times_s, series.to_numpy(float), grid_s)
+    spacing_s = (grid_s[-1] - grid_s[0]) / max(num_points - 1, 1)
+    width = max(1, round(window_s / spacing_s)) if spacing_s > 0 else 1
+    smoothed = pd.Series(values).rolling(width, center=True, min_periods=1).mean()
+    return pd.Series(smoothed.to_numpy(), index=pd.Index(grid_s, name=series.index.name))
+
+
 def _draw_gain(ax: Axes, gain: pd.Series) -> None:
+    """Each step's gain thin and pale (it flips every few steps), its
+    rolling mean over a twentieth of the span bold on top."""
     ax.axhline(0, color="grey", linewidth=0.8)
-    ax.plot(gain.index, gain, drawstyle="steps-post", color="black", lw=1.0, gid="gain")
+    ax.plot(gain.index, gain, drawstyle="steps-post", color="grey", lw=0.6, alpha=0.7, gid="gain")
+    span_s = float(gain.index[-1] - gain.index[0]) if len(gain) else 0.0
+    if len(gain) > 1 and span_s > 0:
+        trend = rolling_mean(gain, span_s / 20)
+        ax.plot(trend.index, trend, color="black", lw=1.8, gid="gain_rolling_mean")
     for sign, layout in ((1, "on"), (-1, "off")):
         ax.fill_between(
             gain.index,
@@ -247,7 +296,7 @@ def _draw_gain(ax: Axes, gain: pd.Series) -> None:
             where=sign * gain > 0,
             step="post",
             color=_color(layout),
-            alpha=0.4,
+            alpha=0.3,
             linewidth=0,
         )
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -264,7 +313,8 @@ def _draw_gain(ax: Axes, gain: pd.Series) -> None:
         )
     mean = f"time-weighted mean {time_weighted(gain):+.2f} requests"
     extremes = f"most {gain.max():+.0f}, least {gain.min():+.0f}"
-    ax.set_title(f"{mean}, {extremes}", loc="left")
+    span = f"while both run (to {gain.index[-1]:.0f} s); bold: rolling mean" if len(gain) else ""
+    ax.set_title(f"{mean}, {extremes} {span}", loc="left")
 
 
 def _draw_ratio(ax: Axes, ratio: pd.Series) -> None:
