@@ -26,6 +26,7 @@ from sim.kv_cache_manager import build_kv_cache_manager
 from sim.layout import KVCachePlan, plan_kv_cache
 from sim.metrics import SAMPLE_RECORD, STEP_RECORD
 from sim.scenario import AllocatorSection, Layout, Scenario
+from sim.sched.engine_core import EngineCore
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import SchedulerOutput, StepOutcome
 from sim.sched.scheduler import Scheduler, SchedulerConfig
@@ -71,6 +72,7 @@ class Simulation:
         self.scheduler = Scheduler(scheduler_config(scenario, model, self.plan), self.kv_cache_manager)
         acceptance = AcceptanceModel(conditional_rates=scenario.mtp.acceptance_rates)
         self.model_runner = ModelRunner(acceptance, _runner_rng(scenario.seed))
+        self.core = EngineCore(self.scheduler, self.model_runner)
         self.step_time = StepTimeModel(scenario.step_time_config())
         self.env = simpy.Environment()
         self._wakeup = self.env.event()
@@ -135,8 +137,8 @@ class Simulation:
                 yield self._sleep()
                 continue
             started_s = self.env.now
-            output = self.scheduler.schedule()
-            if output.is_empty:
+            scheduled = self.core.schedule()
+            if scheduled.output.is_empty:
                 # Nothing fits now: let the steps in flight complete; if that
                 # returns no blocks, wait for the next arrival.
                 if self.scheduler.complete_in_flight_steps():
@@ -146,13 +148,10 @@ class Simulation:
                     break
                 yield self._sleep()
                 continue
-            token_counts = self.scheduler.token_counts()  # as scheduled, before the output
-            step_s = self.step_time.step_time_s(output)
+            step_s = self.step_time.step_time_s(scheduled.output)
             yield self.env.timeout(step_s)
-            outcome = self.scheduler.update_from_output(
-                output, self.model_runner.execute(output, token_counts)
-            )
-            self._record_step(output, outcome, started_s, step_s)
+            outcome = self.core.complete(scheduled)
+            self._record_step(scheduled.output, outcome, started_s, step_s)
 
     def _arrivals_ended(self) -> bool:
         return self._arrivals is not None and not self._arrivals.is_alive

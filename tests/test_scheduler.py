@@ -9,6 +9,7 @@ from allocator_driver import K, tiny_plan
 
 from sim.allocator_invariants import check_allocator
 from sim.kv_cache_manager import build_kv_cache_manager
+from sim.sched.engine_core import EngineCore
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.scheduler import Scheduler, SchedulerConfig
 from sim.vllm_bridge import RequestStatus
@@ -51,24 +52,23 @@ def _scheduler(
     return Scheduler(config, manager)
 
 
-class _Engine:
-    """Schedule, execute (sampled acceptance), apply; checking invariants."""
+class _Engine(EngineCore):
+    """The engine's own step (``EngineCore``), checking the allocator's
+    invariants after each step that ran."""
 
     def __init__(self, scheduler: Scheduler, rates=(0.8, 0.7, 0.6), seed: int = 0) -> None:
-        self.scheduler = scheduler
-        self.runner = ModelRunner(AcceptanceModel(conditional_rates=rates), np.random.default_rng(seed))
+        super().__init__(
+            scheduler, ModelRunner(AcceptanceModel(conditional_rates=rates), np.random.default_rng(seed))
+        )
 
     def step(self):
-        output = self.scheduler.schedule()
-        if output.is_empty:
-            self.scheduler.complete_in_flight_steps()
-            return output, None
-        counts = self.scheduler.token_counts()
-        outcome = self.scheduler.update_from_output(output, self.runner.execute(output, counts))
-        check_allocator(self.scheduler.kv_cache_manager, self.scheduler.deferred_blocks())
+        output, outcome = super().step()
+        if outcome is not None:
+            check_allocator(self.scheduler.kv_cache_manager, self.scheduler.deferred_blocks())
         return output, outcome
 
     def run(self, max_steps: int = 2000) -> list:
+        """Step until every request finished (bounded)."""
         log = []
         for _ in range(max_steps):
             if not self.scheduler.has_unfinished_requests():
