@@ -59,7 +59,7 @@ def _collect(manager: KVCacheManager, deferred: Iterable[Sequence[KVCacheBlock]]
             for block in table:
                 holders.add(block, f"group {gid} table of {req_id}", gid, pool)
         if isinstance(mgr, RetainingMambaManager):
-            for req_id, (_, block) in mgr._retained_checkpoints.items():
+            for req_id, block in mgr.retained_checkpoints().items():
                 holders.add(block, f"group {gid} checkpoint of {req_id}", gid, pool)
         if isinstance(mgr, RingCircularBufferManager) and mgr.slot_pool is not None:
             for page in mgr.slot_pool.pages():
@@ -156,9 +156,3 @@ def check_allocator(manager: KVCacheManager, deferred: Iterable[Sequence[KVCache
         raise AllocatorInvariantError(
             "; ".join(problems[:10]) + (f" (+{len(problems) - 10} more)" if len(problems) > 10 else "")
         )
-
-
-def held_blocks(manager: KVCacheManager, deferred: Iterable[Sequence[KVCacheBlock]] = ()) -> int:
-    """Pool blocks held by anyone (the seed's ``_held``), null excluded."""
-    holders = _collect(manager, deferred)
-    return sum(1 for ids in holders.pool.values() if ids)

@@ -28,7 +28,6 @@ from sim.vllm_bridge import (
     CircularBufferSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
-    MambaManager,
     MambaSpec,
     SingleTypeKVCacheManager,
     init_none_hash,
@@ -127,13 +126,3 @@ def build_kv_cache_manager(
         # (BlockRemoved when a cached block is reused).
         enable_kv_cache_events=log_stats,
     )
-
-
-def group_index(manager: KVCacheManager, layer_name: str) -> int:
-    return next(
-        i for i, g in enumerate(manager.kv_cache_config.kv_cache_groups) if layer_name in g.layer_names
-    )
-
-
-def mamba_group_indices(manager: KVCacheManager) -> list[int]:
-    return [i for i, m in enumerate(manager.managers) if isinstance(m, MambaManager)]

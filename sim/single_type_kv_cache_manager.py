@@ -124,13 +124,20 @@ class RingCircularBufferManager(CircularBufferManager):
         self.new_ring_block_ids: list[int] = []
 
     def _claim_ring_block(self, request_id: str, record_for_zeroing: bool = True) -> list[KVCacheBlock]:
+        """Upstream's claim, from the slot pool when there is one. A claim
+        whose ring the load writes after this step (``record_for_zeroing``
+        False, external KV) is not recorded: clearing it would race the
+        load, as upstream skips zeroing such blocks."""
         req_blocks = self.req_to_blocks[request_id]
         if req_blocks:
             return []
         pool = self.slot_pool if self.slot_pool is not None else self.block_pool
         new_blocks = pool.get_new_blocks(1)
         req_blocks.extend(new_blocks)
-        self.new_ring_block_ids.extend(block.block_id for block in new_blocks)
+        if record_for_zeroing:
+            self.new_ring_block_ids.extend(block.block_id for block in new_blocks)
+        if self._record_new_block_ids and record_for_zeroing:  # never for rings upstream; kept as upstream
+            self.new_block_ids.extend(block.block_id for block in new_blocks)
         return new_blocks
 
     def get_num_blocks_to_allocate(
@@ -174,11 +181,15 @@ class RetainingMambaManager(MambaManager):
 
     def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, block_pool, **kwargs)
-        # request id -> (cache key at retention, block)
-        self._retained_checkpoints: dict[str, tuple[Any, KVCacheBlock]] = {}
+        # request id -> its retained checkpoint block
+        self._retained_checkpoints: dict[str, KVCacheBlock] = {}
+
+    def retained_checkpoints(self) -> dict[str, KVCacheBlock]:
+        """Each request's retained checkpoint (a copy: read, not change)."""
+        return dict(self._retained_checkpoints)
 
     def retained_blocks(self) -> list[KVCacheBlock]:
-        return [block for _, block in self._retained_checkpoints.values()]
+        return list(self._retained_checkpoints.values())
 
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
@@ -202,9 +213,9 @@ class RetainingMambaManager(MambaManager):
         request holds it) and release the checkpoint it replaces."""
         self.block_pool.touch([block])
         previous = self._retained_checkpoints.get(request_id)
-        self._retained_checkpoints[request_id] = (block.block_hash, block)
+        self._retained_checkpoints[request_id] = block
         if previous is not None:
-            self.block_pool.free_blocks([previous[1]])
+            self.block_pool.free_blocks([previous])
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         blocks = super().pop_blocks_for_free(request_id)
@@ -212,7 +223,7 @@ class RetainingMambaManager(MambaManager):
         if retained is None:
             return blocks
         # First in table order, so it is freed last (evicted after the tail).
-        return [retained[1], *blocks]
+        return [retained, *blocks]
 
 
 def _register() -> None:

@@ -4,14 +4,23 @@ for the allocator tests (the simulator's scheduler has its own, full loop)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from sim.allocator_invariants import check_allocator
 from sim.config import DeploymentConfig, load_model
 from sim.kv_cache_manager import KVCacheManager, build_kv_cache_manager
 from sim.layout import KVCachePlan, plan_kv_cache
-from sim.vllm_bridge import MambaAlignedSplit, Request, SamplingParams, get_request_block_hasher, sha256
+from sim.single_type_kv_cache_manager import RetainingMambaManager, RingCircularBufferManager
+from sim.vllm_bridge import (
+    KVCacheBlock,
+    MambaAlignedSplit,
+    MambaManager,
+    Request,
+    SamplingParams,
+    get_request_block_hasher,
+    sha256,
+)
 
 TINY_MODEL = Path(__file__).parent / "data" / "tiny-flash-next.yaml"
 BLOCK = 32
@@ -121,3 +130,28 @@ def decode(
         req.append_output_token_ids(list(range(next_token, next_token + num_accepted + 1)))
         next_token += num_accepted + 1
         _after_step(manager, trace, check)
+
+
+# ---------------------------------------------------------- inspection
+def group_index(manager: KVCacheManager, layer_name: str) -> int:
+    return next(
+        i for i, g in enumerate(manager.kv_cache_config.kv_cache_groups) if layer_name in g.layer_names
+    )
+
+
+def mamba_group_indices(manager: KVCacheManager) -> list[int]:
+    return [i for i, m in enumerate(manager.managers) if isinstance(m, MambaManager)]
+
+
+def held_blocks(manager: KVCacheManager, deferred: Iterable[Sequence[KVCacheBlock]] = ()) -> int:
+    """Pool blocks held by anyone (the seed's ``_held``), null excluded:
+    table entries, retained checkpoints, ring slot pages, fenced frees."""
+    pool = manager.block_pool
+    blocks: list[KVCacheBlock] = [b for blocks in deferred for b in blocks]
+    for mgr in manager.managers:
+        blocks += [b for table in mgr.req_to_blocks.values() for b in table]
+        if isinstance(mgr, RetainingMambaManager):
+            blocks += mgr.retained_blocks()
+        if isinstance(mgr, RingCircularBufferManager) and mgr.slot_pool is not None:
+            blocks += mgr.slot_pool.pages()
+    return len({b.block_id for b in blocks if not b.is_null and b.pool is pool})

@@ -4,10 +4,20 @@ patch 0088 section 2 re-expressed against kvsim's API (issue: allocation)."""
 from __future__ import annotations
 
 import pytest
-from allocator_driver import ATTENTION, PLE, decode, prefill, request, tiny_manager, tokens
+from allocator_driver import (
+    ATTENTION,
+    PLE,
+    decode,
+    group_index,
+    held_blocks,
+    mamba_group_indices,
+    prefill,
+    request,
+    tiny_manager,
+    tokens,
+)
 
-from sim.allocator_invariants import held_blocks
-from sim.kv_cache_manager import KVCacheManager, group_index, mamba_group_indices
+from sim.kv_cache_manager import KVCacheManager
 from sim.single_type_kv_cache_manager import RingCircularBufferManager, RingSlotPool
 from sim.vllm_bridge import BlockPool
 
@@ -243,3 +253,32 @@ def test_mamba_groups_hold_the_same_tables_after_the_fold():
     patterns = {_pattern(tables[g]) for g in mamba_group_indices(manager)}
     assert len(patterns) == 1  # the PLE-carrying group's table is a GDN table
     manager.free(req)
+
+
+def _claim_ignoring_the_flag(self, request_id: str, record_for_zeroing: bool = True):
+    """The claim before it honoured ``record_for_zeroing`` (the control)."""
+    pool = self.slot_pool if self.slot_pool is not None else self.block_pool
+    new_blocks = pool.get_new_blocks(1) if not self.req_to_blocks[request_id] else []
+    self.req_to_blocks[request_id].extend(new_blocks)
+    self.new_ring_block_ids.extend(block.block_id for block in new_blocks)
+    return new_blocks
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["off", "on"])
+@pytest.mark.parametrize("broken", [False, True], ids=["claim", "control"])
+def test_a_ring_the_external_load_writes_is_not_recorded_for_clearing(
+    on: bool, broken: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Upstream (``CircularBufferManager._claim_ring_block``, driven by the
+    coordinator's external-KV path) records a new block for zeroing only
+    with ``record_for_zeroing``; the fork's ring record must do the same, or
+    the worker would clear a ring the load is writing."""
+    if broken:
+        monkeypatch.setattr(RingCircularBufferManager, "_claim_ring_block", _claim_ignoring_the_flag)
+    ring = tiny_manager(on).ring_managers[0]
+    ring.allocate_external_computed_blocks("loaded", 0, 64, record_for_zeroing=False)
+    ring.allocate_external_computed_blocks("fresh", 0, 64, record_for_zeroing=True)
+    recorded = ring.take_new_ring_block_ids()
+    expected = ring.get_ring_block_ids("fresh")
+    assert len(expected) == 1 and len(ring.get_ring_block_ids("loaded")) == 1
+    assert (recorded == expected) != broken

@@ -153,7 +153,7 @@ def select(gates: GatesFile, only: Sequence[str] | None, source: Path) -> list[s
 
 
 # ---------------------------------------------------------------- judging
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GateRow:
     gate: str
     layout: str
@@ -196,19 +196,39 @@ def check_row(name: str, gate: GateSpec, layout: Layout, metric: str, now: float
         "fail": f"{name} [{layout}] {metric}: baseline {_show(baseline)}, now {_show(now)} "
         f"({_signed(change)}, allowed ±{allowed:g}): {_WORSE[DIRECTIONS[metric]]} is a regression",
     }[verdict]
-    return GateRow(name, layout, metric, baseline, now, change, allowed, verdict, message)
+    return GateRow(
+        gate=name,
+        layout=layout,
+        metric=metric,
+        baseline=baseline,
+        now=now,
+        change=change,
+        allowed=allowed,
+        verdict=verdict,
+        message=message,
+    )
 
 
 def on_vs_off_row(name: str, summaries: dict[Layout, dict[str, Any]]) -> GateRow:
     """The new layout must admit no fewer requests than the old one."""
     off, on = summaries["off"]["num_admitted"], summaries["on"]["num_admitted"]
-    if on >= off:
-        return GateRow(name, ON_VS_OFF, "num_admitted", off, on, on - off, 0.0, "pass", "")
     message = (
-        f"{name} [{ON_VS_OFF}] num_admitted: the new layout admits {on} requests, "
+        ""
+        if on >= off
+        else f"{name} [{ON_VS_OFF}] num_admitted: the new layout admits {on} requests, "
         f"the old {off}: the new layout must admit no fewer"
     )
-    return GateRow(name, ON_VS_OFF, "num_admitted", off, on, on - off, 0.0, "fail", message)
+    return GateRow(
+        gate=name,
+        layout=ON_VS_OFF,
+        metric="num_admitted",
+        baseline=off,
+        now=on,
+        change=on - off,
+        allowed=0.0,
+        verdict="pass" if on >= off else "fail",
+        message=message,
+    )
 
 
 def _show(value: float | None) -> str:
