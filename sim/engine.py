@@ -23,9 +23,9 @@ from tqdm import tqdm
 from sim.allocator_invariants import check_allocator
 from sim.config import ModelConfig
 from sim.kv_cache_manager import build_kv_cache_manager
-from sim.layout import KVCachePlan, plan_kv_cache
+from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
 from sim.metrics import SAMPLE_RECORD, STEP_RECORD
-from sim.scenario import AllocatorSection, Layout, Scenario
+from sim.scenario import AllocatorSection, Scenario, SideCacheSwitch
 from sim.sched.engine_core import EngineCore
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import SchedulerOutput, StepOutcome
@@ -41,7 +41,7 @@ class Recording:
     column-wise, the registry's columns), one record per request."""
 
     scenario: str
-    layout: Layout
+    layout: SideCacheSwitch
     plan: dict[str, Any]
     steps: Columns = field(default_factory=lambda: Columns(STEP_RECORD))
     requests: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -60,7 +60,7 @@ def _runner_rng(seed: int) -> np.random.Generator:
 
 class Simulation:
     def __init__(
-        self, scenario: Scenario, layout: Layout, workload: Workload, *, progress: bool = False
+        self, scenario: Scenario, layout: SideCacheSwitch, workload: Workload, *, progress: bool = False
     ) -> None:
         self.scenario = scenario
         self.layout = layout
@@ -232,5 +232,7 @@ def allocator_options(section: AllocatorSection) -> dict[str, Any]:
     return {_ALLOCATOR_ARGUMENTS[name]: value for name, value in section.model_dump().items()}
 
 
-def simulate(scenario: Scenario, layout: Layout, workload: Workload, *, progress: bool = False) -> Recording:
+def simulate(
+    scenario: Scenario, layout: SideCacheSwitch, workload: Workload, *, progress: bool = False
+) -> Recording:
     return Simulation(scenario, layout, workload, progress=progress).run()

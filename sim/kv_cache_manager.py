@@ -18,7 +18,7 @@ from sim.kv_cache_interface import (
     convert_spec,
     group_slots_per_block,
 )
-from sim.layout import KVCachePlan
+from sim.kv_cache_plan import KVCachePlan
 from sim.single_type_kv_cache_manager import (
     RetainingMambaManager,
     RingCircularBufferManager,

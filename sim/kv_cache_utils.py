@@ -64,9 +64,9 @@ def side_cache_layout_blocker(engine: Any) -> str | None:
         return "HiSparse is enabled"
     if engine.parallel_config.decode_context_parallel_size not in (1, None):
         return "decode context parallelism is enabled"
-    layout = engine.cache_config.get_resolved_kv_cache_layout()
-    if not layout.is_block_outermost:
-        return f"the KV cache layout {layout.name} is layer-outermost"
+    kv_cache_layout = engine.cache_config.get_resolved_kv_cache_layout()
+    if not kv_cache_layout.is_block_outermost:
+        return f"the KV cache layout {kv_cache_layout.name} is layer-outermost"
     return None
 
 

@@ -28,7 +28,13 @@ from sim.paths import DEFAULT_MODEL, SCENARIOS_DIR
 from sim.step_time import StepTimeConfig
 from sim.workloads import WorkloadConfig
 
-Layout = Literal["off", "on"]
+# The side-cache layout switch (the fork's VLLM_E2_SIDE_CACHE_LAYOUT): "off"
+# plans the pool as upstream vLLM, "on" adds the side-cache layout pass.
+# Users still say "layout" (``layouts:``, ``--layout``, the ``layout``
+# column); not to be confused with the planning module (``sim.kv_cache_plan``)
+# or vLLM's memory order (``deployment.kv_cache_layout``).
+SideCacheSwitch = Literal["off", "on"]
+Layout = SideCacheSwitch  # the older name, kept so code written against it imports
 
 
 class SchedulerSection(StrictModel):
@@ -76,7 +82,7 @@ class Scenario(StrictModel):
     description: str = ""
     seed: int = 0
     model: str = str(DEFAULT_MODEL)
-    layouts: tuple[Layout, ...] = ("off", "on")
+    layouts: tuple[SideCacheSwitch, ...] = ("off", "on")
     deployment: DeploymentConfig = DeploymentConfig()
     scheduler: SchedulerSection = SchedulerSection()
     mtp: MTPSection = MTPSection()

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from sim.kv_cache_interface import config_layer_specs, first_layer_spec
-from sim.layout import KVCachePlan
+from sim.kv_cache_plan import KVCachePlan
 from sim.vllm_bridge import (
     KVCacheConfig,
     KVCacheLayout,
@@ -66,7 +66,7 @@ class WorkerViews:
     """
 
     config: KVCacheConfig
-    layout: KVCacheLayout
+    kv_cache_layout: KVCacheLayout
     kv_caches: dict[str, torch.Tensor] = field(repr=False)
     views: dict[str, LayerView] = field(repr=False)
     base: int
@@ -175,14 +175,14 @@ def allocate_worker_views(plan: KVCachePlan, rank: int, *, num_blocks: int | Non
     configs = plan.worker_configs
     if not 0 <= rank < len(configs):
         raise ValueError(f"rank must be in [0, {len(configs)}), got {rank}")
-    layout = plan.engine.cache_config.get_resolved_kv_cache_layout()
+    kv_cache_layout = plan.engine.cache_config.get_resolved_kv_cache_layout()
     config, unowned = without_unowned_tensors(configs[rank])
     if num_blocks is not None:
-        config = with_num_blocks(config, num_blocks, layout)
-    kv_caches = allocate_kv_cache(config, CPU, layout, kernel_block_sizes(config))
+        config = with_num_blocks(config, num_blocks, kv_cache_layout)
+    kv_caches = allocate_kv_cache(config, CPU, kv_cache_layout, kernel_block_sizes(config))
     return WorkerViews(
         config=config,
-        layout=layout,
+        kv_cache_layout=kv_cache_layout,
         kv_caches=kv_caches,
         views=bind_layer_views(config, kv_caches),
         base=backing_base(kv_caches.values()),

@@ -10,7 +10,7 @@ from pathlib import Path
 from sim.allocator_invariants import check_allocator
 from sim.config import DeploymentConfig, load_model
 from sim.kv_cache_manager import KVCacheManager, build_kv_cache_manager
-from sim.layout import KVCachePlan, plan_kv_cache
+from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
 from sim.single_type_kv_cache_manager import RetainingMambaManager, RingCircularBufferManager
 from sim.vllm_bridge import (
     KVCacheBlock,

@@ -15,7 +15,7 @@ SIM = Path(__file__).resolve().parents[1] / "sim"
 LAYERS: list[tuple[str, ...]] = [
     ("sim.config", "sim.paths", "sim.metrics"),
     ("sim.vllm_bridge",),
-    ("sim.model_specs", "sim.kv_cache_interface", "sim.kv_cache_utils", "sim.layout"),
+    ("sim.model_specs", "sim.kv_cache_interface", "sim.kv_cache_utils", "sim.kv_cache_plan"),
     (
         "sim.single_type_kv_cache_manager",
         "sim.kv_cache_manager",
@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
 # Third-party packages a layer must not use.
 FORBIDDEN = {
     "sim.sched": {"simpy", "pandas", "matplotlib"},
-    "sim.layout": {"simpy", "pandas", "matplotlib"},
+    "sim.kv_cache_plan": {"simpy", "pandas", "matplotlib"},
     "sim.kv_cache_manager": {"simpy", "pandas", "matplotlib"},
     "sim.workloads": {"vllm", "simpy", "torch", "pandas", "matplotlib"},
 }

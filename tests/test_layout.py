@@ -11,7 +11,7 @@ import pytest
 from sim import kv_cache_utils as side
 from sim.cli import main
 from sim.kv_cache_interface import SlotPackedKVCacheTensor
-from sim.layout import plan_kv_cache
+from sim.kv_cache_plan import plan_kv_cache
 from sim.model_specs import build_worker_specs
 from sim.vllm_bridge import cdiv, kv_cache_utils, planning
 
@@ -219,7 +219,7 @@ def test_an_installed_fork_plans_with_its_own_switch(flash_next, reference, monk
     import os
     from types import SimpleNamespace
 
-    import sim.layout as layout_module
+    import sim.kv_cache_plan as layout_module
 
     seen: list[str | None] = []
 

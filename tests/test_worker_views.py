@@ -17,7 +17,7 @@ import torch
 
 from sim.config import DeploymentConfig, ModelConfig
 from sim.kv_cache_interface import config_layer_specs, group_slots_per_block
-from sim.layout import KVCachePlan, plan_kv_cache
+from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
 from sim.vllm_bridge import KVCacheLayout, MambaSpec
 from sim.worker_views import (
     LayerView,

@@ -31,7 +31,7 @@ from sim.analysis.sweep import (
 )
 from sim.config import ConfigError
 from sim.results import write_frame, write_json
-from sim.scenario import Layout, load_scenario
+from sim.scenario import SideCacheSwitch, load_scenario
 
 
 # -------------------------------------------------------- capacity search
@@ -141,7 +141,7 @@ class CapacitySearch:
             raise ConfigError(str(error)) from None
         plan_runs(self.scenario_ref, [*self.overrides, f"{RATE_KEY}={self.lo}"], self.axes)
 
-    def spec(self, point: dict[str, Any], layout: Layout, rate: float) -> RunSpec:
+    def spec(self, point: dict[str, Any], layout: SideCacheSwitch, rate: float) -> RunSpec:
         params = {**point, RATE_KEY: rate}
         return make_spec(load_point(self.scenario_ref, self.overrides, params), layout, params)
 
@@ -185,13 +185,15 @@ def run_capacity_search(
     return frame
 
 
-def _next_rates(searches: dict[tuple[int, Layout], MaxRateSearch]) -> dict[tuple[int, Layout], float]:
+def _next_rates(
+    searches: dict[tuple[int, SideCacheSwitch], MaxRateSearch],
+) -> dict[tuple[int, SideCacheSwitch], float]:
     rates = {key: search.next_rate() for key, search in searches.items()}
     return {key: rate for key, rate in rates.items() if rate is not None}
 
 
 def capacity_frame(
-    points: list[dict[str, Any]], searches: dict[tuple[int, Layout], MaxRateSearch]
+    points: list[dict[str, Any]], searches: dict[tuple[int, SideCacheSwitch], MaxRateSearch]
 ) -> pd.DataFrame:
     """One row per grid point and layout; ``gain`` is the point's on / off
     max rate (NaN unless both layouts found one)."""

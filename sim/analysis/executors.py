@@ -24,7 +24,7 @@ import yaml
 from sim.config import ConfigError
 from sim.paths import PROJECT_ROOT
 from sim.results import plain_value
-from sim.scenario import Layout, Scenario, scenario_to_dict
+from sim.scenario import Scenario, SideCacheSwitch, scenario_to_dict
 
 Executor = Literal["local", "ray"]
 LAYOUT_KEY = "layout"
@@ -46,10 +46,10 @@ class RunSpec:
     run_id: str
     params: dict[str, Any]
     scenario: Scenario
-    layout: Layout
+    layout: SideCacheSwitch
 
 
-def run_id_for(scenario: Scenario, layout: Layout) -> str:
+def run_id_for(scenario: Scenario, layout: SideCacheSwitch) -> str:
     """A hash of what decides the run's result: the resolved scenario (less
     where its file lies, its description and its layout list), the model's
     content and the layout."""
@@ -62,7 +62,7 @@ def run_id_for(scenario: Scenario, layout: Layout) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def make_spec(scenario: Scenario, layout: Layout, params: dict[str, Any]) -> RunSpec:
+def make_spec(scenario: Scenario, layout: SideCacheSwitch, params: dict[str, Any]) -> RunSpec:
     return RunSpec(run_id_for(scenario, layout), {**params, LAYOUT_KEY: layout}, scenario, layout)
 
 

@@ -46,16 +46,16 @@ from sim.config import ConfigError, StrictModel, YamlLoader, load_yaml_text, rea
 from sim.metrics import DIRECTIONS, Direction
 from sim.paths import SCENARIOS_DIR
 from sim.results import atomic_write, plain_value, write_json
-from sim.scenario import Layout, Scenario, load_scenario
+from sim.scenario import Scenario, SideCacheSwitch, load_scenario
 
 DEFAULT_GATES = SCENARIOS_DIR / "gates.yaml"
-LAYOUTS: tuple[Layout, ...] = ("off", "on")
+LAYOUTS: tuple[SideCacheSwitch, ...] = ("off", "on")
 ON_VS_OFF = "on-vs-off"
 Verdict = Literal["pass", "fail", "new", "improved", "updated"]
 
 # Which way is better for each summary metric: ``DIRECTIONS``, from the
 # metric registry (``sim.metrics``).
-Baselines = dict[str, dict[str, dict[Layout, Any]]]  # gate -> metric -> layout -> value
+Baselines = dict[str, dict[str, dict[SideCacheSwitch, Any]]]  # gate -> metric -> layout -> value
 _WORSE = {"higher": "a drop", "lower": "a rise", "either": "any change"}
 
 
@@ -64,7 +64,7 @@ class GateSpec(StrictModel):
     description: str = ""
     scenario: str
     set: tuple[str, ...] = ()
-    baselines: dict[str, dict[Layout, float | None] | None]
+    baselines: dict[str, dict[SideCacheSwitch, float | None] | None]
     tolerance: dict[str, float | str] = {}
 
     @field_validator("baselines")
@@ -91,12 +91,12 @@ class GateSpec(StrictModel):
                 raise ValueError(f"tolerance.{metric}: not a metric under baselines")
         return self
 
-    def layouts(self, metric: str) -> tuple[Layout, ...]:
+    def layouts(self, metric: str) -> tuple[SideCacheSwitch, ...]:
         """The layouts a metric is checked on: those listed, else both."""
         listed = self.baselines[metric] or {}
         return tuple(layout for layout in LAYOUTS if layout in listed) or LAYOUTS
 
-    def baseline(self, metric: str, layout: Layout) -> float | None:
+    def baseline(self, metric: str, layout: SideCacheSwitch) -> float | None:
         return (self.baselines[metric] or {}).get(layout)
 
     def allowed(self, metric: str, baseline: float) -> float:
@@ -184,7 +184,7 @@ def judge(baseline: float | None, now: float, direction: Direction, allowed: flo
     return "fail" if (change < 0) == (direction == "higher") else "improved"
 
 
-def check_row(name: str, gate: GateSpec, layout: Layout, metric: str, now: float) -> GateRow:
+def check_row(name: str, gate: GateSpec, layout: SideCacheSwitch, metric: str, now: float) -> GateRow:
     baseline = gate.baseline(metric, layout)
     allowed = gate.allowed(metric, baseline) if baseline is not None else 0.0
     verdict = judge(baseline, now, DIRECTIONS[metric], allowed)
@@ -209,7 +209,7 @@ def check_row(name: str, gate: GateSpec, layout: Layout, metric: str, now: float
     )
 
 
-def on_vs_off_row(name: str, summaries: dict[Layout, dict[str, Any]]) -> GateRow:
+def on_vs_off_row(name: str, summaries: dict[SideCacheSwitch, dict[str, Any]]) -> GateRow:
     """The new layout must admit no fewer requests than the old one."""
     off, on = summaries["off"]["num_admitted"], summaries["on"]["num_admitted"]
     message = (
@@ -239,7 +239,7 @@ def _signed(value: float | None) -> str:
     return "-" if value is None else f"{value:+g}"
 
 
-def gate_rows(name: str, gate: GateSpec, summaries: dict[Layout, dict[str, Any]]) -> list[GateRow]:
+def gate_rows(name: str, gate: GateSpec, summaries: dict[SideCacheSwitch, dict[str, Any]]) -> list[GateRow]:
     rows = [
         check_row(name, gate, layout, metric, summaries[layout][metric])
         for metric in gate.baselines
@@ -347,14 +347,14 @@ def run_gates(
 
 def simulate_gates(
     scenarios: dict[str, Scenario], workers: int, progress: bool | None = None
-) -> dict[str, dict[Layout, dict[str, Any]]]:
+) -> dict[str, dict[SideCacheSwitch, dict[str, Any]]]:
     """Both layouts of every gate; in this process for ``workers`` 1."""
     specs = [
         make_spec(scenario, layout, {"gate": name})
         for name, scenario in scenarios.items()
         for layout in LAYOUTS
     ]
-    results: dict[str, dict[Layout, dict[str, Any]]] = {name: {} for name in scenarios}
+    results: dict[str, dict[SideCacheSwitch, dict[str, Any]]] = {name: {} for name in scenarios}
     with (
         open_runner("local", min(workers, len(specs))) as runner,
         tqdm(
@@ -371,7 +371,7 @@ def moved_baselines(rows: Sequence[GateRow]) -> Baselines:
     values: Baselines = {}
     for row in rows:
         if row.verdict == "updated":
-            layout = cast(Layout, row.layout)
+            layout = cast(SideCacheSwitch, row.layout)
             values.setdefault(row.gate, {}).setdefault(row.metric, {})[layout] = row.now
     return values
 
@@ -428,7 +428,7 @@ def _child(node: Any, key: str) -> Any:
     return next(value for name, value in node.value if name.value == key)
 
 
-def _edits(node: Any, by_layout: dict[Layout, Any]) -> list[tuple[int, int, str]]:
+def _edits(node: Any, by_layout: dict[SideCacheSwitch, Any]) -> list[tuple[int, int, str]]:
     """Edits (start, end, text): each listed layout's value in place, or the
     whole empty / null baseline as a flow mapping."""
     if isinstance(node, yaml.MappingNode) and node.value:

@@ -10,7 +10,7 @@ import pandas as pd
 
 from sim.analysis.frames import comparison_table, frames
 from sim.engine import simulate
-from sim.scenario import Layout, Scenario
+from sim.scenario import Scenario, SideCacheSwitch
 from sim.workloads import Workload, build_workload
 
 
@@ -39,7 +39,7 @@ def scenario_workload(scenario: Scenario) -> Workload:
 
 
 def run_scenario(
-    scenario: Scenario, layouts: Sequence[Layout] | None = None, *, progress: bool = False
+    scenario: Scenario, layouts: Sequence[SideCacheSwitch] | None = None, *, progress: bool = False
 ) -> RunResult:
     """Simulate ``scenario`` under each layout on the same workload and seed."""
     workload = scenario_workload(scenario)

@@ -47,7 +47,7 @@ from sim.analysis.executors import (
 )
 from sim.config import ConfigError, load_yaml_text
 from sim.results import write_frame, write_json
-from sim.scenario import Layout, Scenario, load_scenario
+from sim.scenario import Scenario, SideCacheSwitch, load_scenario
 
 RATE_KEY = "workload.rate_scale"
 _KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -138,8 +138,8 @@ def grid_points(axes: Sequence[GridAxis]) -> list[dict[str, Any]]:
 
 
 def split_layouts(
-    axes: Sequence[GridAxis], default: Sequence[Layout]
-) -> tuple[tuple[Layout, ...], list[GridAxis]]:
+    axes: Sequence[GridAxis], default: Sequence[SideCacheSwitch]
+) -> tuple[tuple[SideCacheSwitch, ...], list[GridAxis]]:
     check_axes(axes)
     layouts = next((a.values for a in axes if a.key == LAYOUT_KEY), tuple(default))
     return layouts, [a for a in axes if a.key != LAYOUT_KEY]

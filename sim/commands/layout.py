@@ -21,7 +21,7 @@ def register(subparsers: Any) -> None:
 
 def cmd_layout(args: argparse.Namespace) -> int:
     model, deployment = model_and_deployment(args)
-    from sim.layout import format_plan, plan_kv_cache
+    from sim.kv_cache_plan import format_plan, plan_kv_cache
     from sim.vllm_bridge import vllm_info
 
     wanted = {"both": (False, True), "on": (True,), "off": (False,)}[args.layout]

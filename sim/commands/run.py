@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from sim.commands.common import add_scenario_flags, print_table
-from sim.scenario import Layout
+from sim.scenario import SideCacheSwitch
 
 
 def register(subparsers: Any) -> None:
@@ -22,7 +22,7 @@ def register(subparsers: Any) -> None:
     compare.set_defaults(func=lambda args: run_and_write(args, ("off", "on")))
 
 
-def run_and_write(args: argparse.Namespace, layouts: tuple[Layout, ...]) -> int:
+def run_and_write(args: argparse.Namespace, layouts: tuple[SideCacheSwitch, ...]) -> int:
     from sim.analysis.plots import write_standard_figures
     from sim.analysis.runs import run_scenario
     from sim.results import write_results

@@ -142,7 +142,7 @@ def _without_advice(error: Exception) -> str:
 def _plan_upstream(
     engine: Any, workers: list[dict], memory: list[int], side_cache_layout: bool
 ) -> tuple[list[KVCacheConfig], bool, list[str], str]:
-    layout = engine.cache_config.get_resolved_kv_cache_layout()
+    kv_cache_layout = engine.cache_config.get_resolved_kv_cache_layout()
     groups = planning.get_global_kv_cache_groups(engine, workers)
     relevant = _has_side_caches(workers)
     blocker = side.side_cache_layout_blocker(engine)
@@ -152,10 +152,10 @@ def _plan_upstream(
         if side_cache_layout and relevant and blocker is not None:
             notes.append(f"side-cache layout not applicable: {blocker}")
         return configs, False, notes, "vllm planner"
-    groups, notes = side.fold_replicated_mamba_groups(groups, workers, layout)
+    groups, notes = side.fold_replicated_mamba_groups(groups, workers, kv_cache_layout)
     configs = planning.get_kv_cache_configs(engine, workers, memory, groups)
-    slots = side.choose_ring_slots([c.kv_cache_groups for c in configs], layout)
-    configs = [side.pack_ring_slots(c, slots, layout) for c in configs]
+    slots = side.choose_ring_slots([c.kv_cache_groups for c in configs], kv_cache_layout)
+    configs = [side.pack_ring_slots(c, slots, kv_cache_layout) for c in configs]
     notes += [f"QSA ring group {i} packs {s} requests per pool block" for i, s in slots.items()]
     return configs, True, notes, "kvsim side-cache layout on the vllm planner"
 
@@ -225,7 +225,7 @@ def _summarise(
     notes: list[str],
     source: str,
 ) -> KVCachePlan:
-    layout = engine.cache_config.get_resolved_kv_cache_layout()
+    kv_cache_layout = engine.cache_config.get_resolved_kv_cache_layout()
     stage_ranks = tuple(s * deployment.tensor_parallel_size for s in range(deployment.pipeline_parallel_size))
     capacity = side.get_kv_cache_capacity if source != "fork" else _fork_capacity
     tokens, concurrency = capacity(engine, configs[0])
@@ -248,7 +248,8 @@ def _summarise(
         stage_ranks=stage_ranks,
         block_size=layer_specs.block_size,
         block_bytes_per_stage=tuple(
-            planning._get_kv_cache_bytes_per_block(configs[r].kv_cache_groups, layout) for r in stage_ranks
+            planning._get_kv_cache_bytes_per_block(configs[r].kv_cache_groups, kv_cache_layout)
+            for r in stage_ranks
         ),
         num_blocks=configs[0].num_blocks,
         blocks_per_request=side.blocks_per_max_length_request(engine, configs[0]),
