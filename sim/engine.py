@@ -21,7 +21,7 @@ import simpy
 from tqdm import tqdm
 
 from sim.allocator_invariants import check_allocator
-from sim.kv_cache_manager import build_kv_cache_manager
+from sim.kv_cache_manager import MTPHashing, build_kv_cache_manager
 from sim.layout import KVCachePlan, plan_kv_cache
 from sim.scenario import Layout, Scenario
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
@@ -64,10 +64,16 @@ class Simulation:
         self.plan: KVCachePlan = plan_kv_cache(
             scenario.load_model(), scenario.deployment, side_cache_layout=layout == "on"
         )
+        self.mtp_hashing = MTPHashing.for_engine(
+            scenario.scheduler.mtp_hash_mode,
+            self.plan.engine,
+            enable_prefix_caching=scenario.allocator.enable_prefix_caching,
+        )
         self.kv_cache_manager = build_kv_cache_manager(
             self.plan,
             retain_mamba_checkpoint=scenario.allocator.retain_mamba_checkpoint,
             enable_caching=scenario.allocator.enable_prefix_caching,
+            mtp_hashing=self.mtp_hashing,
         )
         self.scheduler = Scheduler(self._scheduler_config(), self.kv_cache_manager)
         acceptance = AcceptanceModel(conditional_rates=scenario.mtp.acceptance_rates)
@@ -92,6 +98,7 @@ class Simulation:
             scheduler_reserve_full_isl=s.scheduler_reserve_full_isl,
             defer_block_free=s.defer_block_free,
             max_concurrent_batches=s.max_concurrent_batches,
+            mtp_hashing=self.mtp_hashing,
         )
 
     # ------------------------------------------------------------------- run

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from sim.kv_cache_manager import KVCacheManager
+from sim.kv_cache_manager import KVCacheManager, MTPHashing
 from sim.sched.model_runner import OUTPUT_TOKEN_BASE
 from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepOutcome
 from sim.vllm_bridge import (
@@ -70,6 +70,9 @@ class SchedulerConfig:
     # may write them complete (PP=2 with async scheduling: 2 in flight).
     defer_block_free: bool = True
     max_concurrent_batches: int = 2
+    # MTP hashing (EAGLE block drop, the fork's setting, or lookahead
+    # hashes); must match the KVCacheManager's.
+    mtp_hashing: MTPHashing = MTPHashing()
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -101,8 +104,14 @@ class Scheduler:
             block_size=config.block_size,
             max_num_scheduled_tokens=config.max_num_batched_tokens,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            use_eagle_block_drop=config.mtp_hashing.use_eagle_block_drop,
+            num_hash_lookahead_tokens=config.mtp_hashing.num_hash_lookahead_tokens,
+            num_prefill_lookahead_tokens=config.mtp_hashing.num_prefill_lookahead_tokens,
         )
-        self._hasher = get_request_block_hasher(config.block_size, sha256)
+        # vLLM's engine core builds each request's hasher the same way.
+        self._hasher = get_request_block_hasher(
+            config.block_size, sha256, config.mtp_hashing.num_hash_lookahead_tokens
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request | RequestSpec] = deque()
         self.running: list[Request] = []
@@ -171,7 +180,9 @@ class Scheduler:
         num_new_tokens = min(num_new_tokens, limit)
         if num_new_tokens <= 0:
             return 0
-        return self.split(request, num_new_tokens, num_hit)
+        num_new_tokens = self.split(request, num_new_tokens, num_hit)
+        computed = request.num_computed_tokens + num_hit
+        return self.split.reserve_prefill_lookahead(request, computed, num_new_tokens)
 
     def _schedule_running(self, step: _StepState) -> None:
         index = 0
