@@ -194,13 +194,16 @@ class VllmBackend:
         """kvsim's record of one request's share (the step-time model's input)."""
         request = self.scheduler.requests[request_id]
         computed = request.num_computed_tokens - num_scheduled  # schedule() advanced it
-        num_spec = len(self._vllm_output.scheduled_spec_decode_tokens.get(request_id, ()))
+        spec_token_ids = self._vllm_output.scheduled_spec_decode_tokens.get(request_id, ())
+        num_spec = len(spec_token_ids)
         return ScheduledRequest(
             request_id=request_id,
             num_scheduled_tokens=num_scheduled,
             num_computed_tokens=computed,
             num_spec_tokens=num_spec,
             num_prompt_tokens_left=0 if computed >= request.num_tokens - 1 else num_scheduled - num_spec,
+            # vLLM's uniform-decode padding schedules -1 placeholder drafts.
+            is_padded=num_spec > 0 and all(token == -1 for token in spec_token_ids),
         )
 
     def execute(self, output: SchedulerOutput) -> StepState:

@@ -92,6 +92,11 @@ class _StepState:
     resumed_ids: list[str] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     admitted_hits: dict[str, int] = field(default_factory=dict)
+    # The RUNNING loop scheduled someone / someone mid-prefill (vLLM's
+    # ``scheduled_running_reqs`` / ``prefill_scheduled``).
+    running_scheduled: bool = False
+    prefill_scheduled: bool = False
+    padded_ids: set[str] = field(default_factory=set)
 
 
 class Scheduler:
@@ -195,6 +200,8 @@ class Scheduler:
                 continue
             if not self._allocate_or_preempt(request, num_new, step):
                 break
+            step.running_scheduled = True
+            step.prefill_scheduled |= request.is_prefill_chunk
             self._record_scheduled(request, num_new, request.num_computed_tokens, step)
             index += 1
 
@@ -219,9 +226,17 @@ class Scheduler:
             request = self._peek_waiting()
             blocks, num_hit, boundary = self.kv_cache_manager.get_computed_blocks(request)
             request.shared_prefix_boundary = boundary
-            num_new = self._clip(request, request.num_tokens - num_hit, step.token_budget, num_hit)
+            num_new = request.num_tokens - num_hit
+            padded = self._pads_to_uniform_decode(request, num_new, num_hit, step)
+            if padded and 1 + self.config.num_speculative_tokens > step.token_budget:
+                break  # vLLM prefers not scheduling to scheduling un-padded
+            if padded:
+                num_new = 1 + self.config.num_speculative_tokens
+            num_new = self._clip(request, num_new, step.token_budget, num_hit)
             if num_new == 0:
                 break
+            if padded and num_new != 1 + self.config.num_speculative_tokens:
+                num_new, padded = 1, False  # the split clipped the padding: drop it
             allocated = self.kv_cache_manager.allocate_slots(
                 request,
                 num_new,
@@ -234,7 +249,23 @@ class Scheduler:
             if allocated is None:
                 break  # head-of-line blocking: never try the requests behind it
             self.kv_cache_manager.record_prefix_cache_stats(request, num_hit)
+            if padded:
+                step.padded_ids.add(request.request_id)
             self._admit(request, num_hit, num_new, step)
+
+    def _pads_to_uniform_decode(self, request: Request, num_new: int, num_hit: int, step: _StepState) -> bool:
+        """vLLM pads an admitted request with one token left (a full prefix
+        hit, a resumed decode) to ``1 + K`` rows, placeholder drafts that are
+        never accepted, to keep the batch a uniform (CUDA-graph) decode;
+        only when no running prefill is in the step and there is room."""
+        num_spec = self.config.num_speculative_tokens
+        return (
+            num_spec > 0
+            and num_new == 1
+            and not step.prefill_scheduled
+            and (step.running_scheduled or num_hit > 0)
+            and num_hit + 1 + num_spec + 1 <= self.config.max_model_len
+        )
 
     def _admit(self, request: Request, num_hit: int, num_new: int, step: _StepState) -> None:
         self.waiting.popleft()
@@ -254,6 +285,7 @@ class Scheduler:
             num_computed_tokens=computed,
             num_spec_tokens=num_spec,
             num_prompt_tokens_left=0 if computed >= request.num_tokens - 1 else num_new - num_spec,
+            is_padded=request.request_id in step.padded_ids,
         )
         step.token_budget -= num_new
         request.spec_token_ids = []  # new drafts arrive with the step's output
@@ -264,6 +296,7 @@ class Scheduler:
         for request_id, item in step.scheduled.items():
             request = self.requests[request_id]
             request.num_computed_tokens += item.num_scheduled_tokens
+            request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
             self.last_sched_seq[request_id] = self.sched_step_seq
         queries, hits = self._take_prefix_cache_stats()
         evicted = sum(
