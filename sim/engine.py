@@ -83,6 +83,11 @@ class Simulation:
         self._wakeup = self.env.event()
         self._arrivals_done = False
         self._engine_done = False
+        # Accepted arrivals so far, and at the last schedule(): vLLM's engine
+        # core adds arrivals between steps, so a step's gauges exclude those
+        # that arrived while it ran.
+        self._num_queued_arrivals = 0
+        self._num_queued_at_schedule = 0
         self._bar: tqdm | None = None
         self.recording = Recording(scenario=scenario.name, layout=layout, plan=self.plan.to_dict())
 
@@ -136,7 +141,9 @@ class Simulation:
         for spec in self.workload.requests:
             if spec.arrival_s > self.env.now:
                 yield self.env.timeout(spec.arrival_s - self.env.now)
-            self._record_arrival(spec, accepted=self.scheduler.add_request(spec))
+            accepted = self.scheduler.add_request(spec)
+            self._num_queued_arrivals += accepted
+            self._record_arrival(spec, accepted=accepted)
             self._wake()
         self._arrivals_done = True
         self._wake()
@@ -158,6 +165,7 @@ class Simulation:
                 continue
             started_s = self.env.now
             output = self.scheduler.schedule()
+            self._num_queued_at_schedule = self._num_queued_arrivals
             if output.is_empty:
                 # Nothing fits now: let the steps in flight complete; if that
                 # returns no blocks, wait for the next arrival.
@@ -230,7 +238,10 @@ class Simulation:
                 "time_s": now,
                 "step_time_s": step_s,
                 "num_requests_running": self.scheduler.num_running,
-                "num_requests_waiting": self.scheduler.num_waiting,
+                # vLLM's make_stats counts the queue when the step's output
+                # is applied, before the requests that arrived meanwhile.
+                "num_requests_waiting": self.scheduler.num_waiting
+                - (self._num_queued_arrivals - self._num_queued_at_schedule),
                 "num_scheduled_requests": len(output.scheduled),
                 "num_scheduled_tokens": output.total_num_scheduled_tokens,
                 "num_prefill_tokens": output.num_prefill_tokens,

@@ -37,7 +37,6 @@ from sim.vllm_bridge import (
 )
 from sim.vllm_bridge import KVCacheManager as _VllmKVCacheManager
 
-
 MTPHashMode = Literal["eagle-drop", "lookahead"]
 MTP_HASH_MODES: tuple[MTPHashMode, ...] = ("eagle-drop", "lookahead")
 
@@ -81,12 +80,12 @@ class MTPHashing:
         if mode not in MTP_HASH_MODES:
             raise ValueError(f"mtp_hash_mode must be one of {MTP_HASH_MODES}, got {mode!r}")
         if num_speculative_tokens == 0:
-            return cls(use_eagle_block_drop=False, num_hash_lookahead_tokens=0, num_prefill_lookahead_tokens=0)
+            return cls(
+                use_eagle_block_drop=False, num_hash_lookahead_tokens=0, num_prefill_lookahead_tokens=0
+            )
         prefill_lookahead = num_speculative_tokens if multi_module_mtp else 1
         hash_lookahead = (
-            prefill_lookahead
-            if mode == "lookahead" and enable_prefix_caching and not kv_connector
-            else 0
+            prefill_lookahead if mode == "lookahead" and enable_prefix_caching and not kv_connector else 0
         )
         return cls(
             use_eagle_block_drop=hash_lookahead == 0,

@@ -30,7 +30,8 @@ from sim.sched.scheduler import DRAFT_TOKEN_ID, RequestSpec, Scheduler, Schedule
 class StepState:
     """One executed step as the comparison sees it (ids in queue order)."""
 
-    scheduled_tokens: tuple[tuple[str, int], ...]
+    # (request, computed tokens before the step, tokens scheduled), in order.
+    scheduled_tokens: tuple[tuple[str, int, int], ...]
     admitted: tuple[str, ...]
     resumed: tuple[str, ...]
     preempted: tuple[str, ...]
@@ -40,6 +41,10 @@ class StepState:
     num_free_blocks: int
     prefix_cache_queries_tokens: int
     prefix_cache_hits_tokens: int
+
+
+def _scheduled_tokens(output: SchedulerOutput) -> tuple[tuple[str, int, int], ...]:
+    return tuple((r.request_id, r.num_computed_tokens, r.num_scheduled_tokens) for r in output.scheduled)
 
 
 class Backend(Protocol):
@@ -101,7 +106,7 @@ class KvsimBackend:
         sampled = self.runner.execute(output, self._token_counts)
         outcome = self.scheduler.update_from_output(output, sampled)
         return StepState(
-            scheduled_tokens=tuple((r.request_id, r.num_scheduled_tokens) for r in output.scheduled),
+            scheduled_tokens=_scheduled_tokens(output),
             admitted=output.new_request_ids,
             resumed=output.resumed_request_ids,
             preempted=tuple(sorted(output.preempted_request_ids)),
@@ -179,13 +184,17 @@ class VllmBackend:
 
     def schedule(self) -> SchedulerOutput:
         self._vllm_output = out = self.scheduler.schedule()
-        self._token_counts = {rid: self.scheduler.requests[rid].num_tokens for rid in out.num_scheduled_tokens}
+        self._token_counts = {
+            rid: self.scheduler.requests[rid].num_tokens for rid in out.num_scheduled_tokens
+        }
         return SchedulerOutput(
             step_index=self.scheduler.current_step,
             scheduled=tuple(self._scheduled(rid, n) for rid, n in out.num_scheduled_tokens.items()),
             new_request_ids=tuple(r.req_id for r in out.scheduled_new_reqs),
             resumed_request_ids=tuple(
-                rid for rid in out.scheduled_cached_reqs.req_ids if rid in out.scheduled_cached_reqs.resumed_req_ids
+                rid
+                for rid in out.scheduled_cached_reqs.req_ids
+                if rid in out.scheduled_cached_reqs.resumed_req_ids
             ),
             preempted_request_ids=tuple(sorted(out.preempted_req_ids or ())),
         )
@@ -217,19 +226,24 @@ class VllmBackend:
         )
         engine_outputs = self.scheduler.update_from_output(out, runner_output)
         finished = sorted(
-            o.request_id for eco in engine_outputs.values() for o in eco.outputs if o.finish_reason is not None
+            o.request_id
+            for eco in engine_outputs.values()
+            for o in eco.outputs
+            if o.finish_reason is not None
         )
         self._propose_drafts([rid for rid in req_ids if sampled.get(rid) and rid not in finished])
         stats = next(eco.scheduler_stats for eco in engine_outputs.values() if eco.scheduler_stats)
         prefix = stats.prefix_cache_stats
         return StepState(
-            scheduled_tokens=tuple(out.num_scheduled_tokens.items()),
+            scheduled_tokens=_scheduled_tokens(output),
             admitted=output.new_request_ids,
             resumed=output.resumed_request_ids,
             preempted=output.preempted_request_ids,
             finished=tuple(finished),
             running=tuple(r.request_id for r in self.scheduler.running),
-            waiting=tuple(r.request_id for r in (*self.scheduler.kv_holding_waiting, *self.scheduler.waiting)),
+            waiting=tuple(
+                r.request_id for r in (*self.scheduler.kv_holding_waiting, *self.scheduler.waiting)
+            ),
             num_free_blocks=self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
             prefix_cache_queries_tokens=prefix.queries + prefix.preempted_queries,
             prefix_cache_hits_tokens=prefix.hits + prefix.preempted_hits,
@@ -241,4 +255,6 @@ class VllmBackend:
         if not self.num_speculative_tokens or not request_ids:
             return
         drafts = [[DRAFT_TOKEN_ID] * self.num_speculative_tokens for _ in request_ids]
-        self.scheduler.update_draft_token_ids(self._api.DraftTokenIds(req_ids=request_ids, draft_token_ids=drafts))
+        self.scheduler.update_draft_token_ids(
+            self._api.DraftTokenIds(req_ids=request_ids, draft_token_ids=drafts)
+        )

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 
+from sim.config import ConfigError
 from sim.conformance.backends import (
     Backend,
     KvsimBackend,
@@ -25,7 +26,6 @@ from sim.conformance.backends import (
     VllmBackend,
     model_runner,
 )
-from sim.config import ConfigError
 from sim.kv_cache_manager import MTPHashing, MTPHashMode
 from sim.layout import KVCachePlan, plan_kv_cache
 from sim.scenario import Layout, Scenario
@@ -209,6 +209,8 @@ class ConformanceResult:
     comparison: Comparison
     kvsim_hashing: MTPHashing
     vllm_hashing: MTPHashing
+    # vLLM's own KVCacheManager serves the rings with kvsim's slot pool.
+    vllm_ring_slot_packing: bool
     fence: Comparison | None = None
 
 
@@ -240,6 +242,7 @@ def run_conformance(
         comparison=comparison,
         kvsim_hashing=kvsim.scheduler.config.mtp_hashing,
         vllm_hashing=vllm.mtp_hashing(),
+        vllm_ring_slot_packing=vllm.uses_ring_slot_packing(),
         fence=fence,
     )
 
@@ -254,4 +257,3 @@ def fence_effect(
     off = drive(kvsim_backend(scenario, plan), requests, step_time, horizon_s)
     on = drive(kvsim_backend(fenced, plan), requests, step_time, horizon_s)
     return compare(replace(off, backend="fence off"), replace(on, backend="fence on"))
-

@@ -279,7 +279,9 @@ class MambaAlignedSplit:
             num_new_local_computed_tokens,
         )
 
-    def reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+    def reserve_prefill_lookahead(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
         """Never end a chunk within the drafter's prefill runway of the end."""
         return Scheduler._reserve_prefill_lookahead(
             self._scheduler,  # type: ignore[arg-type]

@@ -17,8 +17,13 @@ given kvsim's scheduler-side ``KVCacheConfig`` of the deployment's plan.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
+import logging
+import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +36,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.config import SchedulerConfig as VllmSchedulerConfig
+from vllm.model_executor.models.registry import ModelRegistry, _RegisteredModel
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.structured_output import StructuredOutputManager
@@ -87,6 +93,23 @@ class VllmSchedulerSettings:
     mtp_hash_mode: Literal["eagle-drop", "lookahead"]
 
 
+# The stand-in's target and draft classes: registered already imported, so
+# vLLM inspects them in this process instead of one subprocess each (two
+# fresh vLLM imports; no CUDA to protect on a CPU machine).
+_STAND_IN_ARCHITECTURES = {
+    "MiMoForCausalLM": ("vllm.model_executor.models.mimo", "MiMoForCausalLM"),
+    "MiMoMTPModel": ("vllm.model_executor.models.mimo_mtp", "MiMoMTP"),
+}
+
+
+def _register_stand_in_models() -> None:
+    for architecture, (module_name, class_name) in _STAND_IN_ARCHITECTURES.items():
+        if isinstance(ModelRegistry.models.get(architecture), _RegisteredModel):
+            continue
+        module = importlib.import_module(module_name)
+        ModelRegistry.register_model(architecture, getattr(module, class_name))
+
+
 def _stand_in_model_dir(max_model_len: int) -> str:
     directory = tempfile.mkdtemp(prefix="kvsim-stand-in-model-")
     config = {**_STAND_IN_HF_CONFIG, "max_position_embeddings": max(max_model_len, 4096)}
@@ -94,10 +117,29 @@ def _stand_in_model_dir(max_model_len: int) -> str:
     return directory
 
 
+@contextlib.contextmanager
+def _vllm_log_level() -> Iterator[None]:
+    """vLLM's loggers at the level the bridge asked for (its logging set-up
+    is not applied in this process, so its config warnings would print)."""
+    logger = logging.getLogger("vllm")
+    level = logger.level
+    logger.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def build_vllm_config(settings: VllmSchedulerSettings) -> VllmConfig:
     """A real ``VllmConfig``: model, TP x PP, scheduler, cache (align mode,
     prefix caching), MTP with K drafts. ``eagle-drop`` is vLLM's
     ``disable_lookahead_block_hashes=True``; ``lookahead`` its default."""
+    with _vllm_log_level():
+        return _build_vllm_config(settings)
+
+
+def _build_vllm_config(settings: VllmSchedulerSettings) -> VllmConfig:
+    _register_stand_in_models()
     model = ModelConfig(
         model=_stand_in_model_dir(settings.max_model_len),
         skip_tokenizer_init=True,
@@ -141,14 +183,15 @@ def build_vllm_scheduler(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
     core builds it (the pool size set on the cache config first)."""
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     block_size = vllm_config.cache_config.block_size
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=block_size,
-        hash_block_size=block_size,
-        log_stats=True,
-    )
+    with _vllm_log_level():
+        return Scheduler(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=block_size,
+            hash_block_size=block_size,
+            log_stats=True,
+        )
 
 
 def request_block_hasher(vllm_config: VllmConfig) -> Any:
