@@ -178,6 +178,7 @@ def test_control_another_preemption_victim(monkeypatch):
 def test_control_one_fewer_accepted_draft(monkeypatch):
     """kvsim dropping one accepted draft once (the first time a request that
     goes on accepted any) fails at that request's next step."""
+    reference = _steps(_reference("prefix-hits", "off", "lookahead"))
     applied: list[tuple[int, str]] = []
     original = Scheduler.update_from_output
 
@@ -196,7 +197,7 @@ def test_control_one_fewer_accepted_draft(monkeypatch):
 
     monkeypatch.setattr(Scheduler, "update_from_output", one_fewer)
     comparison = _conform("prefix-hits", "off", "lookahead").comparison
-    (step, request_id), reference = applied[0], _steps(_reference("prefix-hits", "off", "lookahead"))
+    step, request_id = applied[0]
     expected = _first_step(
         reference, lambda i, s: i + 1 > step and request_id in (rid for rid, _, _ in s.scheduled_tokens)
     )

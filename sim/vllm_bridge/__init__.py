@@ -1,4 +1,4 @@
-"""The one module that imports vLLM.
+"""The one package that imports vLLM (this module, and `scheduler` for `kvsim conform`).
 
 Everything kvsim drives of vLLM (its spec classes, its planner, its
 ``BlockPool``/``KVCacheManager``/managers, its ``Request``) is imported here
