@@ -17,7 +17,9 @@ def register(subparsers: Any) -> None:
     )
     add_scenario_argument(conform, default=None)
     add_override_argument(conform)
-    conform.add_argument("--layout", choices=["off", "on"], default="on")
+    conform.add_argument(
+        "--layout", choices=["off", "on"], default="on", help="side-cache layout (default on)"
+    )
     conform.add_argument(
         "--mode",
         choices=MTP_HASH_MODES,
