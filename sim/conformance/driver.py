@@ -77,6 +77,8 @@ def drive(
             now_s = pending[0].arrival_s
             continue
         now_s += step_time.step_time_s(output)
+        if max_time_s is not None and now_s > max_time_s:
+            break  # the engine stops at the horizon: this step never ends
         states.append(backend.execute(output))
         times_s.append(now_s)
     return Trajectory(backend=backend.name, steps=tuple(states), times_s=tuple(times_s), stalled=stalled)
