@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from sim.allocator_invariants import check_allocator
 from sim.config import ModelConfig
-from sim.kv_cache_manager import build_kv_cache_manager
+from sim.kv_cache_manager import MTPHashing, build_kv_cache_manager
 from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
 from sim.metrics import SAMPLE_RECORD, STEP_RECORD
 from sim.scenario import AllocatorSection, Scenario, SideCacheSwitch
@@ -68,8 +68,11 @@ class Simulation:
         self.progress = progress
         model = scenario.load_model()  # read once
         self.plan: KVCachePlan = plan_kv_cache(model, scenario.deployment, side_cache_layout=layout == "on")
-        self.kv_cache_manager = build_kv_cache_manager(self.plan, **allocator_options(scenario.allocator))
-        self.scheduler = Scheduler(scheduler_config(scenario, model, self.plan), self.kv_cache_manager)
+        config = scheduler_config(scenario, model, self.plan)
+        self.kv_cache_manager = build_kv_cache_manager(
+            self.plan, **allocator_options(scenario.allocator), mtp_hashing=config.mtp_hashing
+        )
+        self.scheduler = Scheduler(config, self.kv_cache_manager)
         acceptance = AcceptanceModel(conditional_rates=scenario.mtp.acceptance_rates)
         self.model_runner = ModelRunner(acceptance, _runner_rng(scenario.seed))
         self.core = EngineCore(self.scheduler, self.model_runner)
@@ -210,8 +213,17 @@ def scheduler_config(scenario: Scenario, model: ModelConfig, plan: KVCachePlan) 
     """The scheduler's flags: every field of the scenario's ``scheduler:``
     section by name (a section field the scheduler lacks is a TypeError here,
     not a silently ignored key), the rest from the deployment, plan and model."""
+    section = scenario.scheduler.model_dump()
+    # The hashing mode is a name in the scenario; the scheduler takes what it
+    # derives to for this engine (vLLM's derivation, in MTPHashing).
+    mtp_hashing = MTPHashing.for_engine(
+        section.pop("mtp_hash_mode"),
+        plan.engine,
+        enable_prefix_caching=scenario.allocator.enable_prefix_caching,
+    )
     return SchedulerConfig(
-        **scenario.scheduler.model_dump(),
+        **section,
+        mtp_hashing=mtp_hashing,
         max_num_seqs=scenario.deployment.max_num_seqs,
         max_model_len=scenario.deployment.max_model_len,
         block_size=plan.block_size,

@@ -10,7 +10,8 @@ to the workers once per step so they clear the new rings' tag words.
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 from sim.kv_cache_interface import (
     RetainedCheckpointMambaSpec,
@@ -34,6 +35,74 @@ from sim.vllm_bridge import (
     sha256,
 )
 from sim.vllm_bridge import KVCacheManager as _VllmKVCacheManager
+
+MTPHashMode = Literal["eagle-drop", "lookahead"]
+MTP_HASH_MODES: tuple[MTPHashMode, ...] = ("eagle-drop", "lookahead")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MTPHashing:
+    """How MTP drafts shape prefix-cache hashes, in vLLM's terms.
+
+    ``eagle-drop``: hashes cover their block only and the trailing hit block
+    is dropped (the drafter's KV at a block's last position reads the next
+    token). ``lookahead``: each hash also covers the next
+    ``num_hash_lookahead_tokens`` tokens, which proves them, so nothing is
+    dropped. ``num_prefill_lookahead_tokens`` is the drafter's prefill runway
+    (a chunk never ends within it of the prefill end; 1 makes that a no-op).
+    """
+
+    use_eagle_block_drop: bool = True
+    num_hash_lookahead_tokens: int = 0
+    num_prefill_lookahead_tokens: int = 1
+
+    @classmethod
+    def for_mode(
+        cls,
+        mode: MTPHashMode,
+        *,
+        num_speculative_tokens: int,
+        multi_module_mtp: bool = False,
+        enable_prefix_caching: bool = True,
+        kv_connector: bool = False,
+    ) -> MTPHashing:
+        """vLLM 0.33.0's derivation for method "mtp" (``VllmConfig.
+        num_prefill_lookahead_tokens`` / ``num_hash_lookahead_tokens``, then
+        ``Scheduler.__init__``, which turns the drop off under lookahead
+        hashes); ``eagle-drop`` is ``disable_lookahead_block_hashes=True``.
+
+        >>> MTPHashing.for_mode("lookahead", num_speculative_tokens=3)
+        MTPHashing(use_eagle_block_drop=False, num_hash_lookahead_tokens=1, num_prefill_lookahead_tokens=1)
+        >>> MTPHashing.for_mode("lookahead", num_speculative_tokens=3, kv_connector=True).use_eagle_block_drop
+        True
+        """
+        if mode not in MTP_HASH_MODES:
+            raise ValueError(f"mtp_hash_mode must be one of {MTP_HASH_MODES}, got {mode!r}")
+        if num_speculative_tokens == 0:
+            return cls(
+                use_eagle_block_drop=False, num_hash_lookahead_tokens=0, num_prefill_lookahead_tokens=0
+            )
+        prefill_lookahead = num_speculative_tokens if multi_module_mtp else 1
+        hash_lookahead = (
+            prefill_lookahead if mode == "lookahead" and enable_prefix_caching and not kv_connector else 0
+        )
+        return cls(
+            use_eagle_block_drop=hash_lookahead == 0,
+            num_hash_lookahead_tokens=hash_lookahead,
+            num_prefill_lookahead_tokens=prefill_lookahead,
+        )
+
+    @classmethod
+    def for_engine(cls, mode: MTPHashMode, engine: Any, *, enable_prefix_caching: bool = True) -> MTPHashing:
+        """The hashing a plan's engine config gives in ``mode``."""
+        speculative = engine.speculative_config
+        return cls.for_mode(
+            mode,
+            num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
+            multi_module_mtp=bool(speculative and speculative.use_multi_module_mtp()),
+            enable_prefix_caching=enable_prefix_caching,
+            kv_connector=engine.kv_transfer_config is not None,
+        )
 
 
 class KVCacheManager(_VllmKVCacheManager):
@@ -102,14 +171,18 @@ def build_kv_cache_manager(
     enable_caching: bool = True,
     num_gpu_blocks: int | None = None,
     log_stats: bool = True,
+    mtp_hashing: MTPHashing | None = None,
 ) -> KVCacheManager:
     """The fork scheduler's ``KVCacheManager`` for ``plan``.
 
     Hash block = block (the deployment's prefix-cache granularity, so no
-    partial hits and no copy-on-write), MTP drafts as EAGLE (``use_eagle``),
-    one-module MTP (no prefill lookahead).
+    partial hits and no copy-on-write); MTP hashing as vLLM's scheduler
+    passes it (``use_eagle`` = the block drop, the hash and prefill
+    lookaheads); default the EAGLE drop, which the fork runs.
     """
     init_none_hash(sha256)
+    if mtp_hashing is None:
+        mtp_hashing = MTPHashing.for_engine("eagle-drop", plan.engine, enable_prefix_caching=enable_caching)
     config = scheduler_kv_cache_config(
         plan, retain_mamba_checkpoint=retain_mamba_checkpoint, num_gpu_blocks=num_gpu_blocks
     )
@@ -120,7 +193,9 @@ def build_kv_cache_manager(
         scheduler_block_size=plan.block_size,
         hash_block_size=plan.block_size,
         enable_caching=enable_caching,
-        use_eagle=plan.engine.speculative_config is not None,
+        use_eagle=mtp_hashing.use_eagle_block_drop,
+        num_hash_lookahead_tokens=mtp_hashing.num_hash_lookahead_tokens,
+        num_prefill_lookahead=mtp_hashing.num_prefill_lookahead_tokens,
         log_stats=log_stats,
         # vLLM's KV events are how kvsim counts prefix-cache evictions
         # (BlockRemoved when a cached block is reused).

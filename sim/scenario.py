@@ -45,6 +45,9 @@ class SchedulerSection(StrictModel):
     scheduler_reserve_full_isl: bool = True
     defer_block_free: bool = True
     max_concurrent_batches: int = Field(2, ge=1)
+    # MTP prefix-cache hashing: the EAGLE block drop (what the fork runs) or
+    # vLLM 0.33.0's lookahead hashes (its default with prefix caching).
+    mtp_hash_mode: Literal["eagle-drop", "lookahead"] = "eagle-drop"
 
 
 class MTPSection(StrictModel):

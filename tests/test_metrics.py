@@ -173,12 +173,19 @@ _NOT_DEFAULT = {bool: lambda v: not v, int: lambda v: v + 3}
 
 def test_every_scheduler_section_field_reaches_the_scheduler(tmp_path) -> None:
     defaults = SchedulerSection()
-    changed = {name: _NOT_DEFAULT[type(value)](value) for name, value in defaults.model_dump().items()}
+    section = defaults.model_dump()
+    assert section.pop("mtp_hash_mode") == "eagle-drop"
+    changed = {name: _NOT_DEFAULT[type(value)](value) for name, value in section.items()}
     overrides = [f"scheduler.{name}={str(value).lower()}" for name, value in changed.items()]
+    overrides.append("scheduler.mtp_hash_mode=lookahead")
     sc = scenario(tmp_path, overrides=overrides, workload=TINY, deployment={"max_num_seqs": 5})
     sim = Simulation(sc, "on", workload=None)  # type: ignore[arg-type]
     for name, value in changed.items():
         assert getattr(sim.scheduler.config, name) == value, name
+    # The hashing mode arrives as what vLLM derives for it: hashes one token
+    # past the block (MTP K=3, one module), no EAGLE drop.
+    assert sim.scheduler.config.mtp_hashing.num_hash_lookahead_tokens == 1
+    assert not sim.scheduler.config.mtp_hashing.use_eagle_block_drop
     assert sim.scheduler.config.max_num_seqs == 5
     assert sim.scheduler.config.num_speculative_tokens == sc.load_model().mtp.num_speculative_tokens
 
@@ -195,8 +202,9 @@ def test_a_scheduler_field_the_scheduler_lacks_is_an_error(tmp_path) -> None:
     with pytest.raises(TypeError, match="brand_new_flag"):
         scheduler_config(sc, sc.load_model(), sim.plan)
     # Every scheduler field is either a section field or one the engine derives.
-    derived = {"max_num_seqs", "max_model_len", "block_size", "num_speculative_tokens"}
-    assert {f.name for f in fields(SchedulerConfig)} == set(SchedulerSection.model_fields) | derived
+    derived = {"max_num_seqs", "max_model_len", "block_size", "num_speculative_tokens", "mtp_hashing"}
+    named = set(SchedulerSection.model_fields) - {"mtp_hash_mode"}  # the name mtp_hashing derives from
+    assert {f.name for f in fields(SchedulerConfig)} == named | derived
 
 
 def test_every_allocator_section_field_reaches_the_manager(tmp_path) -> None:

@@ -69,7 +69,8 @@ class ModelRunner:
             reached = item.num_computed_tokens + item.num_scheduled_tokens - item.num_spec_tokens
             if reached < num_tokens[item.request_id]:
                 continue  # a prefill chunk short of the prompt's end
-            accepted = self.acceptance.sample(item.num_spec_tokens, self.rng)
+            # Placeholder drafts (uniform-decode padding) are never accepted.
+            accepted = 0 if item.is_padded else self.acceptance.sample(item.num_spec_tokens, self.rng)
             position = num_tokens[item.request_id]
             sampled[item.request_id] = [OUTPUT_TOKEN_BASE + position + i for i in range(accepted + 1)]
         return ModelRunnerOutput(sampled_token_ids=sampled)

@@ -17,6 +17,8 @@ class ScheduledRequest:
     num_computed_tokens: int  # context already in the KV cache before the step
     num_spec_tokens: int  # MTP drafts among the scheduled tokens
     num_prompt_tokens_left: int  # prompt (or recompute) tokens among them
+    # Padded to a uniform decode: the drafts are placeholders, never accepted.
+    is_padded: bool = False
 
     @property
     def is_decode(self) -> bool:

@@ -16,10 +16,10 @@ chase its tokens (prompt, outputs, drafts); rejected drafts roll them back.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from sim.kv_cache_manager import KVCacheManager
+from sim.kv_cache_manager import KVCacheManager, MTPHashing
 from sim.sched.model_runner import OUTPUT_TOKEN_BASE
 from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepOutcome
 from sim.sched.stats import PrefixCacheStats, SchedulerGauges, SchedulerStats, SpecDecodingStats
@@ -71,6 +71,9 @@ class SchedulerConfig:
     # may write them complete (PP=2 with async scheduling: 2 in flight).
     defer_block_free: bool = True
     max_concurrent_batches: int = 2
+    # MTP hashing (EAGLE block drop, the fork's setting, or lookahead
+    # hashes); must match the KVCacheManager's.
+    mtp_hashing: MTPHashing = MTPHashing()
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -90,6 +93,11 @@ class _StepState:
     resumed_ids: list[str] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     admitted_hits: dict[str, int] = field(default_factory=dict)
+    # The RUNNING loop scheduled someone / someone mid-prefill (vLLM's
+    # ``scheduled_running_reqs`` / ``prefill_scheduled``).
+    running_scheduled: bool = False
+    prefill_scheduled: bool = False
+    padded_ids: set[str] = field(default_factory=set)
 
 
 class Scheduler:
@@ -102,8 +110,14 @@ class Scheduler:
             block_size=config.block_size,
             max_num_scheduled_tokens=config.max_num_batched_tokens,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            use_eagle_block_drop=config.mtp_hashing.use_eagle_block_drop,
+            num_hash_lookahead_tokens=config.mtp_hashing.num_hash_lookahead_tokens,
+            num_prefill_lookahead_tokens=config.mtp_hashing.num_prefill_lookahead_tokens,
         )
-        self._hasher = get_request_block_hasher(config.block_size, sha256)
+        # vLLM's engine core builds each request's hasher the same way.
+        self._hasher = get_request_block_hasher(
+            config.block_size, sha256, config.mtp_hashing.num_hash_lookahead_tokens
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request | RequestSpec] = deque()
         self.running: list[Request] = []
@@ -113,6 +127,8 @@ class Scheduler:
         self.processed_step_seq = 0
         self.step_index = 0
         self.num_rejected = 0
+        # Accepted arrivals since the last schedule(): not in a step's waiting gauge.
+        self._num_arrived_since_schedule = 0
         self.num_evicted_blocks = 0
 
     # ------------------------------------------------------------------ intake
@@ -123,6 +139,7 @@ class Scheduler:
             self.num_rejected += 1
             return False
         self.waiting.append(spec)
+        self._num_arrived_since_schedule += 1
         return True
 
     def _materialize(self, spec: RequestSpec) -> Request:
@@ -150,6 +167,7 @@ class Scheduler:
 
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
+        self._num_arrived_since_schedule = 0
         self.kv_cache_manager.new_step_starts()
         step = _StepState(token_budget=self.config.max_num_batched_tokens)
         self._schedule_running(step)
@@ -172,7 +190,9 @@ class Scheduler:
         num_new_tokens = min(num_new_tokens, limit)
         if num_new_tokens <= 0:
             return 0
-        return self.split(request, num_new_tokens, num_hit)
+        num_new_tokens = self.split(request, num_new_tokens, num_hit)
+        computed = request.num_computed_tokens + num_hit
+        return self.split.reserve_prefill_lookahead(request, computed, num_new_tokens)
 
     def _schedule_running(self, step: _StepState) -> None:
         index = 0
@@ -185,6 +205,8 @@ class Scheduler:
                 continue
             if not self._allocate_or_preempt(request, num_new, step):
                 break
+            step.running_scheduled = True
+            step.prefill_scheduled |= request.is_prefill_chunk
             self._record_scheduled(request, num_new, request.num_computed_tokens, step)
             index += 1
 
@@ -209,9 +231,17 @@ class Scheduler:
             request = self._peek_waiting()
             blocks, num_hit, boundary = self.kv_cache_manager.get_computed_blocks(request)
             request.shared_prefix_boundary = boundary
-            num_new = self._clip(request, request.num_tokens - num_hit, step.token_budget, num_hit)
+            num_new = request.num_tokens - num_hit
+            padded = self._pads_to_uniform_decode(request, num_new, num_hit, step)
+            if padded and 1 + self.config.num_speculative_tokens > step.token_budget:
+                break  # vLLM prefers not scheduling to scheduling un-padded
+            if padded:
+                num_new = 1 + self.config.num_speculative_tokens
+            num_new = self._clip(request, num_new, step.token_budget, num_hit)
             if num_new == 0:
                 break
+            if padded and num_new != 1 + self.config.num_speculative_tokens:
+                num_new, padded = 1, False  # the split clipped the padding: drop it
             allocated = self.kv_cache_manager.allocate_slots(
                 request,
                 num_new,
@@ -224,7 +254,23 @@ class Scheduler:
             if allocated is None:
                 break  # head-of-line blocking: never try the requests behind it
             self.kv_cache_manager.record_prefix_cache_stats(request, num_hit)
+            if padded:
+                step.padded_ids.add(request.request_id)
             self._admit(request, num_hit, num_new, step)
+
+    def _pads_to_uniform_decode(self, request: Request, num_new: int, num_hit: int, step: _StepState) -> bool:
+        """vLLM pads an admitted request with one token left (a full prefix
+        hit, a resumed decode) to ``1 + K`` rows, placeholder drafts that are
+        never accepted, to keep the batch a uniform (CUDA-graph) decode;
+        only when no running prefill is in the step and there is room."""
+        num_spec = self.config.num_speculative_tokens
+        return (
+            num_spec > 0
+            and num_new == 1
+            and not step.prefill_scheduled
+            and (step.running_scheduled or num_hit > 0)
+            and num_hit + 1 + num_spec + 1 <= self.config.max_model_len
+        )
 
     def _admit(self, request: Request, num_hit: int, num_new: int, step: _StepState) -> None:
         self.waiting.popleft()
@@ -244,6 +290,7 @@ class Scheduler:
             num_computed_tokens=computed,
             num_spec_tokens=num_spec,
             num_prompt_tokens_left=0 if computed >= request.num_tokens - 1 else num_new - num_spec,
+            is_padded=request.request_id in step.padded_ids,
         )
         step.token_budget -= num_new
         request.spec_token_ids = []  # new drafts arrive with the step's output
@@ -254,6 +301,7 @@ class Scheduler:
         for request_id, item in step.scheduled.items():
             request = self.requests[request_id]
             request.num_computed_tokens += item.num_scheduled_tokens
+            request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
             self.last_sched_seq[request_id] = self.sched_step_seq
         queries, hits = self._take_prefix_cache_stats()
         evicted = sum(
@@ -411,6 +459,15 @@ class Scheduler:
             num_retained_checkpoints=kv.num_retained_checkpoints(),
         )
 
+    def _gauges_at_make_stats(self) -> SchedulerGauges:
+        """vLLM's engine core adds arrivals between steps, so its ``make_stats``
+        counts the waiting queue without the requests that arrived while the
+        step ran (kvsim adds them as they arrive)."""
+        gauges = self.make_gauges()
+        return replace(
+            gauges, num_requests_waiting=gauges.num_requests_waiting - self._num_arrived_since_schedule
+        )
+
     def make_stats(self, output: SchedulerOutput, outcome: StepOutcome) -> SchedulerStats:
         """One step's stats once its output is applied (vLLM's ``make_stats``)."""
         return SchedulerStats(
@@ -424,7 +481,7 @@ class Scheduler:
             num_preemptions=len(output.preempted_request_ids),
             num_finished=len(outcome.finished),
             num_generation_tokens=outcome.num_generated_tokens,
-            gauges=self.make_gauges(),
+            gauges=self._gauges_at_make_stats(),
             prefix_cache_stats=PrefixCacheStats(
                 prefix_cache_queries_tokens=output.prefix_cache_queries,
                 prefix_cache_hits_tokens=output.prefix_cache_hits,

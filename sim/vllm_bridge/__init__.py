@@ -1,4 +1,4 @@
-"""The one module that imports vLLM.
+"""The one package that imports vLLM (this module, and `scheduler` for `kvsim conform`).
 
 Everything kvsim drives of vLLM (its spec classes, its planner, its
 ``BlockPool``/``KVCacheManager``/managers, its ``Request``) is imported here
@@ -235,12 +235,14 @@ def engine_config(
 
 
 class MambaAlignedSplit:
-    """vLLM's own ``Scheduler._mamba_block_aligned_split``, bound to the few
-    scheduler attributes it reads (0.33.0), so kvsim's scheduler clips prefill
-    chunks exactly where vLLM's does without building a whole ``Scheduler``.
+    """vLLM's own ``Scheduler._mamba_block_aligned_split`` and
+    ``Scheduler._reserve_prefill_lookahead``, bound to the few scheduler
+    attributes they read (0.33.0), so kvsim's scheduler clips prefill chunks
+    exactly where vLLM's does without building a whole ``Scheduler``.
 
     Hash block = block (no partial hits), no prefill checkpoint blocks and no
-    shared-prefix junction: the Flash-Next deployment's settings.
+    shared-prefix junction: the Flash-Next deployment's settings. The MTP
+    hashing (EAGLE block drop or lookahead hashes) is the caller's.
     """
 
     def __init__(
@@ -250,13 +252,16 @@ class MambaAlignedSplit:
         max_num_scheduled_tokens: int,
         long_prefill_token_threshold: int = 0,
         use_eagle_block_drop: bool = True,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead_tokens: int = 0,
     ) -> None:
         self._scheduler = SimpleNamespace(
             block_size=block_size,
             hash_block_size=block_size,
             cache_config=SimpleNamespace(block_size=block_size),
             use_eagle_block_drop=use_eagle_block_drop,
-            num_hash_lookahead_tokens=0,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+            num_prefill_lookahead=num_prefill_lookahead_tokens,
             max_num_scheduled_tokens=max_num_scheduled_tokens,
             scheduler_config=SimpleNamespace(long_prefill_token_threshold=long_prefill_token_threshold),
             mamba_partial_cache_hit=False,
@@ -272,6 +277,17 @@ class MambaAlignedSplit:
             request,
             num_new_tokens,
             num_new_local_computed_tokens,
+        )
+
+    def reserve_prefill_lookahead(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
+        """Never end a chunk within the drafter's prefill runway of the end."""
+        return Scheduler._reserve_prefill_lookahead(
+            self._scheduler,  # type: ignore[arg-type]
+            request,
+            num_computed_tokens,
+            num_new_tokens,
         )
 
 

@@ -1,0 +1,260 @@
+"""The two scheduler backends ``kvsim conform`` runs, behind one interface.
+
+Both see the same requests at the same simulated times, produce kvsim's
+``SchedulerOutput`` (what the step-time model reads), and sample through
+the same ``ModelRunner`` (same acceptance model, same seeded RNG, requests in
+scheduling order), so identical schedules draw identical numbers. After each
+step a backend reports a ``StepState``: what the comparison looks at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from sim.kv_cache_manager import (
+    MTPHashing,
+    RingCircularBufferManager,
+    build_kv_cache_manager,
+    scheduler_kv_cache_config,
+)
+from sim.kv_cache_plan import KVCachePlan
+from sim.sched.model_runner import AcceptanceModel, ModelRunner
+from sim.sched.output import ScheduledRequest, SchedulerOutput
+from sim.sched.scheduler import DRAFT_TOKEN_ID, RequestSpec, Scheduler, SchedulerConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepState:
+    """One executed step as the comparison sees it (ids in queue order)."""
+
+    # (request, computed tokens before the step, tokens scheduled), in order.
+    scheduled_tokens: tuple[tuple[str, int, int], ...]
+    admitted: tuple[str, ...]
+    resumed: tuple[str, ...]
+    preempted: tuple[str, ...]
+    finished: tuple[str, ...]
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    num_free_blocks: int
+    prefix_cache_queries_tokens: int
+    prefix_cache_hits_tokens: int
+
+
+def _scheduled_tokens(output: SchedulerOutput) -> tuple[tuple[str, int, int], ...]:
+    return tuple((r.request_id, r.num_computed_tokens, r.num_scheduled_tokens) for r in output.scheduled)
+
+
+class Backend(Protocol):
+    name: str
+
+    def add_request(self, spec: RequestSpec) -> bool: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def schedule(self) -> SchedulerOutput: ...
+    def complete_in_flight_steps(self) -> bool: ...
+    def execute(self, output: SchedulerOutput) -> StepState: ...
+
+
+def model_runner(acceptance_rates: tuple[float, ...], seed: int) -> ModelRunner:
+    """The workers' stand-in both backends sample through (the engine's
+    own RNG stream for ``seed``, so draws match a ``kvsim run`` too)."""
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 1]))
+    return ModelRunner(AcceptanceModel(conditional_rates=acceptance_rates), rng)
+
+
+class KvsimBackend:
+    """kvsim's own scheduler over kvsim's ``KVCacheManager``."""
+
+    name = "kvsim"
+
+    def __init__(
+        self,
+        plan: KVCachePlan,
+        config: SchedulerConfig,
+        runner: ModelRunner,
+        *,
+        retain_mamba_checkpoint: bool,
+        enable_caching: bool,
+    ) -> None:
+        self.kv_cache_manager = build_kv_cache_manager(
+            plan,
+            retain_mamba_checkpoint=retain_mamba_checkpoint,
+            enable_caching=enable_caching,
+            mtp_hashing=config.mtp_hashing,
+        )
+        self.scheduler = Scheduler(config, self.kv_cache_manager)
+        self.runner = runner
+        self._token_counts: dict[str, int] = {}
+
+    def add_request(self, spec: RequestSpec) -> bool:
+        return self.scheduler.add_request(spec)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def schedule(self) -> SchedulerOutput:
+        output = self.scheduler.schedule()
+        self._token_counts = self.scheduler.token_counts()
+        return output
+
+    def complete_in_flight_steps(self) -> bool:
+        return self.scheduler.complete_in_flight_steps()
+
+    def execute(self, output: SchedulerOutput) -> StepState:
+        sampled = self.runner.execute(output, self._token_counts)
+        outcome = self.scheduler.update_from_output(output, sampled)
+        return StepState(
+            scheduled_tokens=_scheduled_tokens(output),
+            admitted=output.new_request_ids,
+            resumed=output.resumed_request_ids,
+            preempted=tuple(sorted(output.preempted_request_ids)),
+            finished=tuple(sorted(outcome.finished)),
+            running=tuple(r.request_id for r in self.scheduler.running),
+            waiting=tuple(w.request_id for w in self.scheduler.waiting),
+            num_free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
+            prefix_cache_queries_tokens=output.prefix_cache_queries,
+            prefix_cache_hits_tokens=output.prefix_cache_hits,
+        )
+
+
+class VllmBackend:
+    """vLLM 0.33.0's own ``Scheduler``, built from a real ``VllmConfig`` and
+    given kvsim's scheduler-side ``KVCacheConfig`` of the plan (its kvsim
+    spec types make vLLM's own ``KVCacheManager`` build kvsim's ring and
+    retaining Mamba managers, as in kvsim), driven one step at a time."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        plan: KVCachePlan,
+        settings: Any,
+        runner: ModelRunner,
+        *,
+        retain_mamba_checkpoint: bool,
+    ) -> None:
+        from sim.vllm_bridge import scheduler as vllm_scheduler
+
+        self._api = vllm_scheduler
+        self.vllm_config = vllm_scheduler.build_vllm_config(settings)
+        kv_cache_config = scheduler_kv_cache_config(plan, retain_mamba_checkpoint=retain_mamba_checkpoint)
+        self.scheduler = vllm_scheduler.build_vllm_scheduler(self.vllm_config, kv_cache_config)
+        self._hasher = vllm_scheduler.request_block_hasher(self.vllm_config)
+        self.runner = runner
+        self.max_model_len = settings.max_model_len
+        self.num_speculative_tokens = settings.num_speculative_tokens
+        self._vllm_output: Any = None
+        self._token_counts: dict[str, int] = {}
+
+    def mtp_hashing(self) -> MTPHashing:
+        """What vLLM's Scheduler derived from the config (for the report)."""
+        return MTPHashing(
+            use_eagle_block_drop=self.scheduler.use_eagle_block_drop,
+            num_hash_lookahead_tokens=self.scheduler.num_hash_lookahead_tokens,
+            num_prefill_lookahead_tokens=self.scheduler.num_prefill_lookahead,
+        )
+
+    def uses_ring_slot_packing(self) -> bool:
+        managers = self.scheduler.kv_cache_manager.coordinator.single_type_managers
+        return any(isinstance(m, RingCircularBufferManager) and m.slot_pool is not None for m in managers)
+
+    def add_request(self, spec: RequestSpec) -> bool:
+        # vLLM's input processor rejects a prompt that leaves no room for
+        # one output token; the Scheduler never sees it.
+        if spec.prompt_len >= self.max_model_len:
+            return False
+        self.scheduler.add_request(
+            self._api.make_request(
+                request_id=spec.request_id,
+                prompt_token_ids=spec.prompt_token_ids(),
+                max_tokens=spec.output_len,
+                arrival_s=spec.arrival_s,
+                block_hasher=self._hasher,
+            )
+        )
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def complete_in_flight_steps(self) -> bool:
+        return False  # steps run one at a time; vLLM frees at once (no connector)
+
+    def schedule(self) -> SchedulerOutput:
+        self._vllm_output = out = self.scheduler.schedule()
+        self._token_counts = {
+            rid: self.scheduler.requests[rid].num_tokens for rid in out.num_scheduled_tokens
+        }
+        return SchedulerOutput(
+            step_index=self.scheduler.current_step,
+            scheduled=tuple(self._scheduled(rid, n) for rid, n in out.num_scheduled_tokens.items()),
+            new_request_ids=tuple(r.req_id for r in out.scheduled_new_reqs),
+            resumed_request_ids=tuple(
+                rid
+                for rid in out.scheduled_cached_reqs.req_ids
+                if rid in out.scheduled_cached_reqs.resumed_req_ids
+            ),
+            preempted_request_ids=tuple(sorted(out.preempted_req_ids or ())),
+        )
+
+    def _scheduled(self, request_id: str, num_scheduled: int) -> ScheduledRequest:
+        """kvsim's record of one request's share (the step-time model's input)."""
+        request = self.scheduler.requests[request_id]
+        computed = request.num_computed_tokens - num_scheduled  # schedule() advanced it
+        spec_token_ids = self._vllm_output.scheduled_spec_decode_tokens.get(request_id, ())
+        num_spec = len(spec_token_ids)
+        return ScheduledRequest(
+            request_id=request_id,
+            num_scheduled_tokens=num_scheduled,
+            num_computed_tokens=computed,
+            num_spec_tokens=num_spec,
+            num_prompt_tokens_left=0 if computed >= request.num_tokens - 1 else num_scheduled - num_spec,
+            # vLLM's uniform-decode padding schedules -1 placeholder drafts.
+            is_padded=num_spec > 0 and all(token == -1 for token in spec_token_ids),
+        )
+
+    def execute(self, output: SchedulerOutput) -> StepState:
+        out = self._vllm_output
+        sampled = self.runner.execute(output, self._token_counts).sampled_token_ids
+        req_ids = list(out.num_scheduled_tokens)
+        runner_output = self._api.ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=[sampled.get(rid, []) for rid in req_ids],
+        )
+        engine_outputs = self.scheduler.update_from_output(out, runner_output)
+        finished = sorted(
+            o.request_id
+            for eco in engine_outputs.values()
+            for o in eco.outputs
+            if o.finish_reason is not None
+        )
+        self._propose_drafts([rid for rid in req_ids if sampled.get(rid) and rid not in finished])
+        stats = next(eco.scheduler_stats for eco in engine_outputs.values() if eco.scheduler_stats)
+        prefix = stats.prefix_cache_stats
+        return StepState(
+            scheduled_tokens=_scheduled_tokens(output),
+            admitted=output.new_request_ids,
+            resumed=output.resumed_request_ids,
+            preempted=output.preempted_request_ids,
+            finished=tuple(finished),
+            running=tuple(r.request_id for r in self.scheduler.running),
+            waiting=tuple(
+                r.request_id for r in (*self.scheduler.kv_holding_waiting, *self.scheduler.waiting)
+            ),
+            num_free_blocks=self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+            prefix_cache_queries_tokens=prefix.queries + prefix.preempted_queries,
+            prefix_cache_hits_tokens=prefix.hits + prefix.preempted_hits,
+        )
+
+    def _propose_drafts(self, request_ids: list[str]) -> None:
+        """The drafter's K drafts for each request that sampled (the engine
+        core hands them over after ``update_from_output``)."""
+        if not self.num_speculative_tokens or not request_ids:
+            return
+        drafts = [[DRAFT_TOKEN_ID] * self.num_speculative_tokens for _ in request_ids]
+        self.scheduler.update_draft_token_ids(
+            self._api.DraftTokenIds(req_ids=request_ids, draft_token_ids=drafts)
+        )

@@ -1,0 +1,241 @@
+"""The clock both backends run under, and the step-by-step comparison.
+
+The clock is kvsim's engine model (``sim/engine.py``) without SimPy:
+requests arrive at their trace times and join the waiting queue before the
+next ``schedule()``; a step lasts what kvsim's step-time model says of its
+output; the engine idles until the next arrival when nothing can run. Steps
+run one after another (no PP batch queue, no async scheduling), as in kvsim.
+
+Fenced frees are off for the comparison (``defer_block_free=false``): vLLM
+0.33.0 fences only with a KV-consumer connector, which the Flash-Next
+deployment has not. ``fence_effect`` measures, on kvsim alone, what the
+fork's always-on fence changes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, fields, replace
+
+from sim.config import ConfigError
+from sim.conformance.backends import (
+    Backend,
+    KvsimBackend,
+    StepState,
+    VllmBackend,
+    model_runner,
+)
+from sim.engine import scheduler_config
+from sim.kv_cache_manager import MTPHashing, MTPHashMode
+from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
+from sim.scenario import Layout, Scenario
+from sim.sched.scheduler import RequestSpec
+from sim.step_time import StepTimeModel
+
+
+class BackendUnavailable(ConfigError):
+    """vLLM's Scheduler cannot be built here (one line: what failed)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Trajectory:
+    """One backend's run: a state per executed step."""
+
+    backend: str
+    steps: tuple[StepState, ...]
+    times_s: tuple[float, ...]
+    stalled: bool
+
+
+def drive(
+    backend: Backend,
+    requests: Iterable[RequestSpec],
+    step_time: StepTimeModel,
+    max_time_s: float | None = None,
+) -> Trajectory:
+    """Run ``backend`` over the trace until it drains (or the horizon)."""
+    pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.request_id)))
+    now_s = 0.0
+    states: list[StepState] = []
+    times_s: list[float] = []
+    stalled = False
+    while max_time_s is None or now_s < max_time_s:
+        while pending and pending[0].arrival_s <= now_s:
+            backend.add_request(pending.popleft())
+        if not backend.has_unfinished_requests():
+            if not pending:
+                break
+            now_s = pending[0].arrival_s
+            continue
+        output = backend.schedule()
+        if output.is_empty:
+            if backend.complete_in_flight_steps():
+                continue
+            if not pending:
+                stalled = True
+                break
+            now_s = pending[0].arrival_s
+            continue
+        now_s += step_time.step_time_s(output)
+        if max_time_s is not None and now_s > max_time_s:
+            break  # the engine stops at the horizon: this step never ends
+        states.append(backend.execute(output))
+        times_s.append(now_s)
+    return Trajectory(backend=backend.name, steps=tuple(states), times_s=tuple(times_s), stalled=stalled)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Comparison:
+    """Two trajectories, step by step (steps numbered from 1)."""
+
+    left: Trajectory
+    right: Trajectory
+
+    @property
+    def num_steps(self) -> int:
+        return max(len(self.left.steps), len(self.right.steps))
+
+    def identical(self, index: int) -> bool:
+        return index < min(len(self.left.steps), len(self.right.steps)) and (
+            self.left.steps[index] == self.right.steps[index]
+        )
+
+    @property
+    def num_identical_steps(self) -> int:
+        return sum(self.identical(i) for i in range(self.num_steps))
+
+    @property
+    def identical_share(self) -> float:
+        return self.num_identical_steps / self.num_steps if self.num_steps else 1.0
+
+    @property
+    def first_difference(self) -> int | None:
+        """The first differing step (1-based), None when all are identical."""
+        return next((i + 1 for i in range(self.num_steps) if not self.identical(i)), None)
+
+    @property
+    def conforms(self) -> bool:
+        return self.first_difference is None and self.left.stalled == self.right.stalled
+
+    def differing_fields(self, step: int) -> list[str]:
+        left, right = self.state(self.left, step), self.state(self.right, step)
+        if left is None or right is None:
+            return ["(step missing)"]
+        return [f.name for f in fields(StepState) if getattr(left, f.name) != getattr(right, f.name)]
+
+    @staticmethod
+    def state(trajectory: Trajectory, step: int) -> StepState | None:
+        return trajectory.steps[step - 1] if step <= len(trajectory.steps) else None
+
+
+def compare(left: Trajectory, right: Trajectory) -> Comparison:
+    return Comparison(left=left, right=right)
+
+
+# ------------------------------------------------------------------ set-up
+def kvsim_backend(scenario: Scenario, plan: KVCachePlan) -> KvsimBackend:
+    return KvsimBackend(
+        plan,
+        scheduler_config(scenario, scenario.load_model(), plan),
+        model_runner(scenario.mtp.acceptance_rates, scenario.seed),
+        retain_mamba_checkpoint=scenario.allocator.retain_mamba_checkpoint,
+        enable_caching=scenario.allocator.enable_prefix_caching,
+    )
+
+
+def vllm_backend(scenario: Scenario, plan: KVCachePlan) -> VllmBackend:
+    """vLLM's Scheduler for the scenario; ``BackendUnavailable`` (one line)
+    when this vLLM cannot build it."""
+    try:
+        from sim.vllm_bridge.scheduler import VllmSchedulerSettings
+
+        d, s = scenario.deployment, scenario.scheduler
+        settings = VllmSchedulerSettings(
+            max_model_len=d.max_model_len,
+            max_num_seqs=d.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            long_prefill_token_threshold=s.long_prefill_token_threshold,
+            scheduler_reserve_full_isl=s.scheduler_reserve_full_isl,
+            tensor_parallel_size=d.tensor_parallel_size,
+            pipeline_parallel_size=d.pipeline_parallel_size,
+            block_size=plan.block_size,
+            num_speculative_tokens=scenario.load_model().mtp.num_speculative_tokens,
+            enable_prefix_caching=scenario.allocator.enable_prefix_caching,
+            mtp_hash_mode=s.mtp_hash_mode,
+        )
+        return VllmBackend(
+            plan,
+            settings,
+            model_runner(scenario.mtp.acceptance_rates, scenario.seed),
+            retain_mamba_checkpoint=scenario.allocator.retain_mamba_checkpoint,
+        )
+    except Exception as error:  # any failure of a vLLM we cannot drive
+        first_line = (str(error).strip().splitlines() or [""])[0][:200]
+        raise BackendUnavailable(
+            f"vLLM's Scheduler cannot be built ({type(error).__name__}: {first_line})"
+        ) from None
+
+
+def conformance_scenario(scenario: Scenario, mode: MTPHashMode | None = None) -> Scenario:
+    """The scenario as compared: fenced frees off (vLLM fences only with a
+    KV-consumer connector), the requested MTP hashing mode."""
+    section = scenario.scheduler.model_copy(
+        update={"defer_block_free": False, **({"mtp_hash_mode": mode} if mode else {})}
+    )
+    return scenario.model_copy(update={"scheduler": section})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConformanceResult:
+    comparison: Comparison
+    kvsim_hashing: MTPHashing
+    vllm_hashing: MTPHashing
+    # vLLM's own KVCacheManager serves the rings with kvsim's slot pool.
+    vllm_ring_slot_packing: bool
+    fence: Comparison | None = None
+
+
+def plan_for(scenario: Scenario, layout: Layout) -> KVCachePlan:
+    return plan_kv_cache(scenario.load_model(), scenario.deployment, side_cache_layout=layout == "on")
+
+
+def run_conformance(
+    scenario: Scenario,
+    layout: Layout,
+    requests: Iterable[RequestSpec],
+    *,
+    mode: MTPHashMode | None = None,
+    with_fence_effect: bool = False,
+) -> ConformanceResult:
+    """kvsim against vLLM's Scheduler on the same trace (fence off)."""
+    compared = conformance_scenario(scenario, mode)
+    requests = tuple(requests)
+    plan = plan_for(compared, layout)
+    vllm = vllm_backend(compared, plan)
+    kvsim = kvsim_backend(compared, plan)
+    step_time = StepTimeModel(compared.step_time_config())
+    horizon_s = compared.simulation.max_time_s
+    comparison = compare(
+        drive(kvsim, requests, step_time, horizon_s), drive(vllm, requests, step_time, horizon_s)
+    )
+    fence = fence_effect(compared, plan, requests, step_time) if with_fence_effect else None
+    return ConformanceResult(
+        comparison=comparison,
+        kvsim_hashing=kvsim.scheduler.config.mtp_hashing,
+        vllm_hashing=vllm.mtp_hashing(),
+        vllm_ring_slot_packing=vllm.uses_ring_slot_packing(),
+        fence=fence,
+    )
+
+
+def fence_effect(
+    scenario: Scenario, plan: KVCachePlan, requests: tuple[RequestSpec, ...], step_time: StepTimeModel
+) -> Comparison:
+    """kvsim with fenced frees off against kvsim with them on (the fork's)."""
+    fenced_section = scenario.scheduler.model_copy(update={"defer_block_free": True})
+    fenced = scenario.model_copy(update={"scheduler": fenced_section})
+    horizon_s = scenario.simulation.max_time_s
+    off = drive(kvsim_backend(scenario, plan), requests, step_time, horizon_s)
+    on = drive(kvsim_backend(fenced, plan), requests, step_time, horizon_s)
+    return compare(replace(off, backend="fence off"), replace(on, backend="fence on"))

@@ -1,0 +1,217 @@
+"""vLLM's own ``Scheduler``, built from a real ``VllmConfig``: the second
+scheduler backend ``kvsim conform`` compares kvsim's scheduler with.
+
+Imported only by the conformance backend (``sim.conformance``); nothing else
+in kvsim imports this module, so a vLLM whose ``Scheduler`` cannot be built
+this way (the fork's, a future version) breaks ``kvsim conform`` only.
+
+A real ``VllmConfig`` needs a model directory. Flash-Next's model module
+cannot be imported here (it needs ``compressed_tensors``), and the Scheduler
+reads only generic model fields (``max_model_len``, runner type, multimodal
+support), so the config is built from a small stand-in HF ``config.json``
+(no weights) whose architecture, MiMo, maps to an importable target and an
+importable MTP draft model (``MiMoMTPModel``), which lets the MTP speculative
+config validate. The KV cache layout is not the model's: the Scheduler is
+given kvsim's scheduler-side ``KVCacheConfig`` of the deployment's plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from vllm.config import (
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
+from vllm.config import SchedulerConfig as VllmSchedulerConfig
+from vllm.model_executor.models.registry import ModelRegistry, _RegisteredModel
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+from vllm.v1.structured_output import StructuredOutputManager
+
+from sim.vllm_bridge import (
+    KVCacheConfig,
+    Request,
+    SamplingParams,
+    Scheduler,
+    get_request_block_hasher,
+    init_none_hash,
+)
+
+__all__ = [
+    "DraftTokenIds",
+    "ModelRunnerOutput",
+    "Scheduler",
+    "VllmSchedulerSettings",
+    "build_vllm_config",
+    "build_vllm_scheduler",
+    "make_request",
+]
+
+# The smallest Qwen2-shaped MiMo config vLLM accepts: MiMo has an MTP draft
+# (``num_nextn_predict_layers``) and both of its modules import on a CPU.
+_STAND_IN_HF_CONFIG: dict[str, Any] = {
+    "architectures": ["MiMoForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 512,
+    "vocab_size": 1024,
+    "num_nextn_predict_layers": 1,
+    "torch_dtype": "bfloat16",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmSchedulerSettings:
+    """The engine arguments the comparison starts vLLM's engine with."""
+
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    long_prefill_token_threshold: int
+    scheduler_reserve_full_isl: bool
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    block_size: int
+    num_speculative_tokens: int
+    enable_prefix_caching: bool
+    mtp_hash_mode: Literal["eagle-drop", "lookahead"]
+
+
+# The stand-in's target and draft classes: registered already imported, so
+# vLLM inspects them in this process instead of one subprocess each (two
+# fresh vLLM imports; no CUDA to protect on a CPU machine).
+_STAND_IN_ARCHITECTURES = {
+    "MiMoForCausalLM": ("vllm.model_executor.models.mimo", "MiMoForCausalLM"),
+    "MiMoMTPModel": ("vllm.model_executor.models.mimo_mtp", "MiMoMTP"),
+}
+
+
+def _register_stand_in_models() -> None:
+    for architecture, (module_name, class_name) in _STAND_IN_ARCHITECTURES.items():
+        if isinstance(ModelRegistry.models.get(architecture), _RegisteredModel):
+            continue
+        module = importlib.import_module(module_name)
+        ModelRegistry.register_model(architecture, getattr(module, class_name))
+
+
+def _stand_in_model_dir(max_model_len: int) -> str:
+    directory = tempfile.mkdtemp(prefix="kvsim-stand-in-model-")
+    config = {**_STAND_IN_HF_CONFIG, "max_position_embeddings": max(max_model_len, 4096)}
+    (Path(directory) / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@contextlib.contextmanager
+def _vllm_log_level() -> Iterator[None]:
+    """vLLM's loggers at the level the bridge asked for (its logging set-up
+    is not applied in this process, so its config warnings would print)."""
+    logger = logging.getLogger("vllm")
+    level = logger.level
+    logger.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def build_vllm_config(settings: VllmSchedulerSettings) -> VllmConfig:
+    """A real ``VllmConfig``: model, TP x PP, scheduler, cache (align mode,
+    prefix caching), MTP with K drafts. ``eagle-drop`` is vLLM's
+    ``disable_lookahead_block_hashes=True``; ``lookahead`` its default."""
+    with _vllm_log_level():
+        return _build_vllm_config(settings)
+
+
+def _build_vllm_config(settings: VllmSchedulerSettings) -> VllmConfig:
+    _register_stand_in_models()
+    model = ModelConfig(
+        model=_stand_in_model_dir(settings.max_model_len),
+        skip_tokenizer_init=True,
+        max_model_len=settings.max_model_len,
+        dtype="bfloat16",
+    )
+    parallel = ParallelConfig(
+        tensor_parallel_size=settings.tensor_parallel_size,
+        pipeline_parallel_size=settings.pipeline_parallel_size,
+    )
+    speculative = SpeculativeConfig(
+        method="mtp",
+        num_speculative_tokens=settings.num_speculative_tokens,
+        target_model_config=model,
+        target_parallel_config=parallel,
+        disable_lookahead_block_hashes=settings.mtp_hash_mode == "eagle-drop",
+    )
+    return VllmConfig(
+        model_config=model,
+        parallel_config=parallel,
+        cache_config=CacheConfig(
+            block_size=settings.block_size,
+            mamba_cache_mode="align",
+            enable_prefix_caching=settings.enable_prefix_caching,
+        ),
+        scheduler_config=VllmSchedulerConfig(
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_model_len=settings.max_model_len,
+            long_prefill_token_threshold=settings.long_prefill_token_threshold,
+            scheduler_reserve_full_isl=settings.scheduler_reserve_full_isl,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        speculative_config=speculative,
+    )
+
+
+def build_vllm_scheduler(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Scheduler:
+    """vLLM's ``Scheduler`` over ``kv_cache_config``, built the way its engine
+    core builds it (the pool size set on the cache config first)."""
+    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    block_size = vllm_config.cache_config.block_size
+    with _vllm_log_level():
+        return Scheduler(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=block_size,
+            hash_block_size=block_size,
+            log_stats=True,
+        )
+
+
+def request_block_hasher(vllm_config: VllmConfig) -> Any:
+    """The block hasher vLLM's engine core gives every request."""
+    cache = vllm_config.cache_config
+    caching_hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
+    init_none_hash(caching_hash_fn)
+    return get_request_block_hasher(cache.block_size, caching_hash_fn, vllm_config.num_hash_lookahead_tokens)
+
+
+def make_request(
+    *, request_id: str, prompt_token_ids: list[int], max_tokens: int, arrival_s: float, block_hasher: Any
+) -> Request:
+    """A request as vLLM's input processor would hand it over (trace replay:
+    EOS ignored, ``max_tokens`` = the trace's output length)."""
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        pooling_params=None,
+        arrival_time=arrival_s,
+        block_hasher=block_hasher,
+    )

@@ -1,0 +1,311 @@
+"""The conformance gate: kvsim's scheduler and vLLM 0.33.0's own Scheduler
+(built from a real VllmConfig) take identical steps on three shapes (prefix
+hits, heavy preemption, long chunked prompts) x both layouts x both MTP
+hashing modes; deliberately changed policies make ``kvsim conform`` fail at
+the step derived from vLLM's trajectory alone; a vLLM whose Scheduler
+cannot be built gives one line and exit 2.
+
+One process (vLLM imported once); the VllmConfig is cheap after the first.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from sim.analysis.runs import scenario_workload
+from sim.cli import main
+from sim.conformance.driver import (
+    ConformanceResult,
+    Trajectory,
+    conformance_scenario,
+    drive,
+    plan_for,
+    run_conformance,
+    vllm_backend,
+)
+from sim.paths import SCENARIOS_DIR
+from sim.scenario import Scenario, load_scenario
+from sim.sched.scheduler import Scheduler
+from sim.step_time import StepTimeModel
+
+CONFORMANCE = SCENARIOS_DIR / "conformance"
+SHAPES = ("prefix-hits", "heavy-preemption", "long-chunked")
+SIM = Path(__file__).resolve().parents[1] / "sim"
+
+
+@cache
+def _scenario(shape: str) -> Scenario:
+    return load_scenario(str(CONFORMANCE / f"{shape}.yaml"))
+
+
+@cache
+def _requests(shape: str) -> tuple:
+    return scenario_workload(_scenario(shape)).requests
+
+
+def _conform(shape: str, layout: str, mode: str) -> ConformanceResult:
+    return run_conformance(_scenario(shape), layout, _requests(shape), mode=mode)
+
+
+@cache
+def _reference(shape: str, layout: str, mode: str) -> ConformanceResult:
+    return _conform(shape, layout, mode)
+
+
+def _vllm_vllm_config_lookahead(mode: str) -> tuple[bool, int, int]:
+    """What vLLM's own VllmConfig properties give for MTP K=3 in ``mode``
+    (the independent source for both backends' derived hashing)."""
+    return {"eagle-drop": (True, 0, 1), "lookahead": (False, 1, 1)}[mode]
+
+
+# ------------------------------------------------------------------- gate
+@pytest.mark.parametrize("mode", ["eagle-drop", "lookahead"])
+@pytest.mark.parametrize("layout", ["off", "on"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_step_is_identical(shape, layout, mode):
+    result = _reference(shape, layout, mode)
+    comparison = result.comparison
+    assert comparison.num_steps > 0
+    assert comparison.first_difference is None, comparison.differing_fields(comparison.first_difference)
+    assert comparison.identical_share == 1.0 and comparison.conforms
+    expected = _vllm_vllm_config_lookahead(mode)
+    for hashing in (result.kvsim_hashing, result.vllm_hashing):
+        assert (
+            hashing.use_eagle_block_drop,
+            hashing.num_hash_lookahead_tokens,
+            hashing.num_prefill_lookahead_tokens,
+        ) == expected
+    # The new layout really runs kvsim's side cache inside vLLM's manager.
+    assert result.vllm_ring_slot_packing == (layout == "on")
+
+
+def _steps(result: ConformanceResult) -> Trajectory:
+    return result.comparison.right  # vLLM's trajectory
+
+
+@pytest.mark.parametrize("mode", ["eagle-drop", "lookahead"])
+@pytest.mark.parametrize("layout", ["off", "on"])
+def test_the_shapes_exercise_what_they_are_named_for(layout, mode):
+    """Each shape shows its behaviour in vLLM's own run, so the gate is
+    about something: hits, preemptions, chunked prompts."""
+    hits = _steps(_reference("prefix-hits", layout, mode)).steps
+    assert sum(s.prefix_cache_hits_tokens for s in hits) >= 5 * 3200
+    preemption = _steps(_reference("heavy-preemption", layout, mode)).steps
+    assert sum(len(s.preempted) for s in preemption) >= 10
+    assert sum(len(s.resumed) for s in preemption) >= 10
+    prompts = {r.request_id: r.prompt_len for r in _requests("long-chunked")}
+    chunks = [
+        (rid, done)
+        for s in _steps(_reference("long-chunked", layout, mode)).steps
+        for rid, computed, n in s.scheduled_tokens
+        if (done := computed + n) < prompts[rid]
+    ]
+    assert len(chunks) >= 5 * len(prompts)
+
+
+def test_the_modes_differ_where_vllm_says():
+    """Lookahead hashes move chunk ends and hits: the two modes are not the
+    same trajectory (else the mode setting would be untested)."""
+    drop = _steps(_reference("long-chunked", "on", "eagle-drop")).steps
+    lookahead = _steps(_reference("long-chunked", "on", "lookahead")).steps
+    assert drop != lookahead
+
+
+# --------------------------------------------------------------- controls
+def _first_step(trajectory: Trajectory, predicate) -> int:
+    return next(i + 1 for i, state in enumerate(trajectory.steps) if predicate(i, state))
+
+
+def _vllm_preemption_candidates(shape: str, layout: str, mode: str) -> list[tuple[int, int]]:
+    """(step, how many running requests follow the one being allocated) at
+    each preemption vLLM's own Scheduler makes, read off vLLM alone."""
+    scenario = conformance_scenario(_scenario(shape), mode)
+    backend = vllm_backend(scenario, plan_for(scenario, layout))
+    scheduler, seen = backend.scheduler, []
+    allocate, preempt = scheduler.kv_cache_manager.allocate_slots, scheduler._preempt_request
+
+    def remember_allocating(request, *args, **kwargs):
+        scheduler.allocating = request
+        return allocate(request, *args, **kwargs)
+
+    def record_preemption(victim, *args, **kwargs):
+        # vLLM has popped the victim: it followed every request still after.
+        running = scheduler.running
+        after = (
+            len(running) - running.index(scheduler.allocating) if victim is not scheduler.allocating else 0
+        )
+        seen.append((scheduler.num_executed_steps + 1, after))
+        return preempt(victim, *args, **kwargs)
+
+    scheduler.kv_cache_manager.allocate_slots = remember_allocating
+    scheduler._preempt_request = record_preemption
+    drive(backend, _requests(shape), StepTimeModel(scenario.step_time_config()))
+    return seen
+
+
+def test_control_another_preemption_victim(monkeypatch):
+    """kvsim preempting the oldest request not yet scheduled in the step
+    (not the newest) fails at the first step where vLLM preempted with two
+    or more running requests after the one it allocated for."""
+    candidates = _vllm_preemption_candidates("heavy-preemption", "on", "eagle-drop")
+    expected = next(step for step, after in candidates if after >= 2)
+
+    def oldest_unscheduled_victim(self, request, num_new, step):
+        lookahead = self.config.num_speculative_tokens
+        while self.kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is None:
+            later = self.running[self.running.index(request) + 1 :]
+            victim = later[0] if later else request
+            if not self._blocks_can_be_freed(victim):
+                return False
+            self.running.remove(victim)
+            self._preempt(victim)
+            step.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    monkeypatch.setattr(Scheduler, "_allocate_or_preempt", oldest_unscheduled_victim)
+    comparison = _conform("heavy-preemption", "on", "eagle-drop").comparison
+    assert comparison.first_difference == expected
+    assert "preempted" in comparison.differing_fields(expected)
+
+
+def test_control_one_fewer_accepted_draft(monkeypatch):
+    """kvsim dropping one accepted draft once (the first time a request that
+    goes on accepted any) fails at that request's next step."""
+    reference = _steps(_reference("prefix-hits", "off", "lookahead"))
+    applied: list[tuple[int, str]] = []
+    original = Scheduler.update_from_output
+
+    def one_fewer(self, output, runner_output):
+        self._steps_seen = getattr(self, "_steps_seen", 0) + (not output.is_empty)
+        if not applied:
+            for item in output.scheduled:
+                sampled = runner_output.sampled_token_ids.get(item.request_id, [])
+                request = self.requests.get(item.request_id)
+                left = request.max_tokens - request.num_output_tokens if request else 0
+                if item.num_spec_tokens and len(sampled) >= 2 and left > len(sampled) + 1:
+                    runner_output.sampled_token_ids[item.request_id] = sampled[:-1]
+                    applied.append((self._steps_seen, item.request_id))
+                    break
+        return original(self, output, runner_output)
+
+    monkeypatch.setattr(Scheduler, "update_from_output", one_fewer)
+    comparison = _conform("prefix-hits", "off", "lookahead").comparison
+    step, request_id = applied[0]
+    expected = _first_step(
+        reference, lambda i, s: i + 1 > step and request_id in (rid for rid, _, _ in s.scheduled_tokens)
+    )
+    assert comparison.first_difference == expected
+
+
+def test_control_a_chunk_split_moved(monkeypatch):
+    """kvsim ending every mid-prompt chunk longer than a block one block
+    earlier fails at the first such chunk of vLLM's run."""
+    block = 3200
+    prompts = {r.request_id: r.prompt_len for r in _requests("long-chunked")}
+    reference = _steps(_reference("long-chunked", "off", "eagle-drop"))
+    expected = _first_step(
+        reference,
+        lambda i, s: any(c + n < prompts[rid] and n > block for rid, c, n in s.scheduled_tokens),
+    )
+    original = Scheduler._clip
+
+    def moved(self, request, num_new, budget, num_hit=0):
+        chunk = original(self, request, num_new, budget, num_hit)
+        start = request.num_computed_tokens + num_hit
+        return chunk - block if start + chunk < request.num_prompt_tokens and chunk > block else chunk
+
+    monkeypatch.setattr(Scheduler, "_clip", moved)
+    comparison = _conform("long-chunked", "off", "eagle-drop").comparison
+    assert comparison.first_difference == expected
+    assert comparison.differing_fields(expected)[0] == "scheduled_tokens"
+
+
+# -------------------------------------------------------------------- CLI
+def test_conform_exits_0_when_identical(capsys):
+    status = main(
+        ["conform", str(CONFORMANCE / "long-chunked.yaml"), "--layout", "off", "--mode", "lookahead"]
+    )
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "(100.0 %)" in out and "fenced frees" in out
+
+
+def test_conform_exits_1_and_prints_the_first_difference(capsys, monkeypatch):
+    """CONTROL for the exit status: the moved split, through the CLI."""
+    original = Scheduler._clip
+
+    def moved(self, request, num_new, budget, num_hit=0):
+        chunk = original(self, request, num_new, budget, num_hit)
+        return (
+            chunk - 1 if request.num_computed_tokens + num_hit + chunk < request.num_prompt_tokens else chunk
+        )
+
+    monkeypatch.setattr(Scheduler, "_clip", moved)
+    status = main(["conform", str(CONFORMANCE / "long-chunked.yaml"), "--layout", "on"])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert "first difference at step 1: scheduled_tokens" in out
+    assert "  kvsim:" in out and "  vllm:" in out
+
+
+def _no_scheduler_bridge(monkeypatch):
+    """A vLLM without the modules the bridge imports: the import fails."""
+    monkeypatch.setitem(sys.modules, "sim.vllm_bridge.scheduler", None)
+
+
+def _speculative_config_without_the_switch(monkeypatch):
+    """A vLLM whose SpeculativeConfig lacks the lookahead-hash switch."""
+
+    def refuse(**kwargs):
+        raise TypeError("SpeculativeConfig got an unexpected keyword 'disable_lookahead_block_hashes'")
+
+    monkeypatch.setattr("sim.vllm_bridge.scheduler.SpeculativeConfig", refuse)
+
+
+def _scheduler_with_another_signature(monkeypatch):
+    """A vLLM whose Scheduler takes other arguments."""
+
+    def refuse(**kwargs):
+        raise TypeError("Scheduler.__init__() missing 1 required positional argument: 'kv_cache_manager'")
+
+    monkeypatch.setattr("sim.vllm_bridge.scheduler.Scheduler", refuse)
+
+
+@pytest.mark.parametrize(
+    "break_it",
+    [_no_scheduler_bridge, _speculative_config_without_the_switch, _scheduler_with_another_signature],
+    ids=lambda f: f.__name__.strip("_"),
+)
+def test_a_scheduler_that_cannot_be_built_gives_one_line_and_exit_2(break_it, monkeypatch, capsys):
+    import sim.vllm_bridge.scheduler  # noqa: F401  (loaded, so it can be patched)
+
+    break_it(monkeypatch)
+    status = main(["conform", str(CONFORMANCE / "long-chunked.yaml")])
+    captured = capsys.readouterr()
+    assert status == 2
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("kvsim: error: vLLM's Scheduler cannot be built (")
+
+
+def test_only_the_conformance_backend_imports_the_vllm_scheduler_bridge():
+    """Nothing else in kvsim depends on the second backend."""
+    importers = set()
+    for path in SIM.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            if any(n == "sim.vllm_bridge.scheduler" for n in names):
+                importers.add(path.relative_to(SIM).as_posix())
+    assert importers == {"conformance/driver.py", "conformance/backends.py"}
