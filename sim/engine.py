@@ -23,7 +23,7 @@ from tqdm import tqdm
 from sim.allocator_invariants import check_allocator
 from sim.kv_cache_manager import build_kv_cache_manager
 from sim.layout import KVCachePlan, plan_kv_cache
-from sim.scenario import Layout, Scenario
+from sim.scenario import MAX_SAMPLE_ROWS, Layout, Scenario
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import SchedulerOutput, StepOutcome
 from sim.sched.scheduler import Scheduler, SchedulerConfig
@@ -45,6 +45,8 @@ class Recording:
     num_rejected: int = 0
     # True when requests remained that could never be scheduled.
     stalled: bool = False
+    # True when the samples stopped at MAX_SAMPLE_ROWS before the run ended.
+    samples_truncated: bool = False
 
 
 def _runner_rng(seed: int) -> np.random.Generator:
@@ -171,7 +173,12 @@ class Simulation:
         self._engine_done = True
 
     def sampler(self, interval_s: float) -> Generator[simpy.Event, Any, None]:
+        """Until the engine is done, and at most ``MAX_SAMPLE_ROWS`` rows (a
+        drain long past the last arrival stops sampling, and says so)."""
         while not self._engine_done:
+            if len(self.recording.samples) >= MAX_SAMPLE_ROWS:
+                self.recording.samples_truncated = True
+                return
             pool = self.kv_cache_manager.block_pool
             self.recording.samples.append(
                 {

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -39,9 +40,9 @@ import pandas as pd
 import yaml
 from tqdm import tqdm
 
-from sim.config import ConfigError, load_yaml_text
+from sim.config import ConfigError, load_yaml_text, read_text
 from sim.paths import PROJECT_ROOT
-from sim.results import plain_value, write_frame, write_json
+from sim.results import plain_value, remove_partial_writes, write_frame, write_json
 from sim.scenario import Layout, Scenario, load_scenario, scenario_to_dict
 
 Executor = Literal["local", "ray"]
@@ -242,6 +243,19 @@ def _init_worker() -> None:
     import sim.analysis.runs  # noqa: F401
 
 
+def _without_sigint(start: Any) -> Any:
+    """Start processes with Ctrl-C blocked, so they inherit the block: the
+    forkserver (importing vLLM) and each worker before its initializer runs
+    would otherwise print a KeyboardInterrupt traceback. A Ctrl-C pressed
+    meanwhile is delivered here once the pool is up: the driver's to handle
+    (it terminates the pool)."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 class PoolRunner:
     """Local worker processes, kept for the whole sweep so each pays the
     vLLM import once. ``multiprocessing.Pool`` rather than
@@ -259,7 +273,7 @@ class PoolRunner:
             context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
             if context.get_start_method() == "forkserver":
                 context.set_forkserver_preload(["sim.analysis.runs"])
-            self._pool = context.Pool(self.workers, initializer=_init_worker)
+            self._pool = _without_sigint(lambda: context.Pool(self.workers, initializer=_init_worker))
         return self._pool
 
     def run(self, specs: Sequence[RunSpec]) -> Iterator[tuple[RunSpec, dict[str, Any]]]:
@@ -362,22 +376,28 @@ def open_runner(
 # ------------------------------------------------------- finished-run files
 def load_finished(runs_dir: Path) -> dict[str, dict[str, Any]]:
     """The run files under ``runs_dir``, by run id. Writes are atomic, so a
-    file is whole or absent; a file that does not parse is left to rerun."""
+    file is whole or absent; a file that is not a finished run (does not
+    parse, or lacks its parameters or summary) counts as not run: it is run
+    again and overwritten. Summaries hold null where JSON has no NaN."""
     records: dict[str, dict[str, Any]] = {}
     for path in sorted(runs_dir.glob("*.json")):
         try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
+            record = json.loads(read_text(path))
+        except (ConfigError, ValueError, RecursionError):
             continue
-        if isinstance(record, dict) and record.get("run_id") == path.stem:
-            records[path.stem] = record
+        if is_run_record(record, path.stem):
+            summary = {k: math.nan if v is None else v for k, v in record["summary"].items()}
+            records[path.stem] = {**record, "summary": summary}
     return records
 
 
-def remove_partial_writes(runs_dir: Path) -> None:
-    """Temporary files of writes that a kill -9 cut short."""
-    for tmp in runs_dir.glob(".*.json.*.tmp"):
-        tmp.unlink(missing_ok=True)
+def is_run_record(record: Any, run_id: str) -> bool:
+    return (
+        isinstance(record, dict)
+        and record.get("run_id") == run_id
+        and isinstance(record.get("params"), dict)
+        and isinstance(record.get("summary"), dict)
+    )
 
 
 def run_cached(

@@ -12,6 +12,7 @@ from sim.analysis.capacity import CapacitySearch, run_capacity_search
 from sim.analysis.sweep import LAYOUT_KEY, RATE_KEY, import_ray, parse_grid, plan_runs, run_sweep
 from sim.commands.common import add_progress_flag, add_scenario_argument
 from sim.config import ConfigError
+from sim.results import check_out_dir
 from sim.scenario import add_override_argument, load_scenario
 
 
@@ -85,6 +86,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     axes = tuple(parse_grid(text) for text in args.grid)
     base = load_scenario(args.scenario, args.set)
     out_dir = Path(args.out) if args.out else Path("results") / f"sweep-{base.name}"
+    check_out_dir(out_dir)
     how = {
         "resume": args.resume,
         "executor": args.executor,
