@@ -102,7 +102,7 @@ def _check_span(path: Path, line: int, span_s: float) -> None:
         raise TraceError(
             path,
             line,
-            f"timestamp {span_s:.3g} s after the first request: more than {MAX_SIMULATED_S:.3g} s "
+            f"arrives {span_s:.3g} s after the trace starts: more than {MAX_SIMULATED_S:.3g} s "
             "(a year), past any trace; check the unit",
         )
 
