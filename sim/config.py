@@ -48,9 +48,10 @@ DType = Literal["fp32", "fp16", "bf16", "fp8_e4m3"]
 
 
 class StrictModel(BaseModel):
-    """Frozen; an unknown key is an error."""
+    """Frozen; an unknown key is an error; NaN and infinities are errors
+    (no size, time or rate of kvsim's is infinite or undefined)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class GDNConfig(StrictModel):

@@ -38,7 +38,7 @@ from typing import Any, Literal, cast
 
 import pandas as pd
 import yaml
-from pydantic import field_validator, model_validator
+from pydantic import ConfigDict, field_validator, model_validator
 from tqdm import tqdm
 
 from sim.analysis.sweep import make_spec, open_runner
@@ -86,6 +86,10 @@ _WORSE = {"higher": "a drop", "lower": "a rise", "either": "any change"}
 
 # ----------------------------------------------------------------- the file
 class GateSpec(StrictModel):
+    # A latency's baseline may be NaN (no request finished): _known_metrics
+    # allows it for those metrics only.
+    model_config = ConfigDict(allow_inf_nan=True)
+
     description: str = ""
     scenario: str
     set: tuple[str, ...] = ()
