@@ -489,3 +489,19 @@ def test_gate_ctrl_c_with_workers_is_one_line(tmp_path: Path) -> None:
             process.wait(timeout=10)
     assert process.returncode == 130, err
     assert err == "kvsim: interrupted\n", err
+
+
+def test_sweep_resume_reruns_a_run_file_without_summary_and_says_so(
+    tiny: Path, tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "sweep"
+    argv = ["sweep", str(tiny), "--grid", "layout=on", "--workers", "1", "--out", str(out)]
+    assert main(argv) == 0
+    (run_file,) = (out / "runs").glob("*.json")
+    whole = json.loads(run_file.read_text())
+    run_file.write_text(json.dumps({"run_id": whole["run_id"], "params": whole["params"]}))
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 0
+    assert "not finished runs" in capsys.readouterr().out
+    assert json.loads(run_file.read_text())["summary"] == json.loads(json.dumps(whole["summary"]))
+    assert len(pd.read_parquet(out / "sweep.parquet")) == 1

@@ -403,6 +403,12 @@ def load_finished(runs_dir: Path) -> dict[str, dict[str, Any]]:
     return records
 
 
+def unfinished_run_files(runs_dir: Path) -> list[Path]:
+    """Run files that ``load_finished`` does not count (they are run again)."""
+    finished = load_finished(runs_dir) if runs_dir.is_dir() else {}
+    return [path for path in sorted(runs_dir.glob("*.json")) if path.stem not in finished]
+
+
 def is_run_record(record: Any, run_id: str) -> bool:
     return (
         isinstance(record, dict)
