@@ -505,3 +505,31 @@ def test_sweep_resume_reruns_a_run_file_without_summary_and_says_so(
     assert "not finished runs" in capsys.readouterr().out
     assert json.loads(run_file.read_text())["summary"] == json.loads(json.dumps(whole["summary"]))
     assert len(pd.read_parquet(out / "sweep.parquet")) == 1
+
+
+def test_ctrl_c_during_a_pool_start_is_raised_after_it() -> None:
+    """The driver gets Ctrl-C once the pool exists (and can be terminated);
+    processes started meanwhile inherit SIGINT blocked. Control: outside the
+    block the same Ctrl-C interrupts at once."""
+    from sim.analysis.sweep import _sigint_deferred
+
+    def child_blocks_sigint() -> bool:
+        status = subprocess.run(
+            ["cat", "/proc/self/status"], capture_output=True, text=True, check=True
+        ).stdout
+        mask = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+        return bool(mask & (1 << (signal.SIGINT - 1)))
+
+    steps: list[str] = []
+    with pytest.raises(KeyboardInterrupt), _sigint_deferred():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+        steps.append("pool started")
+        assert child_blocks_sigint()
+    assert steps == ["pool started"]
+    assert not child_blocks_sigint()
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+        steps.append("not reached")
+    assert steps == ["pool started"]

@@ -30,6 +30,7 @@ import multiprocessing
 import os
 import re
 import signal
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -253,6 +254,9 @@ def _sigint_deferred() -> Iterator[None]:
     and raised on leaving, once the pool is assigned and can be terminated:
     a pool interrupted half-built would leave workers unpickling its
     removed semaphores."""
+    if threading.current_thread() is not threading.main_thread():  # signals are the main thread's
+        yield
+        return
     # The resource tracker unblocks SIGINT after starting itself: start it first.
     resource_tracker.ensure_running()
     pressed: list[int] = []
