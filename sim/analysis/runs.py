@@ -40,10 +40,11 @@ def scenario_workload(scenario: Scenario) -> Workload:
     would take more than ``MAX_SAMPLE_ROWS`` rows."""
     workload = build_workload(scenario.workload, base_dir=Path(scenario.base_dir), seed=scenario.seed)
     interval_s = scenario.simulation.sample_interval_s
-    horizon_s = scenario.simulation.max_time_s
-    if interval_s is not None and horizon_s is None:
+    # Sampling certainly runs to the last arrival (or the horizon before it).
+    span_s = min(workload.duration_s, scenario.simulation.max_time_s or workload.duration_s)
+    if interval_s is not None:
         try:
-            check_sample_rows(workload.duration_s, interval_s, "the last arrival at")
+            check_sample_rows(span_s, interval_s, "the last arrival at")
         except ValueError as error:
             raise ConfigError(f"{scenario.name}: simulation.{error}") from None
     return workload
