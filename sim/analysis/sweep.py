@@ -458,7 +458,8 @@ def prepare_out(out_dir: Path, *, resume: bool) -> Path:
             "pass --resume to continue that sweep, or choose another --out"
         )
     runs_dir.mkdir(parents=True, exist_ok=True)
-    remove_partial_writes(runs_dir)
+    for directory in (out_dir, runs_dir):
+        remove_partial_writes(directory)
     return runs_dir
 
 
