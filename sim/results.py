@@ -176,6 +176,21 @@ def write_results(
     return written
 
 
+def add_to_manifest(out_dir: Path, paths: list[Path]) -> None:
+    """List files written later into a complete directory (``kvsim plot``'s
+    figures), so the next run into it removes them if it does not rewrite them."""
+    manifest_path = out_dir / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError):
+        return  # not a complete results directory: nothing to keep honest
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
+        return
+    added = {str(path.relative_to(out_dir)) for path in paths if path.is_relative_to(out_dir)}
+    manifest["files"] = sorted(set(manifest["files"]) | added)
+    write_json(manifest_path, manifest)
+
+
 def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split())[:200] or type(error).__name__
 

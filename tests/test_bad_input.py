@@ -353,6 +353,15 @@ def test_leftovers_and_stale_figures_are_removed(tiny: Path, tmp_path: Path, cap
     assert set(pd.read_parquet(out / "summary.parquet")["layout"]) == {"on"}
 
 
+def test_figures_kvsim_plot_adds_are_listed_and_go_stale_too(tiny: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    assert main(["compare", str(tiny), "--out", str(out)]) == 0
+    assert main(["plot", str(out), "--format", "pdf"]) == 0
+    assert "plots/gain.pdf" in assert_complete(out)["files"]
+    assert main(["run", str(tiny), "--out", str(out)]) == 0
+    assert not (out / "plots" / "gain.pdf").exists() and (out / "plots" / "admission.png").exists()
+
+
 def test_only_listed_files_are_removed(tmp_path: Path) -> None:
     """A manifest naming a path outside the directory removes nothing there."""
     out, outside = tmp_path / "out", tmp_path / "precious.txt"

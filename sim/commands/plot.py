@@ -16,7 +16,7 @@ from sim.analysis.plots import (
     write_sweep_figures,
 )
 from sim.config import ConfigError
-from sim.results import FRAMES, read_frame, read_results, remove_partial_writes
+from sim.results import FRAMES, add_to_manifest, read_frame, read_results, remove_partial_writes
 
 
 def _formats(text: str) -> tuple[str, ...]:
@@ -59,6 +59,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     remove_partial_writes(out_dir / "plots")
     if (out_dir / "manifest.json").exists() or not sweep_path.exists():
         written += write_standard_figures(out_dir, _read(out_dir), args.format)
+        add_to_manifest(out_dir, written)
     if sweep_path.exists():
         sweep = read_frame(sweep_path)
         x = args.x or sweep_x(sweep, sweep_path)
