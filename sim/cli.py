@@ -26,9 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
         return int(args.func(args))
     except ConfigError as error:
         print(f"kvsim: error: {error}", file=sys.stderr)

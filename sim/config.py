@@ -12,6 +12,7 @@ would be started with.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -23,13 +24,34 @@ class ConfigError(ValueError):
     """Bad configuration input; ``str()`` is one line naming file and key."""
 
 
+# Bounds of physical sense. Each keeps a typo (an extra zero, a value in the
+# wrong unit) from turning into a run that exhausts memory or time, and each
+# message quotes its bound and reason.
+# A KV pool per rank: no GPU has more than 288 GB of memory (AMD MI355X).
+MAX_KV_CACHE_MEMORY_BYTES = 10**12
+# Tokens in one request (prompt, output, max_model_len): the longest context
+# window any served model offers is 10 M tokens (Llama 4 Scout).
+MAX_REQUEST_TOKENS = 10_000_000
+# Ranks per parallel dimension: far past any deployment of one engine.
+MAX_PARALLEL_SIZE = 1024
+# Seeds: numpy's SeedSequence takes ints >= 0; below 2**63 they stay int64
+# in every frame and JSON file.
+MAX_SEED = 2**63 - 1
+# Simulated time: a year is far past any trace (the longest public serving
+# trace, Azure 2024, spans a week).
+MAX_SIMULATED_S = 366 * 86_400.0
+# Any YAML input (scenario, model, gates): a page of settings, not data.
+MAX_YAML_BYTES = 1 << 20
+
+
 DType = Literal["fp32", "fp16", "bf16", "fp8_e4m3"]
 
 
 class StrictModel(BaseModel):
-    """Frozen; an unknown key is an error."""
+    """Frozen; an unknown key is an error; NaN and infinities are errors
+    (no size, time or rate of kvsim's is infinite or undefined)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class GDNConfig(StrictModel):
@@ -129,6 +151,19 @@ class DeploymentConfig(StrictModel):
     decode_context_parallel_size: int = Field(1, gt=0)
 
     @model_validator(mode="after")
+    def _physical(self) -> DeploymentConfig:
+        bounded = (
+            ("kv_cache_memory_bytes", MAX_KV_CACHE_MEMORY_BYTES, "no GPU has more than 288 GB"),
+            ("max_model_len", MAX_REQUEST_TOKENS, "no model serves a longer context"),
+            ("tensor_parallel_size", MAX_PARALLEL_SIZE, "far past any deployment"),
+            ("pipeline_parallel_size", MAX_PARALLEL_SIZE, "far past any deployment"),
+            ("decode_context_parallel_size", MAX_PARALLEL_SIZE, "far past any deployment"),
+        )
+        for field, bound, reason in bounded:
+            check_bound(field, getattr(self, field), bound, reason)
+        return self
+
+    @model_validator(mode="after")
     def _partition_matches_pp(self) -> DeploymentConfig:
         if len(self.layer_partition) != self.pipeline_parallel_size:
             raise ValueError(
@@ -138,6 +173,12 @@ class DeploymentConfig(StrictModel):
         if any(n <= 0 for n in self.layer_partition):
             raise ValueError("layer_partition: every stage needs at least one layer")
         return self
+
+
+def check_bound(field: str, value: float, bound: float, reason: str) -> None:
+    """ValueError (which ``validate`` names with file and key) past ``bound``."""
+    if value > bound:
+        raise ValueError(f"{field}: {value:g} is more than {bound:g} ({reason})")
 
 
 def check_partition(model: ModelConfig, deployment: DeploymentConfig) -> None:
@@ -180,6 +221,15 @@ class YamlLoader(yaml.SafeLoader):
     as booleans, which would turn the layout names off and on into False and
     True."""
 
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        # An alias (``*name``) shares a node; copying a scenario expands it,
+        # so a few lines of aliases could expand to gigabytes ("billion
+        # laughs"). Settings files do not need them.
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not supported", mark)
+        return super().compose_node(parent, index)
+
 
 YamlLoader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
@@ -188,26 +238,69 @@ YamlLoader.yaml_implicit_resolvers = {
 YamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
 )
+# YAML 1.2 floats: ``4.1e9`` (no dot needed, no sign needed in the exponent)
+# is a number, as on the command line; YAML 1.1 reads it as a string.
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 def load_yaml_text(text: str) -> Any:
     return yaml.load(text, Loader=YamlLoader)
 
 
+def read_text(
+    path: Path,
+    *,
+    max_bytes: int | None = None,
+    error: Callable[[Path, int | None, str], ConfigError] | None = None,
+) -> str:
+    """The one reader of kvsim's text inputs (YAML, traces, run files).
+
+    A missing or unreadable file, one larger than ``max_bytes`` and bytes
+    that are not UTF-8 are each a one-line error naming the file (and the
+    line of the first bad byte). ``error(path, line, problem)`` builds it.
+    """
+    make = error or input_error
+    try:
+        size = path.stat().st_size
+        if max_bytes is not None and size > max_bytes:
+            raise make(path, None, f"{size:,} bytes: more than {max_bytes:,}, too large for its kind")
+        data = path.read_bytes()
+    except OSError as problem:
+        raise make(path, None, f"cannot read ({problem.strerror or problem})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as problem:
+        line = data.count(b"\n", 0, problem.start) + 1
+        raise make(path, line, f"not UTF-8 text (byte 0x{data[problem.start]:02x})") from None
+
+
+def input_error(path: Path, line: int | None, problem: str) -> ConfigError:
+    where = str(path) if line is None else f"{path}:{line}"
+    return ConfigError(f"{where}: {' '.join(problem.split())}")
+
+
 def read_yaml(path: Path) -> Any:
     """Parse a YAML file; errors name the file (and line, when YAML knows it)."""
-    try:
-        text = path.read_text()
-    except OSError as error:
-        raise ConfigError(f"{path}: cannot read ({error.strerror})") from None
+    text = read_text(path, max_bytes=MAX_YAML_BYTES)
     try:
         data = load_yaml_text(text)
     except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        line = f" line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(error, "problem", None) or "invalid YAML"
-        raise ConfigError(f"{path}:{line}: {problem}") from None
+        raise ConfigError(f"{path}:{describe_yaml_error(error)}") from None
+    except RecursionError:  # nesting deeper than any settings file
+        raise ConfigError(f"{path}: nested too deeply") from None
     return {} if data is None else data
+
+
+def describe_yaml_error(error: yaml.YAMLError) -> str:
+    """`` line N: problem`` (the line when YAML knows it)."""
+    mark = getattr(error, "problem_mark", None)
+    line = f" line {mark.line + 1}" if mark is not None else ""
+    problem = getattr(error, "problem", None) or "invalid YAML"
+    return f"{line}: {' '.join(str(problem).split())}"
 
 
 def load_model(path: Path) -> ModelConfig:
@@ -222,11 +315,16 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {text!r}: expected key=value")
+    path = key.strip().split(".")
+    if not all(path):
+        raise ConfigError(f"--set {text!r}: expected a dotted key like deployment.max_num_seqs")
     try:
         value = load_yaml_text(raw)
     except yaml.YAMLError:
         value = raw
-    return key.strip().split("."), value
+    except RecursionError:
+        raise ConfigError(f"--set {key.strip()}: value nested too deeply") from None
+    return path, value
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from sim.config import ModelConfig
 from sim.kv_cache_manager import MTPHashing, build_kv_cache_manager
 from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
 from sim.metrics import SAMPLE_RECORD, STEP_RECORD
-from sim.scenario import AllocatorSection, Scenario, SideCacheSwitch
+from sim.scenario import MAX_SAMPLE_ROWS, AllocatorSection, Scenario, SideCacheSwitch
 from sim.sched.engine_core import EngineCore
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import SchedulerOutput, StepOutcome
@@ -50,6 +50,8 @@ class Recording:
     num_rejected: int = 0
     # True when requests remained that could never be scheduled.
     stalled: bool = False
+    # True when the samples stopped at MAX_SAMPLE_ROWS before the run ended.
+    samples_truncated: bool = False
 
 
 def _runner_rng(seed: int) -> np.random.Generator:
@@ -160,8 +162,13 @@ class Simulation:
         return self._arrivals is not None and not self._arrivals.is_alive
 
     def sampler(self, interval_s: float) -> Generator[simpy.Event, Any, None]:
+        """Until the engine is done, and at most ``MAX_SAMPLE_ROWS`` rows (a
+        drain long past the last arrival stops sampling, and says so)."""
         assert self._engine is not None, "start() registers the engine before the sampler"
         while self._engine.is_alive:
+            if len(self.recording.samples) >= MAX_SAMPLE_ROWS:
+                self.recording.samples_truncated = True
+                return
             self._record_sample(self.scheduler.make_gauges())
             yield self.env.timeout(interval_s)
 

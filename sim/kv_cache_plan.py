@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,18 +120,37 @@ def plan_kv_cache(
     side_cache_layout: bool,
     num_gpu_blocks_override: int | None = None,
 ) -> KVCachePlan:
-    """Plan the pool for one layout; bad input is a one-line ``ConfigError``."""
-    layer_specs, workers = build_worker_specs(model, deployment)
-    engine = build_engine(model, deployment, num_gpu_blocks_override)
-    memory = [deployment.kv_cache_memory_bytes] * len(workers)
+    """Plan the pool for one layout; bad input is a one-line ``ConfigError``.
+
+    vLLM checks a deployment with ``assert`` too (``divide``: heads not
+    divisible by the tensor-parallel size); those become the one-line error,
+    naming the deployment's parallel fields, like the planner's ValueErrors."""
     try:
+        layer_specs, workers = build_worker_specs(model, deployment)
+        engine = build_engine(model, deployment, num_gpu_blocks_override)
+        memory = [deployment.kv_cache_memory_bytes] * len(workers)
         if fork_planning_module() is not None:
             configs, applied, notes, source = _plan_with_fork(engine, workers, memory, side_cache_layout)
         else:
             configs, applied, notes, source = _plan_upstream(engine, workers, memory, side_cache_layout)
+    except ConfigError:
+        raise
     except ValueError as error:  # the planner's own "does not fit" checks
         raise ConfigError(f"deployment: {_without_advice(error)}") from None
+    except AssertionError as error:
+        if not _raised_in_vllm(error):
+            raise  # kvsim's own assertion: a bug, not bad input
+        raise ConfigError(
+            f"deployment: tensor_parallel_size {deployment.tensor_parallel_size}, pipeline_parallel_size "
+            f"{deployment.pipeline_parallel_size}: vLLM cannot shard {model.name!r} this way "
+            f"({_without_advice(error) or 'an assertion failed'})"
+        ) from None
     return _summarise(engine, layer_specs, configs, deployment, side_cache_layout, applied, notes, source)
+
+
+def _raised_in_vllm(error: BaseException) -> bool:
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and f"{os.sep}vllm{os.sep}" in frames[-1].filename
 
 
 def _without_advice(error: Exception) -> str:

@@ -217,6 +217,7 @@ SUMMARY: tuple[Metric, ...] = (
     ),
     _m("num_steps", "steps", "value", "engine steps", direction="either"),
     _m("stalled", "bool", "value", "requests remained that could never be scheduled"),
+    _m("samples_truncated", "bool", "value", "the samples stopped at their row bound before the run ended"),
     _m("duration_s", "s", "value", "simulated time at the end", direction="either"),
     _m(
         "output_throughput_tokens_per_s", "tokens/s", "value", "generated tokens / duration",

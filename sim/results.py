@@ -2,13 +2,22 @@
 atomically, and read back. Only the CLI layer writes files.
 
 A results directory holds ``steps.parquet``, ``requests.parquet``,
-``samples.parquet``, ``summary.parquet``, ``summary.json`` and the resolved ``scenario.json``;
-``manifest.json`` is written last, so a directory with a manifest is whole.
+``samples.parquet``, ``summary.parquet``, ``summary.json``, the resolved
+``scenario.json`` and the figures under ``plots/``; ``manifest.json`` is
+written last and lists every file, so a directory with a manifest is whole.
+
+Writing into a directory first removes its manifest (it is incomplete from
+then on), the hidden temporary files of writes a kill cut short, and, once
+the new files are written, the files the previous manifest listed that this
+run did not write again (a one-layout run over a compare drops its gain
+figures). Only files a manifest listed are ever removed. The output is
+checked (``check_out_dir``) before any simulation starts.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -16,8 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pyarrow as pa
+
+from sim.config import ConfigError
 
 FRAMES = ("steps", "requests", "samples", "summary")
+MANIFEST = "manifest.json"
+# atomic_write's temporary files: ``.<name>.<random>.tmp``.
+TEMP_PATTERN = ".*.tmp"
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
@@ -49,7 +64,21 @@ def write_text(path: Path, text: str) -> None:
 
 
 def write_json(path: Path, data: Any) -> None:
-    write_text(path, json.dumps(data, indent=2, default=_json_default) + "\n")
+    """Strict JSON: NaN and infinities (a frame's "no value") become null."""
+    text = json.dumps(json_safe(data), indent=2, default=_json_default, allow_nan=False)
+    write_text(path, text + "\n")
+
+
+def json_safe(data: Any) -> Any:
+    """``data`` with every non-finite float as None (JSON has no NaN)."""
+    if isinstance(data, dict):
+        return {key: json_safe(value) for key, value in data.items()}
+    if isinstance(data, list | tuple):
+        return [json_safe(value) for value in data]
+    value = plain_value(data) if hasattr(data, "item") else data
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 def plain_value(value: Any) -> Any:
@@ -67,20 +96,115 @@ def write_frame(path: Path, frame: pd.DataFrame) -> None:
     atomic_write(path, lambda tmp: frame.to_parquet(tmp, index=False))
 
 
-def write_results(out_dir: Path, frames: dict[str, pd.DataFrame], scenario: dict[str, Any]) -> None:
-    manifest = out_dir / "manifest.json"
+def check_out_dir(out_dir: Path, flag: str = "--out") -> None:
+    """Before any work: ``out_dir`` is, or can be made, a writable directory.
+    Creates nothing (a probe file in the nearest existing ancestor is made
+    and removed)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"{flag} {out_dir}: exists and is not a directory")
+    ancestor = out_dir
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(f"{flag} {out_dir}: {ancestor} is not a directory")
+    try:
+        handle, probe = tempfile.mkstemp(dir=ancestor, prefix=".kvsim-probe.", suffix=".tmp")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        raise ConfigError(f"{flag} {out_dir}: cannot write in {ancestor} ({error.strerror})") from None
+
+
+def remove_partial_writes(directory: Path) -> None:
+    """The temporary files of writes that a kill -9 cut short."""
+    if directory.is_dir():
+        for tmp in directory.glob(TEMP_PATTERN):
+            tmp.unlink(missing_ok=True)
+
+
+def _listed_files(out_dir: Path) -> set[str]:
+    """The files the directory's manifest lists, as safe relative paths."""
+    try:
+        manifest = json.loads((out_dir / MANIFEST).read_text())
+        files = manifest.get("files", []) + manifest.get("frames", [])
+    except (OSError, ValueError, AttributeError, TypeError):
+        return set()
+    return {
+        name
+        for name in files
+        if isinstance(name, str) and not Path(name).is_absolute() and ".." not in Path(name).parts
+    }
+
+
+def write_results(
+    out_dir: Path,
+    frames: dict[str, pd.DataFrame],
+    scenario: dict[str, Any],
+    *,
+    figures: Callable[[Path], list[Path]] | None = None,
+) -> list[Path]:
+    """Frames, summary and scenario JSON, then ``figures(out_dir)``, then the
+    manifest listing them all. A write that fails removes what this call
+    wrote and leaves no manifest (a one-line ``ConfigError``)."""
+    manifest = out_dir / MANIFEST
+    previous = _listed_files(out_dir)
     manifest.unlink(missing_ok=True)  # the directory is incomplete until rewritten
-    for name in FRAMES:
-        write_frame(out_dir / f"{name}.parquet", frames[name])
-    write_json(out_dir / "summary.json", frames["summary"].to_dict(orient="records"))
-    write_json(out_dir / "scenario.json", scenario)
-    write_json(manifest, {"frames": [f"{n}.parquet" for n in FRAMES], "scenario": scenario.get("name")})
+    for directory in (out_dir, out_dir / "plots"):
+        remove_partial_writes(directory)
+    written: list[Path] = []
+    try:
+        for name in FRAMES:
+            written.append(out_dir / f"{name}.parquet")
+            write_frame(written[-1], frames[name])
+        written.append(out_dir / "summary.json")
+        write_json(written[-1], frames["summary"].to_dict(orient="records"))
+        written.append(out_dir / "scenario.json")
+        write_json(written[-1], scenario)
+        if figures is not None:
+            written.extend(figures(out_dir))
+    except (OSError, OverflowError, pa.ArrowException) as error:
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise ConfigError(f"{out_dir}: cannot write the results ({_one_line(error)}); nothing kept") from None
+    files = sorted(str(path.relative_to(out_dir)) for path in written)
+    for stale in sorted(previous - set(files)):
+        (out_dir / stale).unlink(missing_ok=True)
+    write_json(
+        manifest,
+        {"frames": [f"{n}.parquet" for n in FRAMES], "files": files, "scenario": scenario.get("name")},
+    )
+    return written
+
+
+def add_to_manifest(out_dir: Path, paths: list[Path]) -> None:
+    """List files written later into a complete directory (``kvsim plot``'s
+    figures), so the next run into it removes them if it does not rewrite them."""
+    manifest_path = out_dir / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError):
+        return  # not a complete results directory: nothing to keep honest
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
+        return
+    added = {str(path.relative_to(out_dir)) for path in paths if path.is_relative_to(out_dir)}
+    manifest["files"] = sorted(set(manifest["files"]) | added)
+    write_json(manifest_path, manifest)
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())[:200] or type(error).__name__
+
+
+def read_frame(path: Path) -> pd.DataFrame:
+    """A parquet frame; a missing or corrupt file is a one-line error."""
+    try:
+        return pd.read_parquet(path)
+    except (OSError, ValueError, pa.ArrowException) as error:
+        raise ConfigError(f"{path}: not a readable parquet frame ({_one_line(error)})") from None
 
 
 def read_results(out_dir: Path) -> dict[str, pd.DataFrame]:
     """The frames of a results directory; a one-line error if it is not one."""
-    from sim.config import ConfigError
-
-    if not (out_dir / "manifest.json").exists():
+    if not (out_dir / MANIFEST).exists():
         raise ConfigError(f"{out_dir}: not a kvsim results directory (no manifest.json)")
-    return {name: pd.read_parquet(out_dir / f"{name}.parquet") for name in FRAMES}
+    return {name: read_frame(out_dir / f"{name}.parquet") for name in FRAMES}

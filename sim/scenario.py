@@ -9,12 +9,15 @@ key and the file. No twin in vLLM.
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from sim.config import (
+    MAX_SEED,
+    MAX_SIMULATED_S,
     ConfigError,
     DeploymentConfig,
     ModelConfig,
@@ -68,14 +71,34 @@ class AllocatorSection(StrictModel):
     enable_prefix_caching: bool = True
 
 
+# The samples frame holds at most this many rows (~50 MB of gauges; 28 h of
+# simulated time at the default 1 s interval).
+MAX_SAMPLE_ROWS = 100_000
+# A scenario name is the default results directory (results/NAME): one
+# plain path component, never a path.
+SCENARIO_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
+
+
 class SimulationSection(StrictModel):
     # Stop at this simulated time even if requests remain (None: run dry).
-    max_time_s: float | None = Field(None, gt=0)
+    max_time_s: float | None = Field(None, gt=0, le=MAX_SIMULATED_S, allow_inf_nan=False)
     # Run the allocator invariant checker after every step (slow; for CI).
     check_invariants: bool = False
     # Record the gauges every this many simulated seconds (the samples
     # frame: time-uniform curves); None records none.
-    sample_interval_s: float | None = Field(1.0, gt=0)
+    sample_interval_s: float | None = Field(1.0, gt=0, allow_inf_nan=False)
+
+
+def check_sample_rows(span_s: float, interval_s: float, what: str) -> None:
+    """ValueError when sampling ``span_s`` every ``interval_s`` needs more
+    than ``MAX_SAMPLE_ROWS`` rows."""
+    rows = span_s / interval_s
+    if rows > MAX_SAMPLE_ROWS:
+        least = span_s / MAX_SAMPLE_ROWS
+        raise ValueError(
+            f"sample_interval_s: {interval_s:g} s over {what} {span_s:g} s is {rows:,.0f} sample rows, "
+            f"more than {MAX_SAMPLE_ROWS:,}; use sample_interval_s >= {least:.3g} (or null: no samples)"
+        )
 
 
 class Scenario(StrictModel):
@@ -83,7 +106,7 @@ class Scenario(StrictModel):
 
     name: str
     description: str = ""
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     model: str = str(DEFAULT_MODEL)
     layouts: tuple[SideCacheSwitch, ...] = ("off", "on")
     deployment: DeploymentConfig = DeploymentConfig()
@@ -96,8 +119,28 @@ class Scenario(StrictModel):
     # Where relative paths in the file resolve (the file's directory).
     base_dir: str = "."
 
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_path_component(cls, name: str) -> str:
+        if not SCENARIO_NAME.fullmatch(name):
+            raise ValueError(
+                f"{name!r}: a scenario name names its results directory, so it must be one path "
+                "component: letters, digits and . _ + - (not first), at most 100 characters"
+            )
+        return name
+
     def load_model(self) -> ModelConfig:
         return load_model(Path(self.model))
+
+    def check_against_model(self, model: ModelConfig, source: str) -> None:
+        """The MTP rates must give one rate per draft position of the model."""
+        k = model.mtp.num_speculative_tokens
+        rates = self.mtp.acceptance_rates
+        if k and len(rates) != k:
+            raise ConfigError(
+                f"{source}: mtp.acceptance_rates: {len(rates)} rates given, model "
+                f"{model.name!r} drafts {k} tokens (num_speculative_tokens): give exactly {k}"
+            )
 
     def step_time_config(self, source: str = "scenario") -> StepTimeConfig:
         """The step-time coefficients: the rig's defaults, the deployment's
@@ -115,10 +158,13 @@ def resolve_scenario_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.exists():
         return path
-    shipped = SCENARIOS_DIR / f"{name_or_path}.yaml"
-    if shipped.exists():
-        return shipped
-    raise ConfigError(f"{name_or_path}: no such scenario file (nor scenarios/{name_or_path}.yaml)")
+    # Only a bare name (no directory, no .yaml) can mean a shipped scenario.
+    if path.name == name_or_path and path.suffix not in (".yaml", ".yml") and name_or_path not in (".", ".."):
+        shipped = SCENARIOS_DIR / f"{name_or_path}.yaml"
+        if shipped.exists():
+            return shipped
+        raise ConfigError(f"{name_or_path}: no such scenario file, nor a shipped scenario of that name")
+    raise ConfigError(f"{name_or_path}: no such scenario file")
 
 
 def load_scenario(name_or_path: str, overrides: list[str] | None = None) -> Scenario:
@@ -136,7 +182,7 @@ def load_scenario(name_or_path: str, overrides: list[str] | None = None) -> Scen
         data["model"] = str((path.parent / data["model"]).resolve())
     scenario = validate(Scenario, data, source)
     # Fail early, naming the file, on a model or step-time problem.
-    scenario.load_model()
+    scenario.check_against_model(scenario.load_model(), source)
     scenario.step_time_config(source)
     return scenario
 

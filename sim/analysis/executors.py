@@ -14,9 +14,11 @@ import json
 import multiprocessing
 import os
 import signal
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from typing import Any, Literal, Protocol
 
 import yaml
@@ -109,6 +111,32 @@ def _init_worker() -> None:
     import sim.analysis.runs  # noqa: F401
 
 
+@contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Start processes with Ctrl-C blocked, so they inherit the block: the
+    forkserver (importing vLLM) and each worker before its initializer runs
+    would otherwise print a KeyboardInterrupt traceback. A Ctrl-C pressed
+    meanwhile (another thread of this process may take it) is only noted,
+    and raised on leaving, once the pool is assigned and can be terminated:
+    a pool interrupted half-built would leave workers unpickling its
+    removed semaphores."""
+    if threading.current_thread() is not threading.main_thread():  # signals are the main thread's
+        yield
+        return
+    # The resource tracker unblocks SIGINT after starting itself: start it first.
+    resource_tracker.ensure_running()
+    pressed: list[int] = []
+    handler = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a pending Ctrl-C lands in pressed
+        signal.signal(signal.SIGINT, handler)
+    if pressed:
+        raise KeyboardInterrupt
+
+
 class PoolRunner:
     """Local worker processes, kept for the whole sweep so each pays the
     vLLM import once. ``multiprocessing.Pool`` rather than
@@ -126,7 +154,8 @@ class PoolRunner:
             context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
             if context.get_start_method() == "forkserver":
                 context.set_forkserver_preload(["sim.analysis.runs"])
-            self._pool = context.Pool(self.workers, initializer=_init_worker)
+            with _sigint_deferred():
+                self._pool = context.Pool(self.workers, initializer=_init_worker)
         return self._pool
 
     def run(self, specs: Sequence[RunSpec]) -> Iterator[tuple[RunSpec, dict[str, Any]]]:

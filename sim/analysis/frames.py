@@ -17,9 +17,41 @@ if TYPE_CHECKING:  # frames only read a recording: no engine (nor vLLM) at impor
     from sim.engine import Recording
 
 
+# The columns of a step row (``Simulation._record_step``): a run with no
+# step (every request rejected, or a horizon before the first arrival) still
+# has them, so figures and summaries read the same columns from every run.
+STEP_COLUMNS = (
+    "step",
+    "time_s",
+    "step_time_s",
+    "num_requests_running",
+    "num_requests_waiting",
+    "num_scheduled_requests",
+    "num_scheduled_tokens",
+    "num_prefill_tokens",
+    "num_decode_tokens",
+    "num_admitted",
+    "num_resumed",
+    "num_preemptions",
+    "num_finished",
+    "num_generation_tokens",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "num_free_blocks",
+    "num_deferred_blocks",
+    "kv_cache_usage_perc",
+    "prefix_cache_queries_tokens",
+    "prefix_cache_hits_tokens",
+    "prefix_cache_evicted_blocks",
+    "num_retained_checkpoints",
+)
+
+
 def steps_frame(recording: Recording) -> pd.DataFrame:
     """One row per engine step, gauges as after the step, plus running totals."""
     frame = pd.DataFrame(recording.steps.to_dict())
+    if frame.empty:  # a run with no step: numeric columns, so summaries and plots read it
+        frame = frame.astype("float64")
     for column, total in CUMULATIVE.items():
         frame[total] = frame[column].cumsum() if len(frame) else pd.Series(dtype="int64")
     frame.insert(0, "layout", recording.layout)
@@ -102,6 +134,7 @@ def summarise(steps: pd.DataFrame, requests: pd.DataFrame, recording: Recording)
         "prefix_cache_evicted_blocks": int(steps["prefix_cache_evicted_blocks"].sum()) if len(steps) else 0,
         "num_steps": len(steps),
         "stalled": recording.stalled,
+        "samples_truncated": recording.samples_truncated,
         "duration_s": duration,
         "output_throughput_tokens_per_s": generated / duration if duration else 0.0,
         "ttft_p50_s": _percentile(finished["ttft_s"], 50) if len(finished) else float("nan"),

@@ -38,14 +38,14 @@ from typing import Any, Literal, cast
 
 import pandas as pd
 import yaml
-from pydantic import field_validator, model_validator
+from pydantic import ConfigDict, field_validator, model_validator
 from tqdm import tqdm
 
 from sim.analysis.executors import make_spec, open_runner
 from sim.config import ConfigError, StrictModel, YamlLoader, load_yaml_text, read_yaml, validate
 from sim.metrics import DIRECTIONS, Direction
 from sim.paths import SCENARIOS_DIR
-from sim.results import atomic_write, plain_value, write_json
+from sim.results import atomic_write, plain_value, remove_partial_writes, write_json
 from sim.scenario import Scenario, SideCacheSwitch, load_scenario
 
 DEFAULT_GATES = SCENARIOS_DIR / "gates.yaml"
@@ -61,6 +61,10 @@ _WORSE = {"higher": "a drop", "lower": "a rise", "either": "any change"}
 
 # ----------------------------------------------------------------- the file
 class GateSpec(StrictModel):
+    # A latency's baseline may be NaN (no request finished): _known_metrics
+    # allows it for those metrics only.
+    model_config = ConfigDict(allow_inf_nan=True)
+
     description: str = ""
     scenario: str
     set: tuple[str, ...] = ()
@@ -72,9 +76,12 @@ class GateSpec(StrictModel):
     def _known_metrics(cls, baselines: dict[str, Any]) -> dict[str, Any]:
         if not baselines:
             raise ValueError("expected at least one metric, e.g. num_admitted:")
-        for metric in baselines:
+        for metric, by_layout in baselines.items():
             if metric not in DIRECTIONS:
                 raise ValueError(f"unknown metric {metric!r} (known: {', '.join(DIRECTIONS)})")
+            for layout, value in (by_layout or {}).items():
+                if value is not None and not _baseline_ok(metric, value):
+                    raise ValueError(f"{metric}.{layout}: {value} is not a baseline of {metric}")
         return baselines
 
     @field_validator("tolerance")
@@ -104,8 +111,24 @@ class GateSpec(StrictModel):
         return absolute + relative * abs(baseline)
 
 
+# Metrics with no value (NaN) when no request finished: only these may have a
+# NaN baseline (what --update records for them); every other is finite.
+NAN_WHEN_NONE_FINISHED = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_mean_s")
+
+
+def _baseline_ok(metric: str, value: float) -> bool:
+    return math.isfinite(value) or (math.isnan(value) and metric in NAN_WHEN_NONE_FINISHED)
+
+
 class GatesFile(StrictModel):
     gates: dict[str, GateSpec]
+
+    @field_validator("gates")
+    @classmethod
+    def _some_gates(cls, gates: dict[str, GateSpec]) -> dict[str, GateSpec]:
+        if not gates:
+            raise ValueError("expected at least one gate")
+        return gates
 
 
 def parse_tolerance(value: float | str, where: str) -> tuple[float, float]:
@@ -312,6 +335,7 @@ def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
 
 def write_report(report: GateReport, out_dir: Path) -> None:
     xml = report.junit_xml()
+    remove_partial_writes(out_dir)
 
     def write_xml(tmp: Path) -> None:
         tmp.write_text(xml)

@@ -422,9 +422,21 @@ def _save(fig: Figure, fmt: str, tmp: Path) -> None:
     fig.savefig(tmp, format=fmt, dpi=150, metadata=metadata)
 
 
+PANEL_COLUMNS = ("layout", "time_s", *(column for column, _ in (*ADMISSION_PANELS, *EVICTION_PANELS)))
+
+
+def with_panel_columns(steps: pd.DataFrame) -> pd.DataFrame:
+    """A run without steps (every request rejected) draws empty panels; a
+    frame of an older kvsim may lack their columns then."""
+    missing = [column for column in PANEL_COLUMNS if column not in steps]
+    if missing and len(steps):
+        raise ValueError(f"steps: no column {missing[0]!r}")
+    return steps.assign(**{column: pd.Series(dtype="float64") for column in missing})
+
+
 def standard_figures(frames: dict[str, pd.DataFrame]) -> dict[str, Figure]:
     """Admission and eviction for any run; the gain when both layouts ran."""
-    steps = frames["steps"]
+    steps = with_panel_columns(frames["steps"])
     figures = {"admission": admission_figure(steps), "eviction": eviction_figure(steps)}
     if {"off", "on"} <= set(steps["layout"]):
         figures["gain"] = gain_figure(steps)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pandas as pd
 
 from sim.analysis.frames import comparison_table, frames
+from sim.config import ConfigError
 from sim.engine import simulate
-from sim.scenario import Scenario, SideCacheSwitch
+from sim.scenario import Scenario, SideCacheSwitch, check_sample_rows
 from sim.workloads import Workload, build_workload
 
 
@@ -35,7 +36,18 @@ class RunResult:
 
 
 def scenario_workload(scenario: Scenario) -> Workload:
-    return build_workload(scenario.workload, base_dir=Path(scenario.base_dir), seed=scenario.seed)
+    """The scenario's workload; a one-line error if sampling its arrivals
+    would take more than ``MAX_SAMPLE_ROWS`` rows."""
+    workload = build_workload(scenario.workload, base_dir=Path(scenario.base_dir), seed=scenario.seed)
+    interval_s = scenario.simulation.sample_interval_s
+    # Sampling certainly runs to the last arrival (or the horizon before it).
+    span_s = min(workload.duration_s, scenario.simulation.max_time_s or workload.duration_s)
+    if interval_s is not None:
+        try:
+            check_sample_rows(span_s, interval_s, "the last arrival at")
+        except ValueError as error:
+            raise ConfigError(f"{scenario.name}: simulation.{error}") from None
+    return workload
 
 
 def run_scenario(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,8 +46,8 @@ from sim.analysis.executors import (
     parallel_runs,
     yaml_inline,
 )
-from sim.config import ConfigError, load_yaml_text
-from sim.results import write_frame, write_json
+from sim.config import ConfigError, load_yaml_text, read_text
+from sim.results import remove_partial_writes, write_frame, write_json
 from sim.scenario import Scenario, SideCacheSwitch, load_scenario
 
 RATE_KEY = "workload.rate_scale"
@@ -168,22 +169,34 @@ def plan_runs(scenario_ref: str, overrides: Sequence[str], axes: Sequence[GridAx
 # ------------------------------------------------------- finished-run files
 def load_finished(runs_dir: Path) -> dict[str, dict[str, Any]]:
     """The run files under ``runs_dir``, by run id. Writes are atomic, so a
-    file is whole or absent; a file that does not parse is left to rerun."""
+    file is whole or absent; a file that is not a finished run (does not
+    parse, or lacks its parameters or summary) counts as not run: it is run
+    again and overwritten. Summaries hold null where JSON has no NaN."""
     records: dict[str, dict[str, Any]] = {}
     for path in sorted(runs_dir.glob("*.json")):
         try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
+            record = json.loads(read_text(path))
+        except (ConfigError, ValueError, RecursionError):
             continue
-        if isinstance(record, dict) and record.get("run_id") == path.stem:
-            records[path.stem] = record
+        if is_run_record(record, path.stem):
+            summary = {k: math.nan if v is None else v for k, v in record["summary"].items()}
+            records[path.stem] = {**record, "summary": summary}
     return records
 
 
-def remove_partial_writes(runs_dir: Path) -> None:
-    """Temporary files of writes that a kill -9 cut short."""
-    for tmp in runs_dir.glob(".*.json.*.tmp"):
-        tmp.unlink(missing_ok=True)
+def unfinished_run_files(runs_dir: Path) -> list[Path]:
+    """Run files that ``load_finished`` does not count (they are run again)."""
+    finished = load_finished(runs_dir) if runs_dir.is_dir() else {}
+    return [path for path in sorted(runs_dir.glob("*.json")) if path.stem not in finished]
+
+
+def is_run_record(record: Any, run_id: str) -> bool:
+    return (
+        isinstance(record, dict)
+        and record.get("run_id") == run_id
+        and isinstance(record.get("params"), dict)
+        and isinstance(record.get("summary"), dict)
+    )
 
 
 def run_cached(
@@ -222,7 +235,8 @@ def prepare_out(out_dir: Path, *, resume: bool) -> Path:
             "pass --resume to continue that sweep, or choose another --out"
         )
     runs_dir.mkdir(parents=True, exist_ok=True)
-    remove_partial_writes(runs_dir)
+    for directory in (out_dir, runs_dir):
+        remove_partial_writes(directory)
     return runs_dir
 
 

@@ -12,6 +12,7 @@ import pandas as pd
 from sim.analysis.gates import DEFAULT_GATES, GateReport, run_gates, write_report
 from sim.commands.common import add_progress_flag
 from sim.config import ConfigError
+from sim.results import check_out_dir
 
 
 def register(subparsers: Any) -> None:
@@ -50,6 +51,7 @@ def register(subparsers: Any) -> None:
 def cmd_gate(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise ConfigError(f"--workers {args.workers}: expected at least 1")
+    check_out_dir(Path(args.report), "--report")
     report = run_gates(
         args.gates,
         update=args.update,

@@ -8,9 +8,15 @@ from typing import Any
 
 import pandas as pd
 
-from sim.analysis.plots import FORMATS, SWEEP_FRAME, write_standard_figures, write_sweep_figures
+from sim.analysis.plots import (
+    FORMATS,
+    SWEEP_FRAME,
+    with_panel_columns,
+    write_standard_figures,
+    write_sweep_figures,
+)
 from sim.config import ConfigError
-from sim.results import FRAMES, read_results
+from sim.results import FRAMES, add_to_manifest, read_frame, read_results, remove_partial_writes
 
 
 def _formats(text: str) -> tuple[str, ...]:
@@ -36,7 +42,12 @@ def _read(out_dir: Path) -> dict[str, pd.DataFrame]:
     missing = [f"{name}.parquet" for name in FRAMES if not (out_dir / f"{name}.parquet").exists()]
     if missing and (out_dir / "manifest.json").exists():
         raise ConfigError(f"{out_dir}: incomplete results directory: no {', '.join(missing)}")
-    return read_results(out_dir)
+    frames = read_results(out_dir)
+    try:
+        with_panel_columns(frames["steps"])
+    except ValueError as error:
+        raise ConfigError(f"{out_dir / 'steps.parquet'}: {error}") from None
+    return frames
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -45,10 +56,12 @@ def cmd_plot(args: argparse.Namespace) -> int:
     out_dir = Path(args.results_dir)
     sweep_path = out_dir / SWEEP_FRAME
     written: list[Path] = []
+    remove_partial_writes(out_dir / "plots")
     if (out_dir / "manifest.json").exists() or not sweep_path.exists():
         written += write_standard_figures(out_dir, _read(out_dir), args.format)
+        add_to_manifest(out_dir, written)
     if sweep_path.exists():
-        sweep = pd.read_parquet(sweep_path)
+        sweep = read_frame(sweep_path)
         x = args.x or sweep_x(sweep, sweep_path)
         if x not in sweep:
             raise ConfigError(f"{sweep_path}: no column {x!r} (--x)")

@@ -25,18 +25,22 @@ def register(subparsers: Any) -> None:
 def run_and_write(args: argparse.Namespace, layouts: tuple[SideCacheSwitch, ...]) -> int:
     from sim.analysis.plots import write_standard_figures
     from sim.analysis.runs import run_scenario
-    from sim.results import write_results
+    from sim.results import check_out_dir, write_results
     from sim.scenario import load_scenario, scenario_to_dict
 
     scenario = load_scenario(args.scenario, args.set)
     out_dir = Path(args.out) if args.out else Path("results") / scenario.name
+    check_out_dir(out_dir)  # before the simulation, not after it
     result = run_scenario(scenario, layouts, progress=sys.stderr.isatty() or args.progress)
-    write_results(out_dir, result.frames(), scenario_to_dict(scenario))
+    frames = result.frames()
+    written = write_results(
+        out_dir, frames, scenario_to_dict(scenario), figures=lambda d: write_standard_figures(d, frames)
+    )
+    figures = [path for path in written if path.parent.name == "plots"]
     print(
         f"kvsim: {scenario.name}: {len(result.requests) // max(len(result.summary), 1)} requests per layout"
     )
     print_table(result.comparison())
-    figures = write_standard_figures(out_dir, result.frames())
     print(f"frames written to {out_dir}/ (steps, requests, samples, summary: parquet)")
     print(
         f"figures written to {out_dir / 'plots'}/ ({len(figures)} files: "

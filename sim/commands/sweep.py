@@ -10,9 +10,10 @@ import pandas as pd
 
 from sim.analysis.capacity import CapacitySearch, run_capacity_search
 from sim.analysis.executors import LAYOUT_KEY, import_ray
-from sim.analysis.sweep import RATE_KEY, parse_grid, plan_runs, run_sweep
+from sim.analysis.sweep import RATE_KEY, parse_grid, plan_runs, run_sweep, unfinished_run_files
 from sim.commands.common import add_progress_flag, add_scenario_argument
 from sim.config import ConfigError
+from sim.results import check_out_dir
 from sim.scenario import add_override_argument, load_scenario
 
 
@@ -86,6 +87,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     axes = tuple(parse_grid(text) for text in args.grid)
     base = load_scenario(args.scenario, args.set)
     out_dir = Path(args.out) if args.out else Path("results") / f"sweep-{base.name}"
+    check_out_dir(out_dir)
+    if args.resume:
+        note_unfinished(out_dir / "runs")
     how = {
         "resume": args.resume,
         "executor": args.executor,
@@ -113,6 +117,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print_sweep(frame, [a.key for a in axes if a.key != LAYOUT_KEY])
     print(f"kvsim sweep: {len(frame)} runs written to {out_dir}/sweep.parquet")
     return 0
+
+
+def note_unfinished(runs_dir: Path) -> None:
+    unfinished = unfinished_run_files(runs_dir)
+    if unfinished:
+        print(
+            f"kvsim sweep: {len(unfinished)} file(s) in {runs_dir}/ are not finished runs "
+            f"(e.g. {unfinished[0].name}: not JSON, or no summary): running them again"
+        )
 
 
 def print_sweep(frame: pd.DataFrame, keys: list[str]) -> None:

@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import Field, field_validator, model_validator
 
-from sim.config import ConfigError, StrictModel
+from sim.config import MAX_REQUEST_TOKENS, MAX_SIMULATED_S, ConfigError, StrictModel
 from sim.workloads import distributions as dist
 from sim.workloads.loaders import (
     detect_format,
@@ -30,7 +30,7 @@ from sim.workloads.loaders import (
     load_sharegpt_lengths,
 )
 from sim.workloads.shipped import SHIPPED_TRACES, TraceFormat
-from sim.workloads.spec import Workload
+from sim.workloads.spec import MAX_WORKLOAD_REQUESTS, Workload
 from sim.workloads.synthetic import SYNTHETIC_PREFIX_UNIT, synthetic
 from sim.workloads.transforms import (
     clamp_lengths,
@@ -135,9 +135,10 @@ class WorkloadConfig(StrictModel):
     arrival: ArrivalConfig | None = None
     prompt: LengthConfig | None = None
     output: LengthConfig | None = None
-    shared_prefix_tokens: int = Field(0, ge=0)
-    prefix_unit: int = Field(SYNTHETIC_PREFIX_UNIT, gt=0)
-    num_requests: int | None = Field(None, gt=0)
+    shared_prefix_tokens: int = Field(0, ge=0, le=MAX_REQUEST_TOKENS)
+    # Token ids (content id x unit) stay below 2**31 (vLLM's int32 buffers).
+    prefix_unit: int = Field(SYNTHETIC_PREFIX_UNIT, gt=0, le=1024)
+    num_requests: int | None = Field(None, gt=0, le=MAX_WORKLOAD_REQUESTS)
     max_requests: int | None = Field(None, gt=0)
     window_s: tuple[float, float] | None = None
     time_scale: _Factor = 1.0
@@ -274,6 +275,16 @@ def _retime(cfg: WorkloadConfig, w: Workload, rng: np.random.Generator) -> Workl
     return w
 
 
+def _build(cfg: WorkloadConfig, path: Path | None, fmt: TraceFormat, seed: int) -> Workload:
+    load_rng, sample_rng, spread_rng = (
+        np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3)
+    )
+    w = _retime(cfg, _select(cfg, _load(cfg, path, fmt, load_rng), sample_rng), spread_rng)
+    if cfg.max_prompt_len is not None or cfg.max_output_len is not None:
+        w = clamp_lengths(w, cfg.max_prompt_len, cfg.max_output_len)
+    return w
+
+
 def build_workload(cfg: WorkloadConfig, *, base_dir: Path, seed: int) -> Workload:
     """The workload a scenario asks for; same ``cfg`` and ``seed`` give an
     equal ``Workload``.
@@ -288,16 +299,21 @@ def build_workload(cfg: WorkloadConfig, *, base_dir: Path, seed: int) -> Workloa
         check_keys_for_format(cfg, fmt)
     except ValueError as error:
         raise ConfigError(f"workload.{error}") from None
-    load_rng, sample_rng, spread_rng = (
-        np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3)
-    )
-    w = _retime(cfg, _select(cfg, _load(cfg, path, fmt, load_rng), sample_rng), spread_rng)
-    if cfg.max_prompt_len is not None or cfg.max_output_len is not None:
-        w = clamp_lengths(w, cfg.max_prompt_len, cfg.max_output_len)
+    try:
+        w = _build(cfg, path, fmt, seed)
+    except ConfigError:
+        raise
+    except (ValueError, OverflowError) as error:  # a transformation's own check (a bound, a time)
+        raise ConfigError(f"workload: {error}") from None
     if w.num_requests == 0:
         raise ConfigError(
             f"workload: window_s {cfg.window_s} and sample_fraction "
             f"{cfg.sample_fraction:g} leave no requests of {cfg.trace!r}"
+        )
+    if w.duration_s > MAX_SIMULATED_S:
+        raise ConfigError(
+            f"workload: the last request arrives at {w.duration_s:.3g} s, more than "
+            f"{MAX_SIMULATED_S:.3g} s (a year, past any trace): check time_scale and rate_scale"
         )
     random = fmt in ("sharegpt", "synthetic") or cfg.sample_fraction < 1
     return replace(w, source=f"{w.source}; seed {seed}") if random or cfg.spread_bursts else w

@@ -16,6 +16,8 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from sim.config import MAX_REQUEST_TOKENS
+
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
@@ -100,9 +102,15 @@ class LengthDistribution(Protocol):
     def sample(self, num: int, rng: np.random.Generator) -> IntArray: ...
 
 
+def _too_many_tokens(name: str, value: float) -> str:
+    return f"{name}: {value:.3g} is more than {MAX_REQUEST_TOKENS:,} tokens (no model serves more)"
+
+
 def _check_positive_int(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
         raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+    if value > MAX_REQUEST_TOKENS:
+        raise ValueError(_too_many_tokens(name, value))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -142,7 +150,8 @@ class LogNormal:
     Percentiles rather than (mu, sigma) because that is how trace tables
     describe lengths (see ``sim/data/README.md``): ``mu = ln p50`` and
     ``sigma = ln(p90 / p50) / z_0.9``. Draws are rounded to whole tokens and
-    floored at 1; p90 == p50 gives a fixed length.
+    floored at 1 and capped at ``MAX_REQUEST_TOKENS`` (the far tail of a wide
+    distribution would otherwise overflow int64); p90 == p50 gives a fixed length.
 
     >>> round(LogNormal(p50=1000, p90=3000).sigma, 4)
     0.8573
@@ -156,6 +165,8 @@ class LogNormal:
             raise ValueError(f"p50: expected >= 1 token, got {self.p50}")
         if not (math.isfinite(self.p90) and self.p90 >= self.p50):
             raise ValueError(f"p90: expected >= p50 ({self.p50}), got {self.p90}")
+        if self.p90 > MAX_REQUEST_TOKENS:
+            raise ValueError(_too_many_tokens("p90", self.p90))
 
     @property
     def sigma(self) -> float:
@@ -163,7 +174,7 @@ class LogNormal:
 
     def sample(self, num: int, rng: np.random.Generator) -> IntArray:
         draws = rng.lognormal(math.log(self.p50), self.sigma, size=num)
-        return np.maximum(np.rint(draws), 1).astype(np.int64)
+        return np.clip(np.rint(draws), 1, MAX_REQUEST_TOKENS).astype(np.int64)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, repr=False)

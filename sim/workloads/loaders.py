@@ -13,6 +13,14 @@ Decisions recorded here:
   fields are ignored (forks of the Mooncake format add some).
 - Request ids are ``r`` + the 0-based request index in the file, so
   ``r000042`` is the 43rd request whatever transformations follow.
+- Bounds: a file of at most ``MAX_TRACE_BYTES``, at most
+  ``MAX_WORKLOAD_REQUESTS`` requests, token counts of at most
+  ``MAX_REQUEST_TOKENS``, and a span (last arrival - first) of at most
+  ``MAX_SIMULATED_S``; past any of them the load stops with the line.
+- Mooncake times are milliseconds from the trace start and are kept, except
+  that a trace whose first timestamp is past ``EPOCH_LIKE_MS`` (a day) is
+  read as absolute (epoch) time and re-based so its first request arrives at
+  0; the workload's ``source`` says so. Azure times are always re-based.
 """
 
 from __future__ import annotations
@@ -28,14 +36,17 @@ from typing import Any
 
 import numpy as np
 
+from sim.config import MAX_SIMULATED_S, read_text
 from sim.workloads.distributions import ArrivalProcess, arrival_times_s
 from sim.workloads.shipped import TraceFormat, display_path
 from sim.workloads.spec import (
+    MAX_WORKLOAD_REQUESTS,
     FreshIds,
     RequestSpec,
     TraceError,
     Workload,
     ceil_div,
+    check_tokens,
     request_id,
     sort_requests,
 )
@@ -55,19 +66,16 @@ _AZURE_TIME = re.compile(r"(\d{4})-(\d{2})-(\d{2}) (\d{2}):(\d{2}):(\d{2})(?:\.(
 _DIGITS = re.compile(r"[0-9]+")
 _EPOCH = datetime(1970, 1, 1)
 _TICKS_PER_S = 10_000_000  # Azure stamps carry 7 fractional digits (100 ns)
+# A trace file: ~4 M lines of Mooncake JSON, past the request bound anyway.
+MAX_TRACE_BYTES = 1 << 30
+# A Mooncake trace starting later than a day after 0 cannot be "ms from the
+# trace start" of any public trace: it holds absolute (epoch) times.
+EPOCH_LIKE_MS = 86_400_000.0
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
     """(1-based line number, text without line ending) of each non-blank line."""
-    try:
-        data = path.read_bytes()
-    except OSError as error:
-        raise TraceError(path, None, f"cannot read ({error.strerror})") from None
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        line = data.count(b"\n", 0, error.start) + 1
-        raise TraceError(path, line, "not UTF-8 text") from None
+    text = read_text(path, max_bytes=MAX_TRACE_BYTES, error=TraceError)
     for number, line_text in enumerate(text.split("\n"), start=1):
         if line_text.strip():
             yield number, line_text.rstrip("\r")
@@ -76,6 +84,27 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
 def _check_max_requests(max_requests: int | None) -> None:
     if max_requests is not None and max_requests < 1:
         raise ValueError(f"max_requests: expected >= 1, got {max_requests}")
+
+
+def _check_count(path: Path, line: int, num_requests: int) -> None:
+    if num_requests >= MAX_WORKLOAD_REQUESTS:
+        raise TraceError(
+            path,
+            line,
+            f"more than {MAX_WORKLOAD_REQUESTS:,} requests: cut the trace into slices "
+            "(a workload holds at most that many)",
+        )
+
+
+def _check_span(path: Path, line: int, span_s: float) -> None:
+    """Arrivals must lie within ``MAX_SIMULATED_S`` of the first."""
+    if span_s > MAX_SIMULATED_S:
+        raise TraceError(
+            path,
+            line,
+            f"arrives {span_s:.3g} s after the trace starts: more than {MAX_SIMULATED_S:.3g} s "
+            "(a year), past any trace; check the unit",
+        )
 
 
 def _clip(text: str) -> str:
@@ -92,6 +121,9 @@ def _int_field(path: Path, line: int, record: dict[str, Any], field: str) -> int
     value = record[field]
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise TraceError(path, line, f"{field}: expected a positive integer, got {_short(value)}")
+    problem = check_tokens(field, value)
+    if problem:
+        raise TraceError(path, line, problem)
     return value
 
 
@@ -100,6 +132,8 @@ def _json_record(path: Path, line: int, text: str) -> dict[str, Any]:
         record = json.loads(text)
     except json.JSONDecodeError as error:
         raise TraceError(path, line, f"malformed JSON ({error.msg})") from None
+    except (ValueError, RecursionError) as error:  # a 5,000-digit number; deep nesting
+        raise TraceError(path, line, f"malformed JSON ({_clip(str(error) or 'nested too deeply')})") from None
     if not isinstance(record, dict):
         raise TraceError(path, line, "expected a JSON object")
     return record
@@ -158,25 +192,32 @@ def load_mooncake(
     """Read a Mooncake JSONL trace; ``hash_ids`` become the prefix ids as they
     are (prefix-chained, so sharing id k at position i means sharing the whole
     prefix). Timestamps are milliseconds from the trace start and are kept
-    as they are (not re-based), so times match the paper's time axis."""
+    as they are (not re-based), so times match the paper's time axis; but
+    a first timestamp past ``EPOCH_LIKE_MS`` marks absolute (epoch) times,
+    which are re-based so the first request arrives at 0."""
     path = Path(path)
     _check_max_requests(max_requests)
     requests: list[RequestSpec] = []
     previous: tuple[float, str] | None = None
+    origin_ms = 0.0
     for line, text in _lines(path):
         if max_requests is not None and len(requests) >= max_requests:
             break
+        _check_count(path, line, len(requests))
         record = _json_record(path, line, text)
         time_ms = _timestamp_ms(path, line, record)
-        stamp = (time_ms, f"{record['timestamp']} ms")
+        stamp = (time_ms, f"{_short(record['timestamp'])} ms")
         _check_order(path, line, stamp, previous)
         previous = stamp
+        if not requests and time_ms > EPOCH_LIKE_MS:
+            origin_ms = time_ms
+        _check_span(path, line, (time_ms - origin_ms) / 1000.0)
         prompt_len = _int_field(path, line, record, "input_length")
         output_len = _int_field(path, line, record, "output_length")
         requests.append(
             RequestSpec(
                 request_id=request_id(len(requests)),
-                arrival_s=time_ms / 1000.0,
+                arrival_s=(time_ms - origin_ms) / 1000.0,
                 prompt_len=prompt_len,
                 output_len=output_len,
                 prefix_ids=_hash_ids(path, line, record, prompt_len, block_tokens),
@@ -187,7 +228,8 @@ def load_mooncake(
         raise _empty(path)
     return Workload(
         name=name or path.stem,
-        source=f"mooncake trace {display_path(path)}: {len(requests)} requests, timestamps ms -> s",
+        source=f"mooncake trace {display_path(path)}: {len(requests)} requests, timestamps ms -> s"
+        + (f", absolute times re-based to the first ({origin_ms:.0f} ms)" if origin_ms else ""),
         requests=sort_requests(requests),
     )
 
@@ -217,8 +259,13 @@ def _row(path: Path, line: int, text: str, header: tuple[str, ...]) -> list[str]
 
 
 def _int_cell(path: Path, line: int, column: str, cell: str) -> int:
-    if _DIGITS.fullmatch(cell) is None or int(cell) < 1:
+    if _DIGITS.fullmatch(cell) is None:
         raise TraceError(path, line, f"{column}: expected a positive integer, got {_short(cell)}")
+    if len(cell) > 30:  # keep int() off thousands of digits (itself an error)
+        raise TraceError(path, line, f"{column}: a {len(cell)}-digit number of tokens, past any bound")
+    problem = check_tokens(column, int(cell))
+    if problem:
+        raise TraceError(path, line, problem)
     return int(cell)
 
 
@@ -256,11 +303,13 @@ def load_azure(path: Path | str, *, name: str | None = None, max_requests: int |
     for line, text in lines:
         if max_requests is not None and len(requests) >= max_requests:
             break
+        _check_count(path, line, len(requests))
         stamp, context, generated = _row(path, line, text, AZURE_HEADER)
         ticks = _azure_ticks(path, line, stamp)
         _check_order(path, line, (ticks, repr(stamp)), previous)
         previous = (ticks, repr(stamp))
         first_ticks = ticks if first_ticks is None else first_ticks
+        _check_span(path, line, (ticks - first_ticks) / _TICKS_PER_S)
         prompt_len = _int_cell(path, line, AZURE_HEADER[1], context)
         requests.append(
             RequestSpec(
@@ -321,6 +370,7 @@ def load_sharegpt_lengths(
     for line, text in lines:
         if max_requests is not None and len(lengths) >= max_requests:
             break
+        _check_count(path, line, len(lengths))
         lengths.append(_sharegpt_row(path, line, text))
     if not lengths:
         raise _empty(path)

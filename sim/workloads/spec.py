@@ -26,13 +26,30 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sim.config import ConfigError
+from sim.config import MAX_REQUEST_TOKENS, ConfigError
 
 # Where fresh (never shared) content ids start. Above every id of the Mooncake
 # conversation hour (dense, < 182,790), so a fresh id is never mistaken for a
 # trace id, and low enough that token ids stay below 2**31 (the int32 token
 # buffers of vLLM's input batch) for ~3 M fresh 512-token chunks.
 FRESH_ID_BASE = 1 << 20
+# Requests in one workload (a trace as loaded, or a synthetic recipe): about
+# 300 MB of request specs; slice bigger traces (window_s, sample_fraction)
+# before handing them to kvsim.
+MAX_WORKLOAD_REQUESTS = 1_000_000
+
+
+def check_tokens(field: str, value: int) -> str | None:
+    """What is wrong with a token count, or None: whole, >= 1 and at most
+    ``MAX_REQUEST_TOKENS`` (no model serves a longer context)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return f"{field}: expected a positive integer, got {value!r}"[:120]
+    if value > MAX_REQUEST_TOKENS:
+        return (
+            f"{field}: {value:.3g} tokens is more than {MAX_REQUEST_TOKENS:,} "
+            "(no model serves a longer context)"
+        )
+    return None
 
 
 class TraceError(ConfigError):
@@ -107,6 +124,10 @@ class RequestSpec:
         for field in ("prompt_len", "output_len", "prefix_unit"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field}: expected >= 1, got {getattr(self, field)}")
+        for field in ("prompt_len", "output_len"):
+            problem = check_tokens(field, getattr(self, field))
+            if problem:
+                raise ValueError(problem)
         expected = ceil_div(self.prompt_len, self.prefix_unit)
         if len(self.prefix_ids) != expected:
             raise ValueError(
