@@ -47,6 +47,22 @@ class Recording:
     stalled: bool = False
 
 
+# Running totals the sampler records next to the gauges, named like the
+# steps frame's cumulative columns; they mirror vLLM's /metrics counters
+# (vllm:num_preemptions, prefix_cache_queries/hits, spec_decode_num_draft/
+# accepted_tokens, prompt_tokens, generation_tokens), so a replay's scraped
+# counters and a simulation's samples share columns.
+SAMPLED_TOTALS = (
+    "num_preemptions_total",
+    "prefix_cache_queries_total_tokens",
+    "prefix_cache_hits_total_tokens",
+    "num_draft_total_tokens",
+    "num_accepted_total_tokens",
+    "num_prompt_total_tokens",
+    "num_generation_total_tokens",
+)
+
+
 def _runner_rng(seed: int) -> np.random.Generator:
     """The simulation's own RNG stream, derived from the scenario seed and
     independent of the workload's."""
@@ -78,6 +94,7 @@ class Simulation:
         self._arrivals_done = False
         self._engine_done = False
         self._bar: tqdm | None = None
+        self.totals: dict[str, int] = dict.fromkeys(SAMPLED_TOTALS, 0)
         self.recording = Recording(scenario=scenario.name, layout=layout, plan=self.plan.to_dict())
 
     def _scheduler_config(self) -> SchedulerConfig:
@@ -181,6 +198,7 @@ class Simulation:
                     "num_free_blocks": pool.get_num_free_blocks(),
                     "num_deferred_blocks": self.scheduler.num_deferred_blocks(),
                     "kv_cache_usage_perc": pool.get_usage(),
+                    **self.totals,
                 }
             )
             yield self.env.timeout(interval_s)
@@ -213,6 +231,7 @@ class Simulation:
             requests[request_id]["num_preemptions"] += 1
         for request_id in outcome.first_token_request_ids:
             requests[request_id]["first_token_s"] = now
+        self._add_totals(output, outcome)
         for request_id, num_output_tokens in outcome.finished.items():
             requests[request_id]["finished_s"] = now
             requests[request_id]["generated_tokens"] = num_output_tokens
@@ -248,6 +267,23 @@ class Simulation:
             check_allocator(self.kv_cache_manager, self.scheduler.deferred_blocks())
         if self._bar is not None:
             self._bar.update(round(now, 1) - self._bar.n)
+
+
+    def _add_totals(self, output: SchedulerOutput, outcome: StepOutcome) -> None:
+        """vLLM counts a prompt's tokens when its first token comes out."""
+        prompt_tokens = sum(
+            self.recording.requests[r]["prompt_tokens"] for r in outcome.first_token_request_ids
+        )
+        for key, value in (
+            ("num_preemptions_total", len(output.preempted_request_ids)),
+            ("prefix_cache_queries_total_tokens", output.prefix_cache_queries),
+            ("prefix_cache_hits_total_tokens", output.prefix_cache_hits),
+            ("num_draft_total_tokens", outcome.num_draft_tokens),
+            ("num_accepted_total_tokens", outcome.num_accepted_tokens),
+            ("num_prompt_total_tokens", prompt_tokens),
+            ("num_generation_total_tokens", outcome.num_generated_tokens),
+        ):
+            self.totals[key] += value
 
 
 def simulate(scenario: Scenario, layout: Layout, workload: Workload, *, progress: bool = False) -> Recording:

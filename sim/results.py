@@ -67,20 +67,42 @@ def write_frame(path: Path, frame: pd.DataFrame) -> None:
     atomic_write(path, lambda tmp: frame.to_parquet(tmp, index=False))
 
 
-def write_results(out_dir: Path, frames: dict[str, pd.DataFrame], scenario: dict[str, Any]) -> None:
+def write_results(
+    out_dir: Path,
+    frames: dict[str, pd.DataFrame],
+    scenario: dict[str, Any],
+    manifest_extra: dict[str, Any] | None = None,
+) -> None:
+    """Write the frames given (a replay has no ``steps``: a live server does
+    not expose them), then the manifest; ``manifest_extra`` adds keys to it
+    (a replay records ``"complete": false`` when it was cut short)."""
     manifest = out_dir / "manifest.json"
     manifest.unlink(missing_ok=True)  # the directory is incomplete until rewritten
-    for name in FRAMES:
+    names = [name for name in FRAMES if name in frames]
+    for name in names:
         write_frame(out_dir / f"{name}.parquet", frames[name])
     write_json(out_dir / "summary.json", frames["summary"].to_dict(orient="records"))
     write_json(out_dir / "scenario.json", scenario)
-    write_json(manifest, {"frames": [f"{n}.parquet" for n in FRAMES], "scenario": scenario.get("name")})
+    contents = {"frames": [f"{n}.parquet" for n in names], "scenario": scenario.get("name"), "complete": True}
+    write_json(manifest, {**contents, **(manifest_extra or {})})
+
+
+def read_manifest(out_dir: Path) -> dict[str, Any]:
+    """The manifest of a results directory; a one-line error if it is not one."""
+    from sim.config import ConfigError
+
+    path = out_dir / "manifest.json"
+    if not path.exists():
+        raise ConfigError(f"{out_dir}: not a kvsim results directory (no manifest.json)")
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return data
 
 
 def read_results(out_dir: Path) -> dict[str, pd.DataFrame]:
-    """The frames of a results directory; a one-line error if it is not one."""
-    from sim.config import ConfigError
-
-    if not (out_dir / "manifest.json").exists():
-        raise ConfigError(f"{out_dir}: not a kvsim results directory (no manifest.json)")
-    return {name: pd.read_parquet(out_dir / f"{name}.parquet") for name in FRAMES}
+    """The frames the manifest lists (all four for a simulation; no
+    ``steps`` for a replay)."""
+    listed = read_manifest(out_dir).get("frames", [f"{n}.parquet" for n in FRAMES])
+    names = [name for name in FRAMES if f"{name}.parquet" in listed]
+    return {name: pd.read_parquet(out_dir / f"{name}.parquet") for name in names}
