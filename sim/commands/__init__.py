@@ -14,4 +14,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "gate",
     "sweep",
     "bench",
+    "serve",
+    "replay",
+    "export_trace",
 )
