@@ -32,6 +32,9 @@ TEXT_VOCAB_SIZE = 32_000
 # A request waits at most this long (wall seconds) for its next tokens.
 TOKEN_WAIT_S = 600.0
 
+# A max_model_len prompt as JSON token ids (aiohttp's default is 1 MiB).
+MAX_BODY_BYTES = 64 << 20
+
 ENGINE_KEY = web.AppKey("engine", LiveEngine)
 
 
@@ -203,7 +206,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 def build_app(engine: LiveEngine) -> web.Application:
     """The application; the engine loop runs for as long as the app does."""
-    app = web.Application()
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
 
     async def engine_loop(app: web.Application) -> AsyncIterator[None]:
