@@ -268,7 +268,6 @@ class Simulation:
         if self._bar is not None:
             self._bar.update(round(now, 1) - self._bar.n)
 
-
     def _add_totals(self, output: SchedulerOutput, outcome: StepOutcome) -> None:
         """vLLM counts a prompt's tokens when its first token comes out."""
         prompt_tokens = sum(

@@ -47,9 +47,7 @@ vllm:generation_tokens_total{engine="0",model_name="fault"} 50.0
 
 # No preemption counter and no spec-decode counters (as a server without MTP).
 MISSING_METRICS = "\n".join(
-    line
-    for line in GOOD_METRICS.splitlines()
-    if "preemptions" not in line and "spec_decode" not in line
+    line for line in GOOD_METRICS.splitlines() if "preemptions" not in line and "spec_decode" not in line
 )
 MALFORMED_METRICS = "vllm:num_requests_running{engine=0 1.0\nthis is not prometheus text {{{\n"
 

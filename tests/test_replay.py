@@ -19,7 +19,6 @@ import threading
 from pathlib import Path
 
 import pandas as pd
-import pytest
 from replay_fault_server import MALFORMED_METRICS, MISSING_METRICS, FaultOptions, free_port, running_server
 from sim_helpers import write_scenario
 
@@ -78,7 +77,9 @@ def agreement(sim: pd.Series, replay: pd.Series) -> list[str]:
         if sim[key] != replay[key]:
             problems.append(f"{key}: sim {sim[key]}, replay {replay[key]}")
     if abs(sim["peak_concurrency"] - replay["peak_concurrency"]) > 1:
-        problems.append(f"peak_concurrency: sim {sim['peak_concurrency']}, replay {replay['peak_concurrency']}")
+        problems.append(
+            f"peak_concurrency: sim {sim['peak_concurrency']}, replay {replay['peak_concurrency']}"
+        )
     if abs(replay["ttft_p50_s"] - sim["ttft_p50_s"]) > TTFT_P50_TOLERANCE * sim["ttft_p50_s"]:
         problems.append(f"ttft_p50_s: sim {sim['ttft_p50_s']:.3f}, replay {replay['ttft_p50_s']:.3f}")
     return problems
@@ -108,7 +109,16 @@ def test_closed_loop_serve_and_replay_reproduce_the_simulation(tmp_path, capsys)
     assert (out / "server-on.log").read_text().count("GPU KV cache size") == 1
     # CONTROL: the same replay against a simulation with a lower sequence
     # cap disagrees (the check can fail).
-    argv = ["run", str(path), "--layout", "on", "--set", "deployment.max_num_seqs=1", "--out", str(tmp_path / "s1")]
+    argv = [
+        "run",
+        str(path),
+        "--layout",
+        "on",
+        "--set",
+        "deployment.max_num_seqs=1",
+        "--out",
+        str(tmp_path / "s1"),
+    ]
     assert main(argv) == 0
     assert agreement(_frames(tmp_path / "s1")["summary"].iloc[0], replay) != []
 
@@ -138,8 +148,14 @@ def test_http_errors_are_recorded_failures_and_missing_metrics_nan_with_one_warn
     requests = _frames(out)["requests"]
     failed = requests[requests["rejected"]]
     assert sorted(failed["request_id"]) == ["r000001", "r000003"]
-    assert failed["error"].str.startswith("HTTP 500").sum() == 1 and failed["error"].str.startswith("HTTP 400").sum() == 1
-    assert requests["finished"].sum() == 4 and (requests.loc[requests["finished"], "generated_tokens"] == 5).all()
+    assert (
+        failed["error"].str.startswith("HTTP 500").sum() == 1
+        and failed["error"].str.startswith("HTTP 400").sum() == 1
+    )
+    assert (
+        requests["finished"].sum() == 4
+        and (requests.loc[requests["finished"], "generated_tokens"] == 5).all()
+    )
     samples = _frames(out)["samples"]
     assert samples["num_preemptions_total"].isna().all() and samples["num_draft_total_tokens"].isna().all()
     assert (samples["kv_cache_usage_perc"] == 0.25).all()

@@ -136,7 +136,9 @@ def test_a_repeated_prompt_hits_the_prefix_cache(tmp_path):
 def test_text_prompts_non_streaming_and_models(tmp_path):
     async def check(client: TestClient) -> tuple[Any, Any]:
         models = await (await client.get("/v1/models")).json()
-        response = await client.post("/v1/completions", json={"prompt": "the cat sat on the mat", "max_tokens": 5})
+        response = await client.post(
+            "/v1/completions", json={"prompt": "the cat sat on the mat", "max_tokens": 5}
+        )
         return models, await response.json()
 
     models, body = _serve(tmp_path, check)
@@ -177,4 +179,6 @@ def test_boot_log_lines_are_what_launch_parses(tmp_path):
     assert check_boot_log(text, on.to_dict()).mismatches == []
     # CONTROL: the other layout's plan does not match this boot log.
     mismatches = check_boot_log(text, off.to_dict()).mismatches
-    assert any("GPU KV cache size" in m for m in mismatches) and any("side-cache layout" in m for m in mismatches)
+    assert any("GPU KV cache size" in m for m in mismatches) and any(
+        "side-cache layout" in m for m in mismatches
+    )

@@ -81,7 +81,10 @@ def test_arrival_csv_loads_with_no_sharing(tmp_path):
     trace = tmp_path / "t.csv"
     trace.write_text("arrival_s,input_tokens,output_tokens\n0,1000,10\n0.75,1000,20\n")
     workload = _workload(tmp_path, trace=str(trace))  # format from the header
-    assert [(r.arrival_s, r.prompt_len, r.output_len) for r in workload.requests] == [(0.0, 1000, 10), (0.75, 1000, 20)]
+    assert [(r.arrival_s, r.prompt_len, r.output_len) for r in workload.requests] == [
+        (0.0, 1000, 10),
+        (0.75, 1000, 20),
+    ]
     first, second = (set(r.prompt_token_ids()) for r in workload.requests)
     assert not first & second
 
@@ -89,7 +92,10 @@ def test_arrival_csv_loads_with_no_sharing(tmp_path):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("arrival_s,input_tokens,output_tokens\n0,10,x\n", "t.csv:2: output_tokens: expected a positive integer"),
+        (
+            "arrival_s,input_tokens,output_tokens\n0,10,x\n",
+            "t.csv:2: output_tokens: expected a positive integer",
+        ),
         ("arrival_s,input_tokens,output_tokens\n-1,10,5\n", "t.csv:2: arrival_s: expected seconds >= 0"),
         ("arrival_s,input_tokens,output_tokens\n2,10,5\n1,10,5\n", "t.csv:3: timestamp 1 is before"),
         ("arrival_s,input_tokens,output_tokens\n1,10\n", "t.csv:2: expected 3 columns"),
@@ -101,23 +107,36 @@ def test_bad_csv_rows_are_one_line_errors(tmp_path, text, message):
     trace.write_text(text)
     with pytest.raises(ConfigError) as error:
         load_timed_csv(trace)
-    assert str(error.value).startswith(str(tmp_path / message.split(":")[0]) + message[len(message.split(":")[0]) :])
+    assert str(error.value).startswith(
+        str(tmp_path / message.split(":")[0]) + message[len(message.split(":")[0]) :]
+    )
     assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        ('{"timestamp": "soon", "input_length": 16, "output_length": 1, "hash_ids": [1]}', "timestamp: expected seconds"),
-        ('{"timestamp": 1, "input_length": 16, "output_length": 0, "hash_ids": [1]}', "output_length: expected a positive"),
-        ('{"timestamp": 1, "input_length": 17, "output_length": 1, "hash_ids": [1]}', "hash_ids: expected ceil"),
+        (
+            '{"timestamp": "soon", "input_length": 16, "output_length": 1, "hash_ids": [1]}',
+            "timestamp: expected seconds",
+        ),
+        (
+            '{"timestamp": 1, "input_length": 16, "output_length": 0, "hash_ids": [1]}',
+            "output_length: expected a positive",
+        ),
+        (
+            '{"timestamp": 1, "input_length": 17, "output_length": 1, "hash_ids": [1]}',
+            "hash_ids: expected ceil",
+        ),
         ('{"timestamp": 1, "input_length": 16, "output_length": 1}', "missing field 'hash_ids'"),
         ("{not json", "malformed JSON"),
     ],
 )
 def test_bad_timed_trace_lines_are_one_line_errors(tmp_path, line, message):
     trace = tmp_path / "t.jsonl"
-    trace.write_text('{"timestamp": 0, "input_length": 16, "output_length": 1, "hash_ids": [1]}\n' + line + "\n")
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 16, "output_length": 1, "hash_ids": [1]}\n' + line + "\n"
+    )
     with pytest.raises(ConfigError, match=f"t.jsonl:2: {message}"):
         load_timed_trace(trace)
 

@@ -17,7 +17,9 @@ def register(subparsers: Any) -> None:
     )
     add_scenario_argument(parser)
     add_override_argument(parser)
-    parser.add_argument("--out", metavar="FILE", help="output file (default results/SCENARIO.timed_trace.jsonl)")
+    parser.add_argument(
+        "--out", metavar="FILE", help="output file (default results/SCENARIO.timed_trace.jsonl)"
+    )
     parser.set_defaults(func=cmd_export_trace)
 
 

@@ -23,17 +23,31 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--layout", choices=["on", "off"], required=True)
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
-    target.add_argument("--launch", action="store_true", help="start the server for this layout, stop it after")
-    parser.add_argument("--out", metavar="DIR", help="results directory (default results/SCENARIO-replay-LAYOUT)")
+    target.add_argument(
+        "--launch", action="store_true", help="start the server for this layout, stop it after"
+    )
+    parser.add_argument(
+        "--out", metavar="DIR", help="results directory (default results/SCENARIO-replay-LAYOUT)"
+    )
     parser.add_argument("--model", metavar="PATH", help="weights for vllm serve (--launch)")
     parser.add_argument("--server-cmd", metavar="CMD", help="replaces 'vllm serve ...' ({port}: the port)")
     parser.add_argument("--vocab-size", type=int, metavar="N", help="map prompt token ids below N")
     parser.add_argument(
-        "--speed", type=float, default=1.0, metavar="X", help="scenario seconds per wall second (kvsim serve --speed)"
+        "--speed",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="scenario seconds per wall second (kvsim serve --speed)",
     )
-    parser.add_argument("--boot-timeout", type=float, default=1800.0, metavar="S", help="wall seconds for /health")
-    parser.add_argument("--request-timeout", type=float, default=3600.0, metavar="S", help="wall seconds per request")
-    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="S", help="after Ctrl-C, for requests in flight")
+    parser.add_argument(
+        "--boot-timeout", type=float, default=1800.0, metavar="S", help="wall seconds for /health"
+    )
+    parser.add_argument(
+        "--request-timeout", type=float, default=3600.0, metavar="S", help="wall seconds per request"
+    )
+    parser.add_argument(
+        "--drain-timeout", type=float, default=30.0, metavar="S", help="after Ctrl-C, for requests in flight"
+    )
     parser.set_defaults(func=cmd_replay)
 
 
@@ -66,7 +80,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return asyncio.run(_replay(args, scenario, workload, plan.to_dict(), out_dir))
 
 
-async def _replay(args: argparse.Namespace, scenario: Any, workload: Any, plan: dict[str, Any], out_dir: Path) -> int:
+async def _replay(
+    args: argparse.Namespace, scenario: Any, workload: Any, plan: dict[str, Any], out_dir: Path
+) -> int:
     from sim.replay.client import ClientConfig, Replay, ServerUnreachable
     from sim.replay.launch import LaunchedServer, LaunchError
 
@@ -85,7 +101,9 @@ async def _replay(args: argparse.Namespace, scenario: Any, workload: Any, plan: 
             request_timeout_s=args.request_timeout,
             drain_timeout_s=args.drain_timeout,
         )
-        print(f"kvsim: replaying {workload.num_requests} requests of {scenario.name} [{args.layout}] to {url}")
+        print(
+            f"kvsim: replaying {workload.num_requests} requests of {scenario.name} [{args.layout}] to {url}"
+        )
         outcome = await Replay(workload.requests, config, _warn).run(stop)
         if server is not None and server.exited():
             outcome.server_lost = True
@@ -102,11 +120,17 @@ async def _replay(args: argparse.Namespace, scenario: Any, workload: Any, plan: 
     return 0 if outcome.complete else 1
 
 
-async def _start_server(args: argparse.Namespace, scenario: Any, out_dir: Path, stop: asyncio.Event) -> tuple[str, Any]:
+async def _start_server(
+    args: argparse.Namespace, scenario: Any, out_dir: Path, stop: asyncio.Event
+) -> tuple[str, Any]:
     from sim.replay.launch import LaunchedServer, custom_command, free_port, server_env, vllm_serve_command
 
     port = free_port()
-    command = custom_command(args.server_cmd, port) if args.server_cmd else vllm_serve_command(scenario, args.model, port)
+    command = (
+        custom_command(args.server_cmd, port)
+        if args.server_cmd
+        else vllm_serve_command(scenario, args.model, port)
+    )
     server = LaunchedServer(command, server_env(scenario, args.layout), out_dir / f"server-{args.layout}.log")
     url = f"http://127.0.0.1:{port}"
     print(f"kvsim: starting {' '.join(command)}")
@@ -123,11 +147,22 @@ def _check_boot(server: Any, plan: dict[str, Any]) -> Any:
 
     boot = check_boot_log(server.log_text(), plan)
     for mismatch in boot.mismatches:
-        print(f"kvsim: LAYOUT MISMATCH: {mismatch}: the server is not the deployment kvsim modelled", file=sys.stderr)
+        print(
+            f"kvsim: LAYOUT MISMATCH: {mismatch}: the server is not the deployment kvsim modelled",
+            file=sys.stderr,
+        )
     return boot
 
 
-def _write(out_dir: Path, scenario: Any, args: argparse.Namespace, plan: dict[str, Any], outcome: Any, boot: Any, url: str) -> None:
+def _write(
+    out_dir: Path,
+    scenario: Any,
+    args: argparse.Namespace,
+    plan: dict[str, Any],
+    outcome: Any,
+    boot: Any,
+    url: str,
+) -> None:
     from sim.replay.recording import replay_frames
     from sim.results import write_results
     from sim.scenario import scenario_to_dict

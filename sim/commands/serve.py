@@ -56,8 +56,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for line in boot_log_lines(engine.sim.plan, scenario.deployment.max_model_len):
         print(line, flush=True)
     print(
-        f"INFO kvsim serve: {scenario.name} [{args.layout}] model {engine.model_name} at speed {args.speed:g}x "
-        f"on http://{args.host}:{args.port}",
+        f"INFO kvsim serve: {scenario.name} [{args.layout}] model {engine.model_name} "
+        f"at speed {args.speed:g}x on http://{args.host}:{args.port}",
         flush=True,
     )
     web.run_app(

@@ -111,7 +111,10 @@ class Replay:
         self.warnings: list[str] = []
         self.records = [
             RequestRecord(
-                request_id=r.request_id, arrival_s=r.arrival_s, prompt_tokens=r.prompt_len, output_tokens=r.output_len
+                request_id=r.request_id,
+                arrival_s=r.arrival_s,
+                prompt_tokens=r.prompt_len,
+                output_tokens=r.output_len,
             )
             for r in requests
         ]
@@ -167,14 +170,15 @@ class Replay:
         """The served model's name from ``/v1/models``; also proves the
         server answers before any request goes out."""
         try:
-            async with session.get("/v1/models", timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout_s)) as r:
+            async with session.get(
+                "/v1/models", timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout_s)
+            ) as r:
                 if r.status != 200:
                     raise ServerUnreachable(f"{self.config.base_url}/v1/models answered HTTP {r.status}")
                 body = await r.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as error:
-            raise ServerUnreachable(
-                f"{self.config.base_url}: server not reachable ({type(error).__name__}: {_one_line(str(error), 120)})"
-            ) from None
+            cause = f"{type(error).__name__}: {_one_line(str(error), 120)}"
+            raise ServerUnreachable(f"{self.config.base_url}: server not reachable ({cause})") from None
         if self.model is None:
             data = body.get("data") if isinstance(body, dict) else None
             if not data or not isinstance(data[0], dict) or "id" not in data[0]:
@@ -231,7 +235,9 @@ class Replay:
 
     async def _send(self, session: aiohttp.ClientSession, spec: RequestSpec, record: RequestRecord) -> None:
         record.sent_s = self.now_s()
-        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, connect=self.config.connect_timeout_s)
+        timeout = aiohttp.ClientTimeout(
+            total=self.config.request_timeout_s, connect=self.config.connect_timeout_s
+        )
         try:
             async with session.post("/v1/completions", json=self._payload(spec), timeout=timeout) as response:
                 if response.status != 200:

@@ -84,7 +84,11 @@ def vllm_serve_command(scenario: Scenario, model_path: str, port: int) -> list[s
         "--speculative-config",
         json.dumps(speculative),
     ]
-    command.append("--enable-prefix-caching" if scenario.allocator.enable_prefix_caching else "--no-enable-prefix-caching")
+    command.append(
+        "--enable-prefix-caching"
+        if scenario.allocator.enable_prefix_caching
+        else "--no-enable-prefix-caching"
+    )
     return command
 
 
@@ -127,7 +131,8 @@ def check_boot_log(text: str, plan: dict[str, Any]) -> BootReport:
         report.mismatches.append("boot log has no 'GPU KV cache size: N tokens' line")
     elif report.kv_cache_tokens != plan["kv_cache_tokens"]:
         report.mismatches.append(
-            f"GPU KV cache size: server {report.kv_cache_tokens:,} tokens, kvsim layout {plan['kv_cache_tokens']:,}"
+            f"GPU KV cache size: server {report.kv_cache_tokens:,} tokens, "
+            f"kvsim layout {plan['kv_cache_tokens']:,}"
         )
     if report.side_cache_layout is None:
         report.mismatches.append("boot log has no 'Side-cache layout: on|off' line")
@@ -143,12 +148,14 @@ class LaunchedServer:
     ``stop()`` is idempotent: SIGINT, then SIGTERM, then SIGKILL, each after
     ``grace_s``; it only ever signals the group of the process it started."""
 
-    def __init__(self, command: list[str], env: dict[str, str], log_path: Path, grace_s: float = STOP_GRACE_S):
+    def __init__(
+        self, command: list[str], env: dict[str, str], log_path: Path, grace_s: float = STOP_GRACE_S
+    ):
         self.command = command
         self.log_path = log_path
         self.grace_s = grace_s
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log: IO[bytes] = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log: IO[bytes] = open(log_path, "wb")  # closed in stop()
         try:
             self.process = subprocess.Popen(
                 command,

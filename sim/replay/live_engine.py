@@ -158,9 +158,7 @@ class LiveEngine:
     # ---------------------------------------------------------------- output
     def _prompt_tokens(self, outcome: StepOutcome) -> int:
         """vLLM counts a prompt's tokens when its first token comes out."""
-        return sum(
-            self._streams[r].prompt_len for r in outcome.first_token_request_ids if r in self._streams
-        )
+        return sum(self._streams[r].prompt_len for r in outcome.first_token_request_ids if r in self._streams)
 
     def _deliver(self, runner_output: ModelRunnerOutput, outcome: StepOutcome) -> None:
         """Hand each request the tokens this step appended (several with MTP)."""
@@ -188,4 +186,3 @@ class LiveEngine:
             waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.sim.kv_cache_manager.block_pool.get_usage(),
         )
-

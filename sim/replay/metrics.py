@@ -52,7 +52,9 @@ class ServerMetrics:
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
-        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of tokens.")
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of tokens."
+        )
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of tokens.")
         self.drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")

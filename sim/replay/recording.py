@@ -14,7 +14,6 @@ samples' counters. Replay-only columns: ``sent_s``, ``finish_reason``,
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -42,7 +41,6 @@ REQUEST_COLUMNS = (
 def requests_frame(outcome: ReplayOutcome, scenario: str, layout: str) -> pd.DataFrame:
     rows = []
     for record in outcome.records:
-        seen = asdict(record)
         ok = record.error is None and record.finish_reason is not None
         rows.append(
             {
@@ -57,7 +55,7 @@ def requests_frame(outcome: ReplayOutcome, scenario: str, layout: str) -> pd.Dat
                 "num_preemptions": np.nan,
                 "prefix_hit_tokens": np.nan,
                 "generated_tokens": record.generated_tokens,
-                "sent_s": seen["sent_s"],
+                "sent_s": record.sent_s,
                 "finish_reason": record.finish_reason,
                 "error": record.error,
             }

@@ -143,7 +143,11 @@ class Completion:
 
     def usage(self) -> dict[str, int]:
         prompt = len(self.prompt_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": self.num_tokens, "total_tokens": prompt + self.num_tokens}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.num_tokens,
+            "total_tokens": prompt + self.num_tokens,
+        }
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -166,7 +170,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return web.json_response(completion.envelope([completion.choice(token_ids, True)], completion.usage()))
 
 
-async def _stream(request: web.Request, completion: Completion, queue: asyncio.Queue[TokenDelta]) -> web.StreamResponse:
+async def _stream(
+    request: web.Request, completion: Completion, queue: asyncio.Queue[TokenDelta]
+) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
 
