@@ -106,6 +106,16 @@ def test_closed_loop_serve_and_replay_reproduce_the_simulation(tmp_path, capsys)
     assert replay["prefix_cache_queries_tokens"] == sim["prefix_cache_queries_tokens"]
     samples = frames["samples"]
     assert samples["num_generation_total_tokens"].iloc[-1] == 8 * 30
+    # The simulation's frames say source = sim, last; its samples carry the
+    # same running totals (the last sample is taken before the last step).
+    sim_frames = {name: pd.read_parquet(tmp_path / "sim" / f"{name}.parquet") for name in ("steps", "samples")}
+    for frame in (*sim_frames.values(), _frames(tmp_path / "sim")["requests"]):
+        assert frame.columns[-1] == "source" and set(frame["source"]) == {"sim"}
+    steps = sim_frames["steps"]
+    sampled = sim_frames["samples"].iloc[-1]
+    before = steps[steps["time_s"] <= sampled["time_s"]]
+    assert sampled["num_generation_total_tokens"] == before["num_generation_tokens"].sum()
+    assert sampled["prefix_cache_queries_total_tokens"] == before["prefix_cache_queries_tokens"].sum()
     assert (out / "server-on.log").read_text().count("GPU KV cache size") == 1
     # CONTROL: the same replay against a simulation with a lower sequence
     # cap disagrees (the check can fail).
