@@ -108,7 +108,9 @@ def test_closed_loop_serve_and_replay_reproduce_the_simulation(tmp_path, capsys)
     assert samples["num_generation_total_tokens"].iloc[-1] == 8 * 30
     # The simulation's frames say source = sim, last; its samples carry the
     # same running totals (the last sample is taken before the last step).
-    sim_frames = {name: pd.read_parquet(tmp_path / "sim" / f"{name}.parquet") for name in ("steps", "samples")}
+    sim_frames = {
+        name: pd.read_parquet(tmp_path / "sim" / f"{name}.parquet") for name in ("steps", "samples")
+    }
     for frame in (*sim_frames.values(), _frames(tmp_path / "sim")["requests"]):
         assert frame.columns[-1] == "source" and set(frame["source"]) == {"sim"}
     steps = sim_frames["steps"]

@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 from sim_helpers import scenario
 
+import sim.vllm_bridge  # noqa: F401  (sets VLLM_TARGET_DEVICE before vLLM's argument parser runs)
 from sim.commands.serve import boot_log_lines
 from sim.replay.live_engine import LiveEngine
 from sim.replay.server import build_app, tokenize_text
@@ -182,3 +183,43 @@ def test_boot_log_lines_are_what_launch_parses(tmp_path):
     assert any("GPU KV cache size" in m for m in mismatches) and any(
         "side-cache layout" in m for m in mismatches
     )
+
+
+def test_launch_command_is_the_scenario_deployment_as_vllm_reads_it(tmp_path):
+    """``vllm serve``'s flags, parsed by vLLM's own engine-argument parser,
+    give back the scenario's deployment (the independent reader)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from sim.replay.launch import server_env, vllm_serve_command
+
+    sc = scenario(
+        tmp_path,
+        workload=NO_WORKLOAD,
+        deployment={"max_num_seqs": 12, "max_model_len": 65536},
+        scheduler={"max_num_batched_tokens": 4096},
+        allocator={"enable_prefix_caching": False, "retain_mamba_checkpoint": False},
+    )
+    command = vllm_serve_command(sc, "/models/flash-next", port=8123)
+    assert command[:3] == ["vllm", "serve", "/models/flash-next"]
+    frontend = command.index("--host"), command.index("--port")
+    assert command[frontend[0] + 1] == "127.0.0.1" and command[frontend[1] + 1] == "8123"
+    engine_flags = [
+        a for i, a in enumerate(command[3:], start=3) if i not in {*frontend, *(f + 1 for f in frontend)}
+    ]
+    args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
+        ["--model", command[2], *engine_flags]
+    )
+    d = sc.deployment
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (
+        d.tensor_parallel_size,
+        d.pipeline_parallel_size,
+    )
+    assert (args.max_num_seqs, args.max_model_len) == (12, 65536)
+    assert args.kv_cache_memory_bytes == d.kv_cache_memory_bytes and args.max_num_batched_tokens == 4096
+    assert args.enable_prefix_caching is False and args.mamba_cache_mode == "align"
+    assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 3}
+    env = server_env(sc, "off")
+    assert env["VLLM_E2_SIDE_CACHE_LAYOUT"] == "0" and env["VLLM_E2_MAMBA_RETAIN_CHECKPOINT"] == "0"
+    assert env["VLLM_PP_LAYER_PARTITION"] == "25,23"
+    assert server_env(sc, "on")["VLLM_E2_SIDE_CACHE_LAYOUT"] == "1"
