@@ -29,12 +29,14 @@ NO_WORKLOAD = {
 SPEED = 50.0
 
 
-def _serve(tmp_path, check: Callable[[TestClient], Awaitable[Any]], **sections: Any) -> Any:
+def _serve(
+    tmp_path, check: Callable[[TestClient], Awaitable[Any]], speed: float = SPEED, **sections: Any
+) -> Any:
     """Run ``check`` against a server on 127.0.0.1, stopped afterwards."""
     sc = scenario(tmp_path, deployment={"max_num_seqs": 4}, workload=NO_WORKLOAD, **sections)
 
     async def main() -> Any:
-        engine = LiveEngine(sc, "on", speed=SPEED)
+        engine = LiveEngine(sc, "on", speed=speed)
         client = TestClient(TestServer(build_app(engine), host="127.0.0.1"))
         await client.start_server()
         try:
@@ -223,3 +225,21 @@ def test_launch_command_is_the_scenario_deployment_as_vllm_reads_it(tmp_path):
     assert env["VLLM_E2_SIDE_CACHE_LAYOUT"] == "0" and env["VLLM_E2_MAMBA_RETAIN_CHECKPOINT"] == "0"
     assert env["VLLM_PP_LAYER_PARTITION"] == "25,23"
     assert server_env(sc, "on")["VLLM_E2_SIDE_CACHE_LAYOUT"] == "1"
+
+
+def test_an_engine_too_slow_for_its_speed_reports_its_lag(tmp_path):
+    """At a million simulated seconds per wall second no step can keep up:
+    the lag gauge says so; at speed 1 the engine keeps time (the control)."""
+
+    async def check(client: TestClient) -> float:
+        await _stream(client, {"prompt": list(range(1000)), "max_tokens": 6})
+        text = await (await client.get("/metrics")).text()
+        return next(
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "kvsim:engine_max_lag_seconds"
+        )
+
+    assert _serve(tmp_path, check, speed=1e6) > 1.0
+    assert _serve(tmp_path, check, speed=1.0) < 0.05

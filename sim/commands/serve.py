@@ -68,5 +68,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shutdown_timeout=5.0,
         access_log=None,
     )
-    print("INFO kvsim serve: stopped", file=sys.stderr, flush=True)
+    lag = (
+        f"; the engine fell {engine.max_lag_s:.3f} simulated s behind at worst"
+        if engine.max_lag_s > 0.01
+        else ""
+    )
+    print(f"INFO kvsim serve: stopped{lag}", file=sys.stderr, flush=True)
     return 0

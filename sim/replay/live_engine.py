@@ -86,6 +86,7 @@ class LiveEngine:
         self._wakeup = asyncio.Event()
         self._stopping = False
         self._was_idle = True
+        self.max_lag_s = 0.0
         self._publish_gauges()
 
     # ----------------------------------------------------------------- time
@@ -140,6 +141,9 @@ class LiveEngine:
             token_counts = self.scheduler.token_counts()
             free_at_s = started_s + self.sim.step_time.step_time_s(output)
             await self._sleep_until(free_at_s)
+            # Behind the wall clock when a step's computing took longer than
+            # its scaled duration: --speed is then too high for this machine.
+            self.max_lag_s = max(self.max_lag_s, self.now_s() - free_at_s)
             runner_output = self.sim.model_runner.execute(output, token_counts)
             outcome = self.scheduler.update_from_output(output, runner_output)
             self._deliver(runner_output, outcome)
@@ -185,4 +189,5 @@ class LiveEngine:
             running=self.scheduler.num_running,
             waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.sim.kv_cache_manager.block_pool.get_usage(),
+            max_lag_s=self.max_lag_s,
         )

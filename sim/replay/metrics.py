@@ -51,6 +51,11 @@ class ServerMetrics:
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        # kvsim's own: how far (simulated seconds) the engine fell behind the
+        # scaled wall clock at worst; non-zero means --speed is too high.
+        self.max_lag = Gauge(
+            "kvsim:engine_max_lag_seconds", "Worst lag behind the scaled clock.", registry=self.registry
+        )
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prefix_queries = counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of tokens."
@@ -69,7 +74,8 @@ class ServerMetrics:
         )
         info.labels(str(plan.block_size), str(plan.num_blocks), str(plan.kv_cache_tokens)).set(1)
 
-    def set_gauges(self, *, running: int, waiting: int, kv_cache_usage: float) -> None:
+    def set_gauges(self, *, running: int, waiting: int, kv_cache_usage: float, max_lag_s: float) -> None:
+        self.max_lag.set(max_lag_s)
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(kv_cache_usage)
