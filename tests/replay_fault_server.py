@@ -55,6 +55,7 @@ MALFORMED_METRICS = "vllm:num_requests_running{engine=0 1.0\nthis is not prometh
 @dataclass
 class FaultOptions:
     statuses: dict[int, int] = field(default_factory=dict)
+    garbled: set[int] = field(default_factory=set)  # request numbers whose stream is not JSON
     die_at: int | None = None
     metrics_text: str = GOOD_METRICS
     token_delay_s: float = 0.01
@@ -79,6 +80,9 @@ class FaultServer:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         num_tokens = int(body["max_tokens"])
+        if number in self.options.garbled:
+            await response.write(b"data: {not json\n\n")
+            return response
         for index in range(num_tokens):
             if self.options.die_at is not None and number >= self.options.die_at and index == 1:
                 self._die(request)

@@ -156,21 +156,18 @@ def _replay_url(path: Path, url: str, out: Path, *extra: str) -> int:
 def test_http_errors_are_recorded_failures_and_missing_metrics_nan_with_one_warning(tmp_path, capsys):
     path = _scenario(tmp_path, FAULTS)
     out = tmp_path / "out"
-    options = FaultOptions(statuses={1: 500, 3: 400}, metrics_text=MISSING_METRICS)
+    options = FaultOptions(statuses={1: 500, 3: 400}, garbled={4}, metrics_text=MISSING_METRICS)
     with running_server(options) as url:
         assert _replay_url(path, url, out) == 0
     err = capsys.readouterr().err
     requests = _frames(out)["requests"]
     failed = requests[requests["rejected"]]
-    assert sorted(failed["request_id"]) == ["r000001", "r000003"]
-    assert (
-        failed["error"].str.startswith("HTTP 500").sum() == 1
-        and failed["error"].str.startswith("HTTP 400").sum() == 1
-    )
-    assert (
-        requests["finished"].sum() == 4
-        and (requests.loc[requests["finished"], "generated_tokens"] == 5).all()
-    )
+    assert sorted(failed["request_id"]) == ["r000001", "r000003", "r000004"]
+    errors = list(failed.sort_values("request_id")["error"])
+    assert errors[0].startswith("HTTP 500") and errors[1].startswith("HTTP 400")
+    assert errors[2].startswith("malformed stream chunk")
+    finished = requests[requests["finished"]]
+    assert len(finished) == 3 and (finished["generated_tokens"] == 5).all()
     samples = _frames(out)["samples"]
     assert samples["num_preemptions_total"].isna().all() and samples["num_draft_total_tokens"].isna().all()
     assert (samples["kv_cache_usage_perc"] == 0.25).all()

@@ -253,7 +253,7 @@ class Replay:
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as error:
             self.server_lost = True
             record.error = f"connection lost: {type(error).__name__}: {_one_line(str(error), 120)}"
-        except aiohttp.ClientError as error:
+        except (aiohttp.ClientError, UnicodeDecodeError) as error:
             record.error = f"{type(error).__name__}: {_one_line(str(error), 120)}"
 
     async def _read_stream(self, response: aiohttp.ClientResponse, record: RequestRecord) -> None:
@@ -285,7 +285,10 @@ class Replay:
             record.error = "stream ended before the last token"
 
     def _take_chunk(self, chunk: Any, record: RequestRecord) -> None:
-        for choice in chunk.get("choices") or [] if isinstance(chunk, dict) else []:
+        choices = chunk.get("choices") if isinstance(chunk, dict) else None
+        for choice in choices if isinstance(choices, list) else []:
+            if not isinstance(choice, dict):
+                continue
             ids = choice.get("token_ids")
             count = len(ids) if isinstance(ids, list) else (1 if choice.get("text") else 0)
             if count:
