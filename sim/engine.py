@@ -24,7 +24,7 @@ from sim.allocator_invariants import check_allocator
 from sim.config import ModelConfig
 from sim.kv_cache_manager import MTPHashing, build_kv_cache_manager
 from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
-from sim.metrics import SAMPLE_RECORD, STEP_RECORD
+from sim.metrics import SAMPLE_RECORD, SAMPLED_TOTALS, STEP_RECORD
 from sim.scenario import MAX_SAMPLE_ROWS, AllocatorSection, Scenario, SideCacheSwitch
 from sim.sched.engine_core import EngineCore
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
@@ -85,6 +85,7 @@ class Simulation:
         self._arrivals: simpy.Process | None = None
         self._engine: simpy.Process | None = None
         self._bar: tqdm | None = None
+        self.totals: dict[str, int] = dict.fromkeys(SAMPLED_TOTALS, 0)
         self.recording = Recording(scenario=scenario.name, layout=layout, plan=self.plan.to_dict())
 
     # ------------------------------------------------------------------- run
@@ -200,6 +201,7 @@ class Simulation:
             requests[request_id]["num_preemptions"] += 1
         for request_id in outcome.first_token_request_ids:
             requests[request_id]["first_token_s"] = now
+        self._add_totals(output, outcome)
         for request_id, num_output_tokens in outcome.finished.items():
             requests[request_id]["finished_s"] = now
             requests[request_id]["generated_tokens"] = num_output_tokens
@@ -212,8 +214,26 @@ class Simulation:
 
     def _record_sample(self, gauges: SchedulerGauges) -> None:
         values = flat_columns(gauges)
-        row = {"time_s": self.env.now} | {name: values[name] for name in SAMPLE_RECORD if name != "time_s"}
+        row = {"time_s": self.env.now, **self.totals} | {
+            name: values[name] for name in SAMPLE_RECORD if name in values
+        }
         self.recording.samples.append(row)
+
+    def _add_totals(self, output: SchedulerOutput, outcome: StepOutcome) -> None:
+        """vLLM counts a prompt's tokens when its first token comes out."""
+        prompt_tokens = sum(
+            self.recording.requests[r]["prompt_tokens"] for r in outcome.first_token_request_ids
+        )
+        for key, value in (
+            ("num_preemptions_total", len(output.preempted_request_ids)),
+            ("prefix_cache_queries_total_tokens", output.prefix_cache_queries),
+            ("prefix_cache_hits_total_tokens", output.prefix_cache_hits),
+            ("num_draft_total_tokens", outcome.num_draft_tokens),
+            ("num_accepted_total_tokens", outcome.num_accepted_tokens),
+            ("num_prompt_total_tokens", prompt_tokens),
+            ("num_generation_total_tokens", outcome.num_generated_tokens),
+        ):
+            self.totals[key] += value
 
 
 def scheduler_config(scenario: Scenario, model: ModelConfig, plan: KVCachePlan) -> SchedulerConfig:

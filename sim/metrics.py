@@ -77,6 +77,7 @@ def _m(name: str, unit: str, kind: Kind, description: str, **extra: object) -> M
 _SCENARIO = _m("scenario", "name", "id", "the scenario's name")
 _LAYOUT = _m("layout", "off|on", "id", "the side-cache layout switch: off (upstream) or on")
 _TIME = _m("time_s", "s", "id", "simulated time at the record")
+_SOURCE = _m("source", "sim|replay", "id", "where the row comes from: the simulator or a replay on a server")
 
 # The scheduler's gauges (``sim.sched.stats.SchedulerGauges``), one builder
 # for the step record and the samples.
@@ -148,7 +149,28 @@ STEPS: tuple[Metric, ...] = (
     _RETAINED,
 )
 
-SAMPLES: tuple[Metric, ...] = (_SCENARIO, _LAYOUT, _TIME, _RUNNING, _WAITING, _FREE, _DEFERRED, _USAGE)
+# Running totals the samples carry, named as the steps frame's, with the
+# vLLM counter a replay scrapes for each (so the two share columns).
+_SAMPLED_TOTALS: tuple[Metric, ...] = (
+    _m("num_preemptions_total", "requests", "total", "preemptions so far",
+       vllm_name="vllm:num_preemptions", vllm_kind="counter"),
+    _m("prefix_cache_queries_total_tokens", "tokens", "total", "prefix-cache lookups so far",
+       vllm_name="vllm:prefix_cache_queries", vllm_kind="counter"),
+    _m("prefix_cache_hits_total_tokens", "tokens", "total", "prefix-cache hits so far",
+       vllm_name="vllm:prefix_cache_hits", vllm_kind="counter"),
+    _m("num_draft_total_tokens", "tokens", "total", "MTP drafts verified so far",
+       vllm_name="vllm:spec_decode_num_draft_tokens", vllm_kind="counter"),
+    _m("num_accepted_total_tokens", "tokens", "total", "MTP drafts accepted so far",
+       vllm_name="vllm:spec_decode_num_accepted_tokens", vllm_kind="counter"),
+    _m("num_prompt_total_tokens", "tokens", "total", "prompt tokens of requests past their first token",
+       vllm_name="vllm:prompt_tokens", vllm_kind="counter"),
+    _m("num_generation_total_tokens", "tokens", "total", "output tokens so far",
+       vllm_name="vllm:generation_tokens", vllm_kind="counter"),
+)
+
+SAMPLES: tuple[Metric, ...] = (
+    _SCENARIO, _LAYOUT, _TIME, _RUNNING, _WAITING, _FREE, _DEFERRED, _USAGE, *_SAMPLED_TOTALS,
+)
 
 REQUESTS: tuple[Metric, ...] = (
     _SCENARIO,
@@ -256,17 +278,20 @@ STEP_TOTALS: tuple[Metric, ...] = _totals(
         "num_generation_total_tokens",
     ),
 )
+# Every frame ends with its source (sim or replay).
 FRAMES: dict[Frame, tuple[Metric, ...]] = {
-    "steps": STEPS + STEP_TOTALS,
-    "samples": SAMPLES,
-    "requests": REQUESTS,
-    "summary": SUMMARY,
+    "steps": STEPS + STEP_TOTALS + (_SOURCE,),
+    "samples": SAMPLES + (_SOURCE,),
+    "requests": REQUESTS + (_SOURCE,),
+    "summary": SUMMARY + (_SOURCE,),
 }
 
 # What the engine records per step and per sample (no scenario/layout: the
 # frame adds them), in column order.
 STEP_RECORD: tuple[str, ...] = tuple(m.name for m in STEPS if m.name not in ("scenario", "layout"))
 SAMPLE_RECORD: tuple[str, ...] = tuple(m.name for m in SAMPLES if m.name not in ("scenario", "layout"))
+# The totals the engine adds to each sample.
+SAMPLED_TOTALS: tuple[str, ...] = tuple(m.name for m in _SAMPLED_TOTALS)
 # Per-step counter -> its running-total column.
 CUMULATIVE: dict[str, str] = {
     counter.name: total.name for total in STEP_TOTALS for counter in STEPS if counter.total == total.name

@@ -142,18 +142,23 @@ def write_results(
     scenario: dict[str, Any],
     *,
     figures: Callable[[Path], list[Path]] | None = None,
+    manifest_extra: dict[str, Any] | None = None,
 ) -> list[Path]:
-    """Frames, summary and scenario JSON, then ``figures(out_dir)``, then the
-    manifest listing them all. A write that fails removes what this call
-    wrote and leaves no manifest (a one-line ``ConfigError``)."""
+    """The frames given (a replay has no ``steps``: a live server does not
+    expose them), summary and scenario JSON, then ``figures(out_dir)``, then
+    the manifest listing them all; ``manifest_extra`` adds keys to it (a
+    replay records ``"complete": false`` when it was cut short). A write that
+    fails removes what this call wrote and leaves no manifest (a one-line
+    ``ConfigError``)."""
     manifest = out_dir / MANIFEST
     previous = _listed_files(out_dir)
     manifest.unlink(missing_ok=True)  # the directory is incomplete until rewritten
     for directory in (out_dir, out_dir / "plots"):
         remove_partial_writes(directory)
     written: list[Path] = []
+    names = [name for name in FRAMES if name in frames]
     try:
-        for name in FRAMES:
+        for name in names:
             written.append(out_dir / f"{name}.parquet")
             write_frame(written[-1], frames[name])
         written.append(out_dir / "summary.json")
@@ -169,10 +174,13 @@ def write_results(
     files = sorted(str(path.relative_to(out_dir)) for path in written)
     for stale in sorted(previous - set(files)):
         (out_dir / stale).unlink(missing_ok=True)
-    write_json(
-        manifest,
-        {"frames": [f"{n}.parquet" for n in FRAMES], "files": files, "scenario": scenario.get("name")},
-    )
+    contents = {
+        "frames": [f"{n}.parquet" for n in names],
+        "files": files,
+        "scenario": scenario.get("name"),
+        "complete": True,
+    }
+    write_json(manifest, {**contents, **(manifest_extra or {})})
     return written
 
 
@@ -203,8 +211,23 @@ def read_frame(path: Path) -> pd.DataFrame:
         raise ConfigError(f"{path}: not a readable parquet frame ({_one_line(error)})") from None
 
 
-def read_results(out_dir: Path) -> dict[str, pd.DataFrame]:
-    """The frames of a results directory; a one-line error if it is not one."""
-    if not (out_dir / MANIFEST).exists():
+def read_manifest(out_dir: Path) -> dict[str, Any]:
+    """The manifest of a results directory; a one-line error if it is not one."""
+    path = out_dir / MANIFEST
+    if not path.exists():
         raise ConfigError(f"{out_dir}: not a kvsim results directory (no manifest.json)")
-    return {name: read_frame(out_dir / f"{name}.parquet") for name in FRAMES}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{path}: not a readable manifest ({_one_line(error)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return data
+
+
+def read_results(out_dir: Path) -> dict[str, pd.DataFrame]:
+    """The frames the manifest lists (all four for a simulation; no
+    ``steps`` for a replay); a one-line error if it is not a results directory."""
+    listed = read_manifest(out_dir).get("frames", [f"{n}.parquet" for n in FRAMES])
+    names = [name for name in FRAMES if f"{name}.parquet" in listed]
+    return {name: read_frame(out_dir / f"{name}.parquet") for name in names}

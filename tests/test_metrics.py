@@ -86,7 +86,9 @@ def _leaf_fields(cls: type) -> list[str]:
 def test_the_step_record_is_the_scheduler_stats_plus_the_clock() -> None:
     assert sorted(["time_s", "step_time_s", *_leaf_fields(SchedulerStats)]) == sorted(metrics.STEP_RECORD)
     # The samples are the scheduler's gauges (the one builder) at a time.
-    assert set(metrics.SAMPLE_RECORD) - {"time_s"} <= set(_leaf_fields(SchedulerGauges))
+    assert set(metrics.SAMPLE_RECORD) - {"time_s", *metrics.SAMPLED_TOTALS} <= set(
+        _leaf_fields(SchedulerGauges)
+    )
 
 
 def test_columns_refuse_a_row_of_another_shape() -> None:
@@ -150,13 +152,15 @@ def test_registered_vllm_names_are_vllms_with_their_types() -> None:
 
 def test_look_up_by_vllm_name() -> None:
     """A scraped counter series carries ``_total`` (Prometheus's rule)."""
-    ((frame, found),) = metrics.by_vllm_name("vllm:num_preemptions_total")
+    (frame, found), (sampled_frame, sampled) = metrics.by_vllm_name("vllm:num_preemptions_total")
     assert (frame, found.name, found.kind, found.total) == (
         "steps",
         "num_preemptions",
         "counter",
         "num_preemptions_total",
     )
+    # The samples carry the running total a replay scrapes from that counter.
+    assert (sampled_frame, sampled.name, sampled.kind) == ("samples", "num_preemptions_total", "total")
     assert [(f, m.name) for f, m in metrics.by_vllm_name("vllm:kv_cache_usage_perc")] == [
         ("steps", "kv_cache_usage_perc"),
         ("samples", "kv_cache_usage_perc"),

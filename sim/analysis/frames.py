@@ -47,6 +47,20 @@ STEP_COLUMNS = (
 )
 
 
+# The ``source`` column: frames from ``kvsim run`` say "sim", frames from
+# ``kvsim replay`` (a live server) say "replay"; always the last column.
+SIM_SOURCE = "sim"
+REPLAY_SOURCE = "replay"
+
+
+def _label(frame: pd.DataFrame, scenario: str, layout: str, source: str = SIM_SOURCE) -> pd.DataFrame:
+    """Scenario and layout first, source last: the columns every frame shares."""
+    frame.insert(0, "layout", layout)
+    frame.insert(0, "scenario", scenario)
+    frame["source"] = source
+    return frame
+
+
 def steps_frame(recording: Recording) -> pd.DataFrame:
     """One row per engine step, gauges as after the step, plus running totals."""
     frame = pd.DataFrame(recording.steps.to_dict())
@@ -54,17 +68,13 @@ def steps_frame(recording: Recording) -> pd.DataFrame:
         frame = frame.astype("float64")
     for column, total in CUMULATIVE.items():
         frame[total] = frame[column].cumsum() if len(frame) else pd.Series(dtype="int64")
-    frame.insert(0, "layout", recording.layout)
-    frame.insert(0, "scenario", recording.scenario)
-    return frame
+    return _label(frame, recording.scenario, recording.layout)
 
 
 def samples_frame(recording: Recording) -> pd.DataFrame:
     """The gauges at a fixed simulated-time interval (time-uniform curves)."""
     frame = pd.DataFrame(recording.samples.to_dict())
-    frame.insert(0, "layout", recording.layout)
-    frame.insert(0, "scenario", recording.scenario)
-    return frame
+    return _label(frame, recording.scenario, recording.layout)
 
 
 def requests_frame(recording: Recording) -> pd.DataFrame:
@@ -73,13 +83,16 @@ def requests_frame(recording: Recording) -> pd.DataFrame:
     if frame.empty:
         return frame
     frame["admitted"] = frame["admitted_s"].notna()
+    add_latencies(frame)
+    return _label(frame, recording.scenario, recording.layout)
+
+
+def add_latencies(frame: pd.DataFrame) -> None:
+    """``finished``, TTFT, queueing and end-to-end latency from the stamps."""
     frame["finished"] = frame["finished_s"].notna()
     frame["ttft_s"] = frame["first_token_s"] - frame["arrival_s"]
     frame["queue_s"] = frame["admitted_s"] - frame["arrival_s"]
     frame["e2e_s"] = frame["finished_s"] - frame["arrival_s"]
-    frame.insert(0, "layout", recording.layout)
-    frame.insert(0, "scenario", recording.scenario)
-    return frame
 
 
 def time_weighted(series: pd.Series) -> float:
@@ -104,10 +117,32 @@ def _percentile(values: pd.Series, q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
+def request_counts(requests: pd.DataFrame) -> dict[str, Any]:
+    """Counts from the requests frame (the same for a simulation and a replay)."""
+    return {
+        "num_requests": len(requests),
+        "num_rejected": int(requests["rejected"].sum()) if len(requests) else 0,
+        "num_admitted": int(requests["admitted"].sum()) if len(requests) else 0,
+        "num_finished": int(requests["finished"].sum()) if len(requests) else 0,
+    }
+
+
+def latency_percentiles(requests: pd.DataFrame) -> dict[str, float]:
+    """TTFT percentiles and mean end-to-end latency over finished requests."""
+    finished = requests[requests["finished"]] if len(requests) else requests
+    if not len(finished):
+        return dict.fromkeys(("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_mean_s"), float("nan"))
+    return {
+        "ttft_p50_s": _percentile(finished["ttft_s"], 50),
+        "ttft_p90_s": _percentile(finished["ttft_s"], 90),
+        "ttft_p99_s": _percentile(finished["ttft_s"], 99),
+        "e2e_mean_s": float(finished["e2e_s"].mean()),
+    }
+
+
 def summarise(steps: pd.DataFrame, requests: pd.DataFrame, recording: Recording) -> dict[str, Any]:
     """The run in one row: admissions, concurrency, preemptions, latency."""
     duration = float(recording.end_time_s)
-    finished = requests[requests["finished"]] if len(requests) else requests
     queries = int(steps["prefix_cache_queries_tokens"].sum()) if len(steps) else 0
     hits = int(steps["prefix_cache_hits_tokens"].sum()) if len(steps) else 0
     running_now = int(steps["num_requests_running"].iloc[-1]) if len(steps) else 0
@@ -118,10 +153,7 @@ def summarise(steps: pd.DataFrame, requests: pd.DataFrame, recording: Recording)
         "layout": recording.layout,
         "kv_cache_tokens": recording.plan["kv_cache_tokens"],
         "num_gpu_blocks": recording.plan["num_blocks"],
-        "num_requests": len(requests),
-        "num_rejected": int(requests["rejected"].sum()) if len(requests) else 0,
-        "num_admitted": int(requests["admitted"].sum()) if len(requests) else 0,
-        "num_finished": int(requests["finished"].sum()) if len(requests) else 0,
+        **request_counts(requests),
         "num_running_at_end": running_now,
         "num_waiting_at_end": waiting_now,
         "peak_concurrency": int(steps["num_requests_running"].max()) if len(steps) else 0,
@@ -137,10 +169,8 @@ def summarise(steps: pd.DataFrame, requests: pd.DataFrame, recording: Recording)
         "samples_truncated": recording.samples_truncated,
         "duration_s": duration,
         "output_throughput_tokens_per_s": generated / duration if duration else 0.0,
-        "ttft_p50_s": _percentile(finished["ttft_s"], 50) if len(finished) else float("nan"),
-        "ttft_p90_s": _percentile(finished["ttft_s"], 90) if len(finished) else float("nan"),
-        "ttft_p99_s": _percentile(finished["ttft_s"], 99) if len(finished) else float("nan"),
-        "e2e_mean_s": float(finished["e2e_s"].mean()) if len(finished) else float("nan"),
+        **latency_percentiles(requests),
+        "source": SIM_SOURCE,
     }
     return in_registry_order("summary", values)
 
@@ -153,6 +183,73 @@ def in_registry_order(frame: Frame, values: dict[str, Any]) -> dict[str, Any]:
         f"{frame}: unregistered {set(values) - set(names)}, missing {set(names) - set(values)}"
     )
     return {name: values[name] for name in names}
+
+
+def counter_increase(samples: pd.DataFrame, column: str) -> float:
+    """How much a cumulative counter rose over the samples (NaN when the
+    server never reported it): last value minus first, so a server that had
+    served before the replay started does not count its past."""
+    values = samples[column].dropna() if column in samples else pd.Series(dtype=float)
+    return float(values.iloc[-1] - values.iloc[0]) if len(values) else float("nan")
+
+
+def _gauge_stat(samples: pd.DataFrame, column: str, stat: str) -> float:
+    values = samples.dropna(subset=[column]) if column in samples else samples.iloc[0:0]
+    if not len(values):
+        return float("nan")
+    if stat == "max":
+        return float(values[column].max())
+    if stat == "last":
+        return float(values[column].iloc[-1])
+    return time_weighted(values.set_index("time_s")[column])
+
+
+def summarise_replay(
+    requests: pd.DataFrame,
+    samples: pd.DataFrame,
+    *,
+    scenario: str,
+    layout: str,
+    kv_cache_tokens: float,
+    num_gpu_blocks: float,
+    duration_s: float,
+) -> dict[str, Any]:
+    """A replay in one row with ``summarise``'s keys: the request metrics as
+    the simulator's, the gauges and counters from the scraped ``/metrics``
+    samples, NaN where a metric needs the engine's steps (a live server does
+    not expose them) or the server lacked the metric."""
+    nan = float("nan")
+    queries = counter_increase(samples, "prefix_cache_queries_total_tokens")
+    hits = counter_increase(samples, "prefix_cache_hits_total_tokens")
+    generated = float(requests["generated_tokens"].sum()) if len(requests) else 0.0
+    return {
+        "scenario": scenario,
+        "layout": layout,
+        "kv_cache_tokens": kv_cache_tokens,
+        "num_gpu_blocks": num_gpu_blocks,
+        **request_counts(requests),
+        "num_running_at_end": _gauge_stat(samples, "num_requests_running", "last"),
+        "num_waiting_at_end": _gauge_stat(samples, "num_requests_waiting", "last"),
+        "peak_concurrency": _gauge_stat(samples, "num_requests_running", "max"),
+        "mean_concurrency": _gauge_stat(samples, "num_requests_running", "mean"),
+        "mean_waiting": _gauge_stat(samples, "num_requests_waiting", "mean"),
+        "num_preemptions": counter_increase(samples, "num_preemptions_total"),
+        "prefix_cache_queries_tokens": queries,
+        "prefix_cache_hits_tokens": hits,
+        "prefix_cache_hit_rate": hits / queries if queries else nan,
+        "prefix_cache_evicted_blocks": nan,
+        "num_steps": nan,
+        "stalled": nan,
+        "duration_s": duration_s,
+        "output_throughput_tokens_per_s": generated / duration_s if duration_s else 0.0,
+        **latency_percentiles(requests),
+        "source": REPLAY_SOURCE,
+    }
+
+
+def label_replay_frame(frame: pd.DataFrame, scenario: str, layout: str) -> pd.DataFrame:
+    """Scenario and layout first, ``source`` = replay last."""
+    return _label(frame, scenario, layout, REPLAY_SOURCE)
 
 
 def frames(recording: Recording) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, dict[str, Any]]:

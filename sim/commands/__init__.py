@@ -15,4 +15,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "sweep",
     "bench",
     "conform",
+    "serve",
+    "replay",
+    "export_trace",
 )

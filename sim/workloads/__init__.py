@@ -6,7 +6,9 @@ simpy, torch, pandas or matplotlib), so the layering test can check it.
 
 Traces: Mooncake JSONL (with 512-token prefix hashes), Azure CSV and ShareGPT
 lengths (no prefix information: every chunk gets a fresh content id, so no
-two requests share a token). Slices ship in ``sim/data`` (see its README).
+two requests share a token); vLLM's ``timed_trace`` JSON lines and a plain
+``arrival_s,input_tokens,output_tokens`` CSV, read and written by
+``interchange``. Slices ship in ``sim/data`` (see its README).
 """
 
 from sim.workloads.config import (
@@ -32,6 +34,12 @@ from sim.workloads.distributions import (
     Poisson,
     Uniform,
     arrival_times_s,
+)
+from sim.workloads.interchange import (
+    TIMED_TRACE_CHUNK_TOKENS,
+    load_timed_csv,
+    load_timed_trace,
+    timed_trace_lines,
 )
 from sim.workloads.loaders import (
     MOONCAKE_BLOCK_TOKENS,
@@ -78,6 +86,7 @@ __all__ = [
     "SHAREGPT_LENGTHS",
     "SHIPPED_TRACES",
     "SYNTHETIC_PREFIX_UNIT",
+    "TIMED_TRACE_CHUNK_TOKENS",
     "ArrivalConfig",
     "ArrivalProcess",
     "Constant",
@@ -106,6 +115,8 @@ __all__ = [
     "load_azure",
     "load_mooncake",
     "load_sharegpt_lengths",
+    "load_timed_csv",
+    "load_timed_trace",
     "materialise_tokens",
     "resolve_trace",
     "sample",
@@ -113,5 +124,6 @@ __all__ = [
     "scale_time",
     "spread_bursts",
     "synthetic",
+    "timed_trace_lines",
     "window",
 ]

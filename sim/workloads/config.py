@@ -23,6 +23,7 @@ from pydantic import Field, field_validator, model_validator
 
 from sim.config import MAX_REQUEST_TOKENS, MAX_SIMULATED_S, ConfigError, StrictModel
 from sim.workloads import distributions as dist
+from sim.workloads.interchange import TIMED_TRACE_CHUNK_TOKENS, load_timed_csv, load_timed_trace
 from sim.workloads.loaders import (
     detect_format,
     load_azure,
@@ -127,7 +128,9 @@ class WorkloadConfig(StrictModel):
     ``trace``: ``default`` (the shipped Mooncake slice), another shipped name
     (``mooncake-slice``, ``azure-code-slice``, ``sharegpt-lengths``),
     ``synthetic``, or a path relative to the scenario file's directory.
-    ``format`` is inferred from the name, the extension or the CSV header.
+    ``format`` is inferred from the name, the extension or the CSV header;
+    vLLM's ``timed_trace`` JSON lines need ``format: timed_trace`` (and
+    ``hash_chunk_tokens`` when their chunks are not vLLM's default 16).
     """
 
     trace: str = "default"
@@ -147,6 +150,8 @@ class WorkloadConfig(StrictModel):
     spread_bursts: bool = False
     max_prompt_len: int | None = Field(None, gt=0)
     max_output_len: int | None = Field(None, gt=0)
+    # Tokens per hash id of a timed_trace (vLLM's --timed-trace-chunk-hash-size).
+    hash_chunk_tokens: int = Field(TIMED_TRACE_CHUNK_TOKENS, gt=0)
 
     @field_validator("window_s")
     @classmethod
@@ -202,13 +207,15 @@ def check_keys_for_format(cfg: WorkloadConfig, fmt: TraceFormat) -> None:
         if getattr(cfg, key) is None:
             raise ValueError(f"{key}: required for {fmt} workloads")
     unusable: tuple[str, ...] = ()
-    if fmt in ("mooncake", "azure"):
+    if fmt in ("mooncake", "azure", "timed_trace", "timed_csv"):
         unusable = (*_SYNTHETIC_ONLY, "arrival")
     elif fmt == "sharegpt":
         unusable = _SYNTHETIC_ONLY
     for key in unusable:
         if key in cfg.model_fields_set and getattr(cfg, key) not in (None, 0):
             raise ValueError(f"{key}: not used by {fmt} traces (they have their own)")
+    if "hash_chunk_tokens" in cfg.model_fields_set and fmt != "timed_trace":
+        raise ValueError("hash_chunk_tokens: only for timed_trace traces")
     if cfg.spread_bursts and fmt != "mooncake":
         raise ValueError("spread_bursts: only for mooncake traces (3 s quantised stamps)")
 
@@ -237,6 +244,12 @@ def _load(cfg: WorkloadConfig, path: Path | None, fmt: TraceFormat, rng: np.rand
     if fmt == "azure":
         assert path is not None
         return load_azure(path)
+    if fmt == "timed_trace":
+        assert path is not None
+        return load_timed_trace(path, chunk_tokens=cfg.hash_chunk_tokens)
+    if fmt == "timed_csv":
+        assert path is not None
+        return load_timed_csv(path)
     assert cfg.arrival is not None
     if fmt == "sharegpt":
         assert path is not None

@@ -396,7 +396,9 @@ def load_sharegpt_lengths(
 
 
 def detect_format(path: Path) -> TraceFormat:
-    """``mooncake``, ``azure`` or ``sharegpt``, from the extension or first line."""
+    """``mooncake``, ``azure``, ``sharegpt`` or ``timed_csv``, from the
+    extension or first line (a ``timed_trace`` looks like Mooncake JSON
+    lines: set ``workload.format: timed_trace``)."""
     if path.suffix in (".jsonl", ".json"):
         return "mooncake"
     first = next(_lines(path), None)
@@ -408,11 +410,13 @@ def detect_format(path: Path) -> TraceFormat:
         return "azure"
     if cells == SHAREGPT_HEADER:
         return "sharegpt"
+    if cells == ("arrival_s", "input_tokens", "output_tokens"):
+        return "timed_csv"
     if text.lstrip().startswith("{"):
         return "mooncake"
     raise TraceError(
         path,
         line,
         "cannot tell the trace format (expected Mooncake JSON lines or an "
-        "Azure/ShareGPT CSV header); set workload.format",
+        "Azure/ShareGPT/arrival_s,input_tokens,output_tokens CSV header); set workload.format",
     )

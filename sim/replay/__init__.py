@@ -1,0 +1,13 @@
+"""Replay against a live server, and a live server backed by the simulator.
+
+No twin in vLLM. ``live_engine`` drives the simulator's scheduler, allocator,
+model runner and step-time model on a (scaled) wall clock; ``server`` puts
+vLLM's HTTP surface (``/v1/completions``, ``/v1/models``, ``/health``,
+``/metrics``) in front of it. ``client`` sends a scenario's requests to any
+such server at their arrival times and scrapes ``/metrics``; ``launch`` starts
+and stops the server a replay runs against; ``recording`` turns what the
+client saw into the frames ``kvsim run`` writes.
+
+Layer: with ``sim.analysis`` (it uses its frame functions); the simulator
+(engine, scheduler, allocator) never imports this package.
+"""

@@ -1,0 +1,193 @@
+"""The simulator as a live engine: the same ``Simulation`` parts (scheduler
+over the real allocator, model runner, step-time model) stepped by an asyncio
+loop on the wall clock scaled by ``speed`` instead of by SimPy.
+
+Virtual time is ``(wall - start) * speed`` seconds. A step that starts right
+after the previous one starts at that step's virtual end (not at the wall
+time the loop got round to it), so event-loop latency does not add up over a
+run; an idle engine starts its next step at the virtual time it woke.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sim.engine import Simulation
+from sim.replay.metrics import ServerMetrics
+from sim.scenario import Layout, Scenario
+from sim.sched.output import ModelRunnerOutput, StepOutcome
+from sim.workloads import Workload
+
+# An idle engine re-checks for a stop this often (wall seconds): every wait is bounded.
+IDLE_POLL_S = 0.5
+# Token ids sent back: sampled ids are 2**50 + position (see model_runner);
+# clients see the position, a small int like a vocabulary id.
+_TOKEN_ID_MASK = (1 << 31) - 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class LiveRequestSpec:
+    """A request that came over HTTP (the scheduler's ``RequestSpec``)."""
+
+    request_id: str
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    token_ids: tuple[int, ...]
+
+    def prompt_token_ids(self) -> list[int]:
+        return list(self.token_ids)
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """Tokens one step produced for one request; ``finished`` on the last."""
+
+    token_ids: list[int]
+    finished: bool
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue[TokenDelta] = field(default_factory=asyncio.Queue)
+    num_sent: int = 0
+    prompt_len: int = 0
+
+
+class PromptTooLong(ValueError):
+    """The engine rejects a prompt that leaves no room for an output token."""
+
+
+class LiveEngine:
+    def __init__(
+        self,
+        scenario: Scenario,
+        layout: Layout,
+        *,
+        speed: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if speed <= 0:
+            raise ValueError(f"speed: expected > 0, got {speed}")
+        empty = Workload(name=scenario.name, source="live requests over HTTP", requests=())
+        self.sim = Simulation(scenario, layout, empty)
+        self.scheduler = self.sim.scheduler
+        self.model_name = scenario.load_model().name
+        self.metrics = ServerMetrics(self.model_name, self.sim.plan)
+        self.speed = speed
+        self._clock = clock
+        self._start_wall = clock()
+        self._ids = itertools.count()
+        self._streams: dict[str, _Stream] = {}
+        self._wakeup = asyncio.Event()
+        self._stopping = False
+        self._was_idle = True
+        self.max_lag_s = 0.0
+        self._publish_gauges()
+
+    # ----------------------------------------------------------------- time
+    def now_s(self) -> float:
+        return (self._clock() - self._start_wall) * self.speed
+
+    async def _sleep_until(self, virtual_s: float) -> None:
+        await asyncio.sleep(max(0.0, virtual_s / self.speed + self._start_wall - self._clock()))
+
+    # --------------------------------------------------------------- intake
+    def add_request(self, token_ids: list[int], max_tokens: int) -> tuple[str, asyncio.Queue[TokenDelta]]:
+        """Queue a request; its tokens arrive on the returned queue."""
+        request_id = f"cmpl-{next(self._ids)}"
+        spec = LiveRequestSpec(
+            request_id=request_id,
+            arrival_s=self.now_s(),
+            prompt_len=len(token_ids),
+            output_len=max_tokens,
+            token_ids=tuple(token_ids),
+        )
+        if not self.scheduler.add_request(spec):
+            raise PromptTooLong(
+                f"This model's maximum context length is {self.scheduler.config.max_model_len} tokens. "
+                f"However, your request has {len(token_ids)} input tokens."
+            )
+        stream = _Stream(prompt_len=len(token_ids))
+        self._streams[request_id] = stream
+        self._publish_gauges()
+        self._wakeup.set()
+        return request_id, stream.queue
+
+    # ---------------------------------------------------------------- loop
+    def stop(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+
+    async def run(self) -> None:
+        """Schedule, wait the step's duration, apply the output: as
+        ``Simulation.engine_loop``, on the scaled wall clock."""
+        free_at_s = 0.0  # virtual time the last step ended
+        while not self._stopping:
+            if not self.scheduler.has_unfinished_requests():
+                await self._idle()
+                continue
+            started_s = max(free_at_s, self.now_s()) if self._was_idle else free_at_s
+            output = self.scheduler.schedule()
+            if output.is_empty:
+                if not self.scheduler.complete_in_flight_steps():
+                    await self._idle()
+                continue
+            self._was_idle = False
+            token_counts = self.scheduler.token_counts()
+            free_at_s = started_s + self.sim.step_time.step_time_s(output)
+            await self._sleep_until(free_at_s)
+            # Behind the wall clock when a step's computing took longer than
+            # its scaled duration: --speed is then too high for this machine.
+            self.max_lag_s = max(self.max_lag_s, self.now_s() - free_at_s)
+            runner_output = self.sim.model_runner.execute(output, token_counts)
+            outcome = self.scheduler.update_from_output(output, runner_output)
+            self._deliver(runner_output, outcome)
+            self.metrics.record_step(output, outcome, self._prompt_tokens(outcome))
+            self._publish_gauges()
+
+    async def _idle(self) -> None:
+        """Wait for an arrival (or a stop), at most ``IDLE_POLL_S``."""
+        self._was_idle = True
+        self._wakeup.clear()
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), IDLE_POLL_S)
+        except TimeoutError:
+            pass
+
+    # ---------------------------------------------------------------- output
+    def _prompt_tokens(self, outcome: StepOutcome) -> int:
+        """vLLM counts a prompt's tokens when its first token comes out."""
+        return sum(self._streams[r].prompt_len for r in outcome.first_token_request_ids if r in self._streams)
+
+    def _deliver(self, runner_output: ModelRunnerOutput, outcome: StepOutcome) -> None:
+        """Hand each request the tokens this step appended (several with MTP)."""
+        for request_id, sampled in runner_output.sampled_token_ids.items():
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue
+            finished = request_id in outcome.finished
+            total = outcome.finished[request_id] if finished else self._num_output_tokens(request_id)
+            new = total - stream.num_sent
+            if new <= 0 and not finished:
+                continue
+            stream.num_sent = total
+            stream.queue.put_nowait(TokenDelta([t & _TOKEN_ID_MASK for t in sampled[:new]], finished))
+            if finished:
+                del self._streams[request_id]
+
+    def _num_output_tokens(self, request_id: str) -> int:
+        request = self.scheduler.requests.get(request_id)
+        return 0 if request is None else request.num_output_tokens
+
+    def _publish_gauges(self) -> None:
+        self.metrics.set_gauges(
+            running=self.scheduler.num_running,
+            waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.sim.kv_cache_manager.block_pool.get_usage(),
+            max_lag_s=self.max_lag_s,
+        )
