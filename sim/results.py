@@ -84,3 +84,32 @@ def read_results(out_dir: Path) -> dict[str, pd.DataFrame]:
     if not (out_dir / "manifest.json").exists():
         raise ConfigError(f"{out_dir}: not a kvsim results directory (no manifest.json)")
     return {name: pd.read_parquet(out_dir / f"{name}.parquet") for name in FRAMES}
+
+
+# The frames a replay writes too (it cannot see engine steps).
+MEASURED_FRAMES = ("requests", "samples", "summary")
+
+
+def read_run(out_dir: Path) -> tuple[dict[str, pd.DataFrame], dict[str, Any]]:
+    """The frames a results directory holds (a replay writes no ``steps``)
+    and its resolved scenario; a one-line error if it is not one."""
+    from sim.config import ConfigError
+
+    manifest_path = out_dir / "manifest.json"
+    if not manifest_path.exists():
+        raise ConfigError(f"{out_dir}: not a kvsim results directory (no manifest.json)")
+    missing = [f"{name}.parquet" for name in MEASURED_FRAMES if not (out_dir / f"{name}.parquet").exists()]
+    if missing:
+        raise ConfigError(f"{out_dir}: incomplete results directory: no {', '.join(missing)}")
+    frames = {name: pd.read_parquet(out_dir / f"{name}.parquet") for name in MEASURED_FRAMES}
+    if (out_dir / "steps.parquet").exists():
+        frames["steps"] = pd.read_parquet(out_dir / "steps.parquet")
+    return frames, _scenario_of(out_dir, json.loads(manifest_path.read_text()))
+
+
+def _scenario_of(out_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The scenario dict: ``scenario.json``, or the manifest's own copy."""
+    if isinstance(manifest.get("scenario"), dict):
+        return dict(manifest["scenario"])
+    path = out_dir / "scenario.json"
+    return dict(json.loads(path.read_text())) if path.exists() else {}
