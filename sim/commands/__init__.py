@@ -14,4 +14,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "gate",
     "sweep",
     "bench",
+    "validate",
+    "calibrate",
 )
