@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 
 from sim.analysis.runs import RunResult
-from sim.results import write_json, write_results
+from sim.results import write_frame, write_json, write_results
 
 REPLAY_FRAMES = ("requests", "samples", "summary")
 
@@ -20,16 +20,17 @@ def write_sim_dir(out_dir: Path, result: RunResult, scenario: dict[str, Any]) ->
     return out_dir
 
 
-def write_replay_dir(out_dir: Path, result: RunResult, scenario: dict[str, Any]) -> Path:
-    """``result``'s frames as a replay of ``scenario`` (the scenario the
-    replay ran, which need not be the one that made the frames: a rig whose
-    step times differ from the model's)."""
-    from sim.results import write_frame
-
+def write_replay_dir(
+    out_dir: Path, result: RunResult, scenario: dict[str, Any], layouts: tuple[str, ...] = ("off", "on")
+) -> Path:
+    """``result``'s frames of ``layouts`` as a replay of ``scenario`` (the
+    scenario the replay ran, which need not be the one that made the frames:
+    a rig whose step times differ from the model's)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     frames = result.frames()
     for name in REPLAY_FRAMES:
-        write_frame(out_dir / f"{name}.parquet", relabel(frames[name]))
+        frame = frames[name][frames[name]["layout"].isin(layouts)]
+        write_frame(out_dir / f"{name}.parquet", relabel(frame))
     write_json(out_dir / "scenario.json", scenario)
     manifest = {"frames": [f"{name}.parquet" for name in REPLAY_FRAMES], "scenario": scenario.get("name")}
     write_json(out_dir / "manifest.json", manifest)

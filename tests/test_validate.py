@@ -43,6 +43,8 @@ def runs(tmp_path_factory):
         "sim": write_sim_dir(tmp / "sim", result, data),
         "same": write_replay_dir(tmp / "same", result, data),
         "slower": write_replay_dir(tmp / "slower", run_scenario(slower), data),
+        "off": write_replay_dir(tmp / "off", result, data, ("off",)),
+        "on": write_replay_dir(tmp / "on", result, data, ("on",)),
     }
 
 
@@ -150,3 +152,14 @@ def test_runs_without_a_common_layout_are_a_one_line_error(runs, capsys, tmp_pat
     assert err.startswith("kvsim: error: ") and "no layout in both runs" in err and err.count("\n") == 1
     assert main(["validate", str(runs["sim"]), str(tmp_path / "nowhere")]) == 2
     assert "not a kvsim results directory" in capsys.readouterr().err
+
+
+def test_one_replay_per_layout(runs, capsys, tmp_path):
+    """The rig how-to replays each layout into its own directory."""
+    out = tmp_path / "validate"
+    assert main(["validate", str(runs["sim"]), str(runs["off"]), str(runs["on"]), "--out", str(out)]) == 0
+    report = json.loads((out / "validate.json").read_text())
+    assert report["layouts"] == ["off", "on"]
+    assert all(row["error"] in (0, None) for row in report["metrics"])
+    assert main(["validate", str(runs["sim"]), str(runs["on"]), str(runs["same"])]) == 2
+    assert "a layout is in more than one replay" in capsys.readouterr().err

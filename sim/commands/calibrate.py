@@ -21,7 +21,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     from sim.analysis.calibrate import DEFAULT_FIT
 
     calibrate = subparsers.add_parser("calibrate", help="fit the step-time model to a replay")
-    calibrate.add_argument("replay_dir", metavar="REPLAY_DIR", help="results of kvsim replay")
+    calibrate.add_argument(
+        "replay_dirs",
+        nargs="+",
+        metavar="REPLAY_DIR",
+        help="results of kvsim replay of one scenario (one per layout, or one with both)",
+    )
     calibrate.add_argument(
         "--fit",
         type=_names,
@@ -40,15 +45,20 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from sim.analysis.calibrate import calibrate, check_coefficients, with_step_time
-    from sim.results import read_run, write_text
+    from sim.commands.validate import read_replays
+    from sim.results import write_text
 
     check_coefficients(args.fit)
     if args.max_simulations < 1 or not args.max_seconds > 0:
         raise ConfigError("--max-simulations and --max-seconds: must be positive")
-    replay_dir = Path(args.replay_dir)
-    replay, scenario_dict = read_run(replay_dir)
+    replay_dirs = [Path(path) for path in args.replay_dirs]
+    replay_dir = replay_dirs[0]
+    replay, scenario_dict = read_replays(replay_dirs)
     scenario, layouts = _replayed_scenario(replay_dir, replay, scenario_dict)
-    print(f"kvsim: calibrating {', '.join(args.fit)} to {replay_dir} ({scenario.name}, {', '.join(layouts)})")
+    print(
+        f"kvsim: calibrating {', '.join(args.fit)} to {', '.join(map(str, replay_dirs))} "
+        f"({scenario.name}, {', '.join(layouts)})"
+    )
     _print_validation("before (the scenario's step_time)", scenario, layouts, replay)
     result = calibrate(
         scenario,
@@ -63,7 +73,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     _print_validation("after (fitted step_time)", with_step_time(scenario, result.fitted), layouts, replay)
     block = {"step_time": result.step_time(scenario.step_time)}
     out = Path(args.out) if args.out else replay_dir / "step-time.yaml"
-    write_text(out, _fragment(replay_dir, result, block))
+    write_text(out, _fragment(replay_dirs, result, block))
     print(yaml.safe_dump(block, sort_keys=False).rstrip())
     print(f"kvsim: step_time block written to {out}")
     return 0
@@ -117,14 +127,13 @@ def _print_fit(result: Any) -> None:
         f"{', stopped by --max-simulations or --max-seconds' if result.budget_spent else ''})"
     )
     for name in result.unidentifiable:
-        print(
-            f"kvsim: {name}: unidentifiable: it does not move the simulated request times; not fitted"
-        )
+        print(f"kvsim: {name}: unidentifiable: it does not move the simulated request times; not fitted")
 
 
-def _fragment(replay_dir: Path, result: Any, block: dict[str, Any]) -> str:
+def _fragment(replay_dirs: list[Path], result: Any, block: dict[str, Any]) -> str:
     header = (
-        f"# kvsim calibrate {replay_dir}: RMS relative error of per-request TTFT and e2e "
+        f"# kvsim calibrate {' '.join(map(str, replay_dirs))}: "
+        "RMS relative error of per-request TTFT and e2e "
         f"{result.rms_error_start:.4f} -> {result.rms_error_fitted:.4f}\n"
     )
     if result.unidentifiable:

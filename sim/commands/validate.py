@@ -20,7 +20,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "validate", help="compare a simulation with a replay of the same scenario"
     )
     validate.add_argument("sim_dir", metavar="SIM_DIR", help="results of kvsim run or compare")
-    validate.add_argument("replay_dir", metavar="REPLAY_DIR", help="results of kvsim replay")
+    validate.add_argument(
+        "replay_dirs",
+        nargs="+",
+        metavar="REPLAY_DIR",
+        help="results of kvsim replay (one per layout, or one with both)",
+    )
     validate.add_argument(
         "--out", metavar="DIR", help="where validate.json and plots/ go (default REPLAY_DIR/validate)"
     )
@@ -28,16 +33,37 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return validate
 
 
-def read_pair(sim_dir: Path, replay_dir: Path) -> tuple[dict[str, pd.DataFrame], dict[str, pd.DataFrame]]:
-    """Both runs' frames; an error when they share no layout."""
+def read_replays(replay_dirs: list[Path]) -> tuple[dict[str, pd.DataFrame], dict[str, Any]]:
+    """The frames of one or more replays of one scenario (a replay per
+    layout), stacked, and the scenario they replayed."""
+    from sim.results import read_run
+
+    runs = [read_run(path) for path in replay_dirs]
+    scenario = runs[0][1]
+    for path, (_, other) in zip(replay_dirs[1:], runs[1:], strict=True):
+        if other != scenario:
+            raise ConfigError(f"{path}: a replay of another scenario than {replay_dirs[0]}")
+    layouts = [layout for frames, _ in runs for layout in set(frames["summary"]["layout"])]
+    if len(layouts) != len(set(layouts)):
+        raise ConfigError(f"{', '.join(map(str, replay_dirs))}: a layout is in more than one replay")
+    names = ("requests", "samples", "summary")
+    stacked = {name: pd.concat([frames[name] for frames, _ in runs], ignore_index=True) for name in names}
+    return stacked, scenario
+
+
+def read_pair(
+    sim_dir: Path, replay_dirs: list[Path]
+) -> tuple[dict[str, pd.DataFrame], dict[str, pd.DataFrame]]:
+    """Both sides' frames; an error when they share no layout."""
     from sim.analysis.validate import layouts_in_both
     from sim.results import read_run
 
     sim, _ = read_run(sim_dir)
-    replay, _ = read_run(replay_dir)
+    replay, _ = read_replays(replay_dirs)
     if not layouts_in_both(sim, replay):
+        where = ", ".join(map(str, replay_dirs))
         raise ConfigError(
-            f"{sim_dir} ({_layouts(sim)}) and {replay_dir} ({_layouts(replay)}): no layout in both runs"
+            f"{sim_dir} ({_layouts(sim)}) and {where} ({_layouts(replay)}): no layout in both runs"
         )
     return sim, replay
 
@@ -72,12 +98,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from sim.analysis.validate_plots import write_overlay_figures
     from sim.results import write_json
 
-    sim_dir, replay_dir = Path(args.sim_dir), Path(args.replay_dir)
-    sim, replay = read_pair(sim_dir, replay_dir)
+    sim_dir, replay_dirs = Path(args.sim_dir), [Path(path) for path in args.replay_dirs]
+    sim, replay = read_pair(sim_dir, replay_dirs)
     _note_sources(sim, replay)
     print_validation(sim, replay)
-    out_dir = Path(args.out) if args.out else replay_dir / "validate"
-    report = {"sim_dir": str(sim_dir), "replay_dir": str(replay_dir), **validation_report(sim, replay)}
+    out_dir = Path(args.out) if args.out else replay_dirs[0] / "validate"
+    report = {
+        "sim_dir": str(sim_dir),
+        "replay_dirs": [str(path) for path in replay_dirs],
+        **validation_report(sim, replay),
+    }
     write_json(out_dir / "validate.json", report)
     figures = write_overlay_figures(out_dir / "plots", sim, replay, layouts_in_both(sim, replay))
     print(f"kvsim: validate.json and {len(figures)} overlay figures written to {out_dir}/")
