@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from annotated_types import Ge, Gt, Le, Lt
 
 from sim.analysis.frames import requests_frame
 from sim.analysis.runs import scenario_workload
@@ -81,16 +80,26 @@ def log_bounds(name: str, start: float) -> tuple[float, float]:
     if not start > 0:
         raise ConfigError(f"step_time: {name}: cannot fit from {start}; start it above 0")
     low, high = start / RANGE, start * RANGE
-    for limit in StepTimeConfig.model_fields[name].metadata:
-        if isinstance(limit, Le | Lt):
-            high = min(high, float(limit.le if isinstance(limit, Le) else limit.lt) * (1 - 1e-9))
-        if isinstance(limit, Ge | Gt):
-            low = max(low, float(limit.ge if isinstance(limit, Ge) else limit.gt) * (1 + 1e-9))
+    for limit in StepTimeConfig.model_fields[name].metadata:  # pydantic's Le, Lt, Ge, Gt
+        upper, lower = (
+            getattr(limit, "le", getattr(limit, "lt", None)),
+            getattr(limit, "ge", getattr(limit, "gt", None)),
+        )
+        if upper is not None:
+            high = min(high, float(upper) * (1 - 1e-9))
+        if lower is not None:
+            low = max(low, float(lower) * (1 + 1e-9))
     return math.log(low / start), max(math.log(high / start), 0.0)
+
+
+REQUEST_COLUMNS = ("layout", "request_id", "arrival_s", "first_token_s", "finished_s")
 
 
 def finished_times(requests: pd.DataFrame) -> pd.DataFrame:
     """TTFT and end-to-end latency of each finished request, by (layout, request_id)."""
+    missing = [column for column in REQUEST_COLUMNS if column not in requests]
+    if missing:
+        raise ConfigError(f"requests: no column {', '.join(missing)}: cannot time the requests")
     finished = requests[requests["finished_s"].notna()]
     ttft = finished["first_token_s"] - finished["arrival_s"]
     e2e = finished["finished_s"] - finished["arrival_s"]
@@ -101,8 +110,8 @@ def finished_times(requests: pd.DataFrame) -> pd.DataFrame:
 
 
 def relative_residuals(simulated: pd.DataFrame, measured: pd.DataFrame) -> np.ndarray:
-    """One residual per measured request and time (TTFT, then e2e): fixed
-    length whatever the simulation finished, as least squares needs."""
+    """One residual per measured request and time (TTFT, then e2e): the
+    same length whatever the simulation finished, so candidates compare."""
     aligned = simulated.reindex(measured.index)
     scale = np.maximum(measured.to_numpy(float), LATENCY_FLOOR_S)
     residuals = (aligned.to_numpy(float) - measured.to_numpy(float)) / scale
@@ -145,10 +154,6 @@ class RequestTimeError:
         scenario = with_step_time(self.scenario, values)
         frames = [requests_frame(simulate(scenario, layout, self.workload)) for layout in self.layouts]
         return finished_times(pd.concat(frames, ignore_index=True))
-
-    def best(self) -> tuple[np.ndarray, np.ndarray]:
-        key = min(self.evaluations, key=lambda k: float(np.sum(self.evaluations[k] ** 2)))
-        return np.array(key), self.evaluations[key]
 
 
 def with_step_time(scenario: Scenario, values: dict[str, float]) -> Scenario:
@@ -193,7 +198,7 @@ def calibrate(
     measured_requests: pd.DataFrame,
     names: Sequence[str],
     *,
-    max_simulations: int = 60,
+    max_simulations: int = 100,
     max_seconds: float = 600.0,
 ) -> Calibration:
     """Fit ``names`` so the scenario's simulation reproduces the measured

@@ -27,6 +27,8 @@ OVERLAY_PANELS = (
 )
 TIME_LABEL = "time since the first arrival (s)"
 REPLAY_COLOR = "black"
+# The simulation drawn wider, underneath: where they agree it edges the measurement.
+SIM_WIDTH, REPLAY_WIDTH = 2.6, 1.2
 
 
 def _samples_of(frames: dict[str, pd.DataFrame], layout: str) -> pd.DataFrame:
@@ -47,9 +49,9 @@ def _finished_curve(frames: dict[str, pd.DataFrame], layout: str) -> tuple[np.nd
 def _draw_pair(
     ax: Axes, sim: pd.DataFrame, replay: pd.DataFrame, column: str, scale: float, color: str
 ) -> None:
-    for rows, style in ((sim, {"color": color, "lw": 2.6}), (replay, {"color": REPLAY_COLOR, "lw": 1.2})):
+    for rows, line_color, width in ((sim, color, SIM_WIDTH), (replay, REPLAY_COLOR, REPLAY_WIDTH)):
         if column in rows and len(rows):
-            ax.plot(rows["time_s"], scale * rows[column].astype(float), **style)
+            ax.plot(rows["time_s"], scale * rows[column].astype(float), color=line_color, lw=width)
     error = curve_error(sim, replay, column)
     if error["num_points"]:
         ax.set_title(f"RMSE {scale * error['rmse']:.3g}", loc="left", fontsize=10)
@@ -65,14 +67,14 @@ def overlay_figure(sim: dict[str, pd.DataFrame], replay: dict[str, pd.DataFrame]
         _draw_pair(ax, sim_samples, replay_samples, column, scale, color)
         ax.set_ylabel(ylabel)
     finished_ax = axes[-1, 0]
-    for frames, style in ((sim, {"color": color, "lw": 2.6}), (replay, {"color": REPLAY_COLOR, "lw": 1.2})):
+    for frames, line_color, width in ((sim, color, SIM_WIDTH), (replay, REPLAY_COLOR, REPLAY_WIDTH)):
         times_s, counts = _finished_curve(frames, layout)
-        finished_ax.plot(times_s, counts, drawstyle="steps-post", **style)
+        finished_ax.plot(times_s, counts, drawstyle="steps-post", color=line_color, lw=width)
     finished_ax.set_ylabel("finished, cumulative\n(requests)")
     finished_ax.set_xlabel(TIME_LABEL)
     handles = [
-        Line2D([], [], color=color, lw=2.6, label=f"simulated ({layout})"),
-        Line2D([], [], color=REPLAY_COLOR, lw=1.2, label=f"measured ({layout})"),
+        Line2D([], [], color=color, lw=SIM_WIDTH, label=f"simulated ({layout})"),
+        Line2D([], [], color=REPLAY_COLOR, lw=REPLAY_WIDTH, label=f"measured ({layout})"),
     ]
     title = f"{scenario_of(sim['summary'])} [{layout}]: simulated vs measured"
     return _finish(fig, axes, title, handles)

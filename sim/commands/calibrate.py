@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pandas as pd
 import yaml
@@ -37,7 +37,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     calibrate.add_argument(
         "--out", metavar="FILE", help="the fitted step_time: block (default REPLAY_DIR/step-time.yaml)"
     )
-    calibrate.add_argument("--max-simulations", type=int, default=60, metavar="N", help="default 60")
+    calibrate.add_argument("--max-simulations", type=int, default=100, metavar="N", help="default 100")
     calibrate.add_argument("--max-seconds", type=float, default=600.0, metavar="S", help="default 600")
     calibrate.set_defaults(func=cmd_calibrate)
     return calibrate
@@ -81,12 +81,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _replayed_scenario(replay_dir: Path, replay: dict[str, pd.DataFrame], data: dict[str, Any]) -> Any:
     from sim.config import validate
-    from sim.scenario import Scenario
+    from sim.scenario import Layout, Scenario
 
     if not data:
         raise ConfigError(f"{replay_dir}: no scenario recorded (scenario.json)")
     scenario = validate(Scenario, data, f"{replay_dir}/scenario.json")
-    layouts = tuple(str(name) for name in dict.fromkeys(replay["summary"]["layout"]))
+    layouts = tuple(cast(Layout, str(name)) for name in dict.fromkeys(replay["summary"]["layout"]))
     unknown = [name for name in layouts if name not in ("off", "on")]
     if unknown or not layouts:
         raise ConfigError(f"{replay_dir}: summary: layouts {layouts}: expected off and/or on")
@@ -94,7 +94,7 @@ def _replayed_scenario(replay_dir: Path, replay: dict[str, pd.DataFrame], data: 
 
 
 def _print_validation(
-    title: str, scenario: Any, layouts: tuple[str, ...], replay: dict[str, pd.DataFrame]
+    title: str, scenario: Any, layouts: tuple[Any, ...], replay: dict[str, pd.DataFrame]
 ) -> None:
     from sim.analysis.runs import run_scenario
     from sim.commands.validate import print_validation
