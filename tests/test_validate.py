@@ -125,12 +125,14 @@ def test_curve_error_matches_hand_derivation(sim, replay, rmse, mape_perc):
     assert error["mape_perc"] == pytest.approx(mape_perc, nan_ok=True)
 
 
-def test_curves_compare_only_the_time_both_runs_cover():
-    """The replay's readings start 2 s later and end 1 s earlier."""
-    grid = v.common_grid(
-        _samples(range(10), range(10)), _samples(range(2, 9), range(7)), "num_requests_running"
-    )
-    assert list(grid) == [2, 3, 4, 5, 6, 7, 8]
+def test_a_run_that_stops_early_is_charged_for_the_rest():
+    """The replay's readings start 2 s later and end 1 s earlier than the
+    simulation's (both a ramp equal to the time): it read 0 before and after,
+    so the errors are 0, 1 (t = 1), 0 ... 0, 9 (t = 9) on the grid 0..9."""
+    sim, replay = _samples(range(10), range(10)), _samples(range(2, 9), range(2, 9))
+    assert list(v.common_grid(sim, replay, "num_requests_running")) == list(range(10))
+    error = v.curve_error(sim, replay, "num_requests_running")
+    assert error["rmse"] == pytest.approx(math.sqrt((1 + 81) / 10))
 
 
 def test_a_missing_source_column_reads_as_the_simulator():

@@ -147,8 +147,11 @@ def curve_error(sim_samples: pd.DataFrame, replay_samples: pd.DataFrame, column:
     common time grid.
 
     Samples are point readings (a scrape), so between readings the gauge is
-    read by linear interpolation. The grid steps at the simulation's sample
-    interval over the time both runs cover. MAPE is over the grid points
+    read by linear interpolation, and outside a run's readings as 0: a run
+    stops reading when its last request has finished (or at the scenario's
+    ``max_time_s``, which both sides share), so a run that finishes later is
+    charged for the time it still ran. The grid steps at the simulation's
+    sample interval from the earlier start to the later end. MAPE is over the grid points
     where the measurement is not 0 (a percentage of 0 means nothing); NaN
     when there are none.
 
@@ -182,13 +185,13 @@ def _readings(samples: pd.DataFrame, column: str) -> pd.DataFrame:
 
 
 def common_grid(sim_samples: pd.DataFrame, replay_samples: pd.DataFrame, column: str) -> np.ndarray:
-    """Times from the later start to the earlier end of the two runs'
+    """Times from the earlier start to the later end of the two runs'
     readings, at the simulation's sample interval (its median spacing)."""
     sim_rows, replay_rows = _readings(sim_samples, column), _readings(replay_samples, column)
     if len(sim_rows) < 2 or len(replay_rows) < 1:
         return np.array([])
-    start_s = max(sim_rows["time_s"].iloc[0], replay_rows["time_s"].iloc[0])
-    end_s = min(sim_rows["time_s"].iloc[-1], replay_rows["time_s"].iloc[-1])
+    start_s = min(sim_rows["time_s"].iloc[0], replay_rows["time_s"].iloc[0])
+    end_s = max(sim_rows["time_s"].iloc[-1], replay_rows["time_s"].iloc[-1])
     interval_s = float(np.median(np.diff(sim_rows["time_s"].to_numpy(float))))
     if end_s < start_s or interval_s <= 0:
         return np.array([])
@@ -198,7 +201,9 @@ def common_grid(sim_samples: pd.DataFrame, replay_samples: pd.DataFrame, column:
 
 def _read_at(samples: pd.DataFrame, column: str, grid_s: np.ndarray) -> np.ndarray:
     rows = _readings(samples, column)
-    return np.interp(grid_s, rows["time_s"].to_numpy(float), rows[column].to_numpy(float))
+    return np.interp(
+        grid_s, rows["time_s"].to_numpy(float), rows[column].to_numpy(float), left=0.0, right=0.0
+    )
 
 
 def curve_table(sim: dict[str, pd.DataFrame], replay: dict[str, pd.DataFrame]) -> pd.DataFrame:

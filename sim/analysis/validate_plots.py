@@ -20,12 +20,12 @@ from matplotlib.lines import Line2D
 from sim.analysis.plots import FORMATS, LAYOUT_COLORS, _axes, _finish, _styled, scenario_of, write_figure
 from sim.analysis.validate import curve_error
 
-# (samples column, y label, scale): the gauges drawn.
+# (samples column, y label, scale, unit of the RMSE): the gauges drawn.
 OVERLAY_PANELS = (
-    ("num_requests_running", "running (requests)", 1.0),
-    ("kv_cache_usage_perc", "KV cache usage (%)", 100.0),
+    ("num_requests_running", "running (requests)", 1.0, "requests"),
+    ("kv_cache_usage_perc", "KV cache usage (%)", 100.0, "% of the pool"),
 )
-TIME_LABEL = "time since the first arrival (s)"
+TIME_LABEL = "time since the workload's start (s)"
 REPLAY_COLOR = "black"
 # The simulation drawn wider, underneath: where they agree it edges the measurement.
 SIM_WIDTH, REPLAY_WIDTH = 2.6, 1.2
@@ -47,14 +47,16 @@ def _finished_curve(frames: dict[str, pd.DataFrame], layout: str) -> tuple[np.nd
 
 
 def _draw_pair(
-    ax: Axes, sim: pd.DataFrame, replay: pd.DataFrame, column: str, scale: float, color: str
+    ax: Axes, sim: pd.DataFrame, replay: pd.DataFrame, panel: tuple[str, str, float, str], color: str
 ) -> None:
+    column, ylabel, scale, unit = panel
     for rows, line_color, width in ((sim, color, SIM_WIDTH), (replay, REPLAY_COLOR, REPLAY_WIDTH)):
         if column in rows and len(rows):
             ax.plot(rows["time_s"], scale * rows[column].astype(float), color=line_color, lw=width)
     error = curve_error(sim, replay, column)
     if error["num_points"]:
-        ax.set_title(f"RMSE {scale * error['rmse']:.3g}", loc="left", fontsize=10)
+        ax.set_title(f"RMSE {scale * error['rmse']:.3g} {unit}", loc="left", fontsize=10)
+    ax.set_ylabel(ylabel)
 
 
 @_styled
@@ -63,9 +65,8 @@ def overlay_figure(sim: dict[str, pd.DataFrame], replay: dict[str, pd.DataFrame]
     color = LAYOUT_COLORS.get(layout, "grey")
     sim_samples, replay_samples = _samples_of(sim, layout), _samples_of(replay, layout)
     fig, axes = _axes(len(OVERLAY_PANELS) + 1)
-    for ax, (column, ylabel, scale) in zip(axes[:, 0], OVERLAY_PANELS, strict=False):
-        _draw_pair(ax, sim_samples, replay_samples, column, scale, color)
-        ax.set_ylabel(ylabel)
+    for ax, panel in zip(axes[:, 0], OVERLAY_PANELS, strict=False):
+        _draw_pair(ax, sim_samples, replay_samples, panel, color)
     finished_ax = axes[-1, 0]
     for frames, line_color, width in ((sim, color, SIM_WIDTH), (replay, REPLAY_COLOR, REPLAY_WIDTH)):
         times_s, counts = _finished_curve(frames, layout)

@@ -109,8 +109,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         **validation_report(sim, replay),
     }
     write_json(out_dir / "validate.json", report)
-    figures = write_overlay_figures(out_dir / "plots", sim, replay, layouts_in_both(sim, replay))
-    print(f"kvsim: validate.json and {len(figures)} overlay figures written to {out_dir}/")
+    layouts = layouts_in_both(sim, replay)
+    figures = write_overlay_figures(out_dir / "plots", sim, replay, layouts)
+    formats = ", ".join(sorted({path.suffix[1:] for path in figures}))
+    print(f"kvsim: validate.json and overlay figures ({', '.join(layouts)}; {formats}) written to {out_dir}/")
     return 0
 
 
