@@ -36,8 +36,6 @@ from sim.engine import simulate
 from sim.scenario import Scenario
 from sim.step_time import StepTimeConfig
 
-# The coefficients the docs name for calibration (docs/step-time-model.md).
-DEFAULT_FIT = ("step_overhead_s", "memory_efficiency", "compute_efficiency")
 LATENCY_FLOOR_S = 0.010
 MISSING_RESIDUAL = 1.0
 # The fit moves each coefficient within [start / RANGE, start * RANGE].
