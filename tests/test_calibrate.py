@@ -89,9 +89,25 @@ def test_screening_sees_a_coefficient_that_has_an_effect(tmp_path):
     start = {"step_overhead_s": 0.005, "compute_efficiency": 0.12}
     error = c.RequestTimeError(modelled, c.finished_times(requests), names, start)
     bounds = [c.log_bounds(name, start[name]) for name in names]
-    sensitivity = c.screen(error, bounds)
-    assert sensitivity["step_overhead_s"] > 100 * c.MIN_SENSITIVITY
-    assert sensitivity["compute_efficiency"] == 0.0
+    effects = c.screen(error, bounds)
+    assert c.rms(effects["step_overhead_s"]) > 100 * c.MIN_SENSITIVITY
+    assert c.rms(effects["compute_efficiency"]) == 0.0
+
+
+def test_coefficients_that_act_alike_are_reported(tmp_path):
+    """The peak FLOPs and the compute efficiency act only as their product:
+    their effects are parallel (cosine 1), so a replay cannot tell them
+    apart. Control: the memory efficiency acts on other steps, not alike."""
+    modelled, replay = _replay_of(tmp_path, PREFILL_AND_DECODE, RIG)
+    from sim.results import read_run
+
+    names = ("gpu_peak_flops", "compute_efficiency", "memory_efficiency")
+    start = {"gpu_peak_flops": 71.0e12, **DEFAULTS}
+    error = c.RequestTimeError(modelled, c.finished_times(read_run(replay)[0]["requests"]), names, start)
+    effects = c.screen(error, [c.log_bounds(name, start[name]) for name in names])
+    pairs = c.alike_pairs(effects)
+    assert [(a, b) for a, b, _ in pairs] == [("gpu_peak_flops", "compute_efficiency")]
+    assert pairs[0][2] == pytest.approx(1.0)
 
 
 def test_residuals_are_relative_and_count_unfinished_requests():

@@ -45,6 +45,8 @@ SCREEN_STEP = math.log(1.1)
 # Below this RMS change of the relative residuals per unit of log
 # coefficient, a coefficient does not move the request times.
 MIN_SENSITIVITY = 1e-4
+# Two coefficients whose effects have a cosine beyond this are "alike".
+ALIKE_COSINE = 0.95
 # The fit's first simplex spans +25 % on each coefficient; it stops when
 # the simplex has shrunk to 0.5 % (log space).
 SIMPLEX_STEP = math.log(1.25)
@@ -168,6 +170,7 @@ class Calibration:
     fitted: dict[str, float]  # the identifiable coefficients only
     sensitivity: dict[str, float]  # RMS residual change per unit log change
     unidentifiable: tuple[str, ...]
+    alike: tuple[tuple[str, str, float], ...]  # (a, b, cosine): only a combination is fitted
     at_bound: tuple[str, ...]
     rms_error_start: float
     rms_error_fitted: float
@@ -179,16 +182,33 @@ class Calibration:
         return {**base, **self.fitted}
 
 
-def screen(error: RequestTimeError, bounds: list[tuple[float, float]]) -> dict[str, float]:
-    """Each coefficient's effect on the residuals: moved ~10 % each way (within its bounds)."""
-    sensitivity = {}
+def screen(error: RequestTimeError, bounds: list[tuple[float, float]]) -> dict[str, np.ndarray]:
+    """Each coefficient's effect on the residuals, per unit of its log:
+    moved ~10 % each way (within its bounds)."""
+    effects = {}
     for index, name in enumerate(error.names):
         low, high = max(-SCREEN_STEP, bounds[index][0]), min(SCREEN_STEP, bounds[index][1])
         moved = [np.zeros(len(error.names)) for _ in range(2)]
         moved[0][index], moved[1][index] = low, high
         change = error(moved[1]) - error(moved[0])
-        sensitivity[name] = rms(change) / (high - low) if high > low else 0.0
-    return sensitivity
+        effects[name] = change / (high - low) if high > low else np.zeros_like(change)
+    return effects
+
+
+def alike_pairs(effects: dict[str, np.ndarray]) -> tuple[tuple[str, str, float], ...]:
+    """Pairs of coefficients whose effects on the request times are (nearly)
+    parallel, with the cosine between them: the replay then pins down a
+    combination of the two, not each (e.g. the peak FLOPs and the compute
+    efficiency only ever act as their product: cosine 1)."""
+    names = [name for name, effect in effects.items() if rms(effect) >= MIN_SENSITIVITY]
+    pairs = []
+    for i, first in enumerate(names):
+        for second in names[i + 1 :]:
+            a, b = effects[first], effects[second]
+            cosine = float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+            if abs(cosine) >= ALIKE_COSINE:
+                pairs.append((first, second, cosine))
+    return tuple(pairs)
 
 
 def calibrate(
@@ -217,9 +237,10 @@ def calibrate(
         )
     try:
         rms_start = rms(error(np.zeros(len(names))))
-        sensitivity = screen(error, bounds)
+        effects = screen(error, bounds)
     except BudgetSpent:
         raise ConfigError("--max-seconds: spent before the fit began; allow more") from None
+    sensitivity = {name: rms(effect) for name, effect in effects.items()}
     free = [i for i, name in enumerate(names) if sensitivity[name] >= MIN_SENSITIVITY]
     budget_spent = bool(free) and _fit_free(error, free, bounds)
     best, residuals = _best_with(error, free)
@@ -230,6 +251,7 @@ def calibrate(
         fitted=fitted,
         sensitivity=sensitivity,
         unidentifiable=tuple(name for name in names if sensitivity[name] < MIN_SENSITIVITY),
+        alike=alike_pairs(effects),
         at_bound=at_bound,
         rms_error_start=rms_start,
         rms_error_fitted=rms(residuals),

@@ -132,6 +132,11 @@ def _print_fit(result: Any) -> None:
         f"{result.rms_error_fitted:.4f} ({result.num_simulations} simulations"
         f"{', stopped by --max-simulations or --max-seconds' if result.budget_spent else ''})"
     )
+    for first, second, cosine in result.alike:
+        print(
+            f"kvsim: {first} and {second} move the request times alike (cosine {cosine:+.3f}): "
+            "this replay fixes a combination of them, not each; fit one, or replay a load that separates them"
+        )
     for name in result.unidentifiable:
         print(f"kvsim: {name}: unidentifiable: it does not move the simulated request times; not fitted")
 
