@@ -138,3 +138,13 @@ def test_bounds_keep_an_efficiency_at_most_one():
     assert 0.5 * np.exp(high) == pytest.approx(1.0) and 0.5 * np.exp(low) == pytest.approx(0.05)
     low, high = c.log_bounds("step_overhead_s", 0.005)
     assert 0.005 * np.exp(high) == pytest.approx(0.05)
+
+
+def test_a_replay_without_its_scenario_is_a_one_line_error(tmp_path, capsys):
+    from sim_helpers import run
+
+    replay = write_replay_dir(tmp_path / "replay", run(tmp_path, workload=DECODE_ONLY, layouts=["on"]), {})
+    out = tmp_path / "fitted.yaml"
+    assert main(["calibrate", str(replay), "--fit", "step_overhead_s", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvsim: error: ") and "no scenario recorded" in err and not out.exists()
