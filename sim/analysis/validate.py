@@ -16,6 +16,7 @@ is that relative to the measurement (NaN where the measurement is 0).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -222,17 +223,6 @@ def curve_table(sim: dict[str, pd.DataFrame], replay: dict[str, pd.DataFrame]) -
     return pd.DataFrame(rows, columns=columns)
 
 
-def wide_metric_table(metrics: pd.DataFrame) -> pd.DataFrame:
-    """Metrics down, (layout, sim/replay/error/error_perc) across: the printed table."""
-    wide = metrics.set_index(["metric", "layout"])[["sim", "replay", "error", "error_perc"]].unstack("layout")
-    wide = wide.swaplevel(axis=1)
-    layouts = list(dict.fromkeys(metrics["layout"]))
-    wide = wide.reindex(
-        columns=pd.MultiIndex.from_product([layouts, ["sim", "replay", "error", "error_perc"]])
-    )
-    return wide.reindex(list(dict.fromkeys(metrics["metric"])))
-
-
 def validation_report(sim: dict[str, pd.DataFrame], replay: dict[str, pd.DataFrame]) -> dict[str, Any]:
     """Both tables as plain records (NaN as None: valid JSON)."""
     return {
@@ -243,8 +233,4 @@ def validation_report(sim: dict[str, pd.DataFrame], replay: dict[str, pd.DataFra
 
 
 def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
-    plain = frame.astype(object).where(frame.notna(), None)
-    return [
-        {key: value.item() if hasattr(value, "item") else value for key, value in row.items()}
-        for row in plain.to_dict(orient="records")
-    ]
+    return list(json.loads(frame.to_json(orient="records", double_precision=15)))
