@@ -231,3 +231,26 @@ def read_results(out_dir: Path) -> dict[str, pd.DataFrame]:
     listed = read_manifest(out_dir).get("frames", [f"{n}.parquet" for n in FRAMES])
     names = [name for name in FRAMES if f"{name}.parquet" in listed]
     return {name: read_frame(out_dir / f"{name}.parquet") for name in names}
+
+
+# The frames a replay writes too (it cannot see engine steps).
+MEASURED_FRAMES = ("requests", "samples", "summary")
+
+
+def read_run(out_dir: Path) -> tuple[dict[str, pd.DataFrame], dict[str, Any]]:
+    """The frames a results directory holds (a replay writes no ``steps``)
+    and its resolved scenario; a one-line error if it is not one."""
+    manifest = read_manifest(out_dir)
+    missing = [f"{name}.parquet" for name in MEASURED_FRAMES if not (out_dir / f"{name}.parquet").exists()]
+    if missing:
+        raise ConfigError(f"{out_dir}: incomplete results directory: no {', '.join(missing)}")
+    frames = read_results(out_dir)
+    return frames, _scenario_of(out_dir, manifest)
+
+
+def _scenario_of(out_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The scenario dict: ``scenario.json``, or the manifest's own copy."""
+    if isinstance(manifest.get("scenario"), dict):
+        return dict(manifest["scenario"])
+    path = out_dir / "scenario.json"
+    return dict(json.loads(path.read_text())) if path.exists() else {}

@@ -173,7 +173,6 @@ def test_errors_as_vllm_answers_them(tmp_path):
 
 def test_boot_log_lines_are_what_launch_parses(tmp_path):
     from sim.kv_cache_plan import plan_kv_cache
-
     from sim.replay.launch import check_boot_log
 
     sc = scenario(tmp_path, workload=NO_WORKLOAD)

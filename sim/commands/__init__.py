@@ -18,4 +18,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "serve",
     "replay",
     "export_trace",
+    "validate",
+    "calibrate",
 )

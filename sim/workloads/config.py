@@ -214,7 +214,9 @@ def check_keys_for_format(cfg: WorkloadConfig, fmt: TraceFormat) -> None:
     for key in unusable:
         if key in cfg.model_fields_set and getattr(cfg, key) not in (None, 0):
             raise ValueError(f"{key}: not used by {fmt} traces (they have their own)")
-    if "hash_chunk_tokens" in cfg.model_fields_set and fmt != "timed_trace":
+    # The default is allowed anywhere: a resolved scenario (scenario.json) names it.
+    chunk_set = cfg.hash_chunk_tokens != TIMED_TRACE_CHUNK_TOKENS
+    if "hash_chunk_tokens" in cfg.model_fields_set and chunk_set and fmt != "timed_trace":
         raise ValueError("hash_chunk_tokens: only for timed_trace traces")
     if cfg.spread_bursts and fmt != "mooncake":
         raise ValueError("spread_bursts: only for mooncake traces (3 s quantised stamps)")
