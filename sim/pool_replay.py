@@ -67,9 +67,9 @@ _POSITION_MASK = (1 << _POSITION_BITS) - 1
 # request carries that request and this position; its bytes are zeros.
 _UNKNOWN = 0
 _ZERO_POSITION = _POSITION_MASK
-# Cells per gather when verifying, to bound the index memory a full pool
-# needs (cells x layers x words per cell int64 indices).
-_CHUNK_CELLS = 1 << 14
+# Words per gather or scatter (int64 indices: 128 MiB), to bound the memory
+# a full pool's Mamba pages (~1.6 MB each) and a final check need.
+_CHUNK_WORDS = 1 << 24
 
 
 class PoolCorruption(AssertionError):
@@ -283,6 +283,11 @@ def _layer(name: str, label: int, cells: torch.Tensor, base: int) -> _Layer:
         stride1_bytes=cells.stride(1),
         num_words=nbytes // 8,
     )
+
+
+def _chunks(num_cells: int, word_set: _WordSet) -> list[slice]:
+    per_chunk = max(1, _CHUNK_WORDS // (len(word_set.layers) * word_set.num_words))
+    return [slice(lo, lo + per_chunk) for lo in range(0, num_cells, per_chunk)]
 
 
 def pool_words(views: WorkerViews) -> torch.Tensor:
@@ -679,9 +684,10 @@ class PoolReplay:
     def _write(self, row_class: _RowClass, cells: _Cells) -> None:
         view_blocks, rows, codes = (self._tensor(a) for a in (cells.view_blocks, cells.rows, cells.codes))
         for word_set in row_class.word_sets:
-            index = word_set.word_index(view_blocks, rows)
-            self.words[index] = word_set.words(codes)[:, :, None].expand_as(index)
-            self._tally().bytes_written += 8 * index.numel()
+            for chunk in _chunks(len(codes), word_set):
+                index = word_set.word_index(view_blocks[chunk], rows[chunk])
+                self.words[index] = word_set.words(codes[chunk])[:, :, None].expand_as(index)
+                self._tally().bytes_written += 8 * index.numel()
         row_class.shadow[view_blocks, rows] = codes
         self._invalidate_other_groups(
             row_class.group, np.unique(cells.view_blocks // self._slots(row_class.group))
@@ -721,20 +727,22 @@ class PoolReplay:
         view_blocks, rows, codes = view_blocks[known], rows[known], codes[known]
         if expected_positions is not None:
             expected_positions = expected_positions[known]
-        for lo in range(0, len(codes), _CHUNK_CELLS):
-            chunk = slice(lo, lo + _CHUNK_CELLS)
-            self._verify_chunk(
-                row_class,
-                view_blocks[chunk],
-                rows[chunk],
-                codes[chunk],
-                when,
-                None if expected_positions is None else expected_positions[chunk],
-            )
+        for word_set in row_class.word_sets:
+            for chunk in _chunks(len(codes), word_set):
+                self._verify_chunk(
+                    row_class,
+                    word_set,
+                    view_blocks[chunk],
+                    rows[chunk],
+                    codes[chunk],
+                    when,
+                    None if expected_positions is None else expected_positions[chunk],
+                )
 
     def _verify_chunk(
         self,
         row_class: _RowClass,
+        word_set: _WordSet,
         view_blocks: torch.Tensor,
         rows: torch.Tensor,
         codes: torch.Tensor,
@@ -746,16 +754,13 @@ class PoolReplay:
             if bool(mask.any()):
                 i = int(torch.nonzero(mask)[0])
                 self._mismatch(row_class, row_class.layers[0], view_blocks, rows, codes, i, when)
-        for word_set in row_class.word_sets:
-            found = self.words[word_set.word_index(view_blocks, rows)]
-            bad = (found != word_set.words(codes)[:, :, None]).any(dim=2)
-            self._tally().bytes_verified += 8 * found.numel()
-            if bool(bad.any()):
-                layer_index, i = (int(x) for x in torch.nonzero(bad)[0])
-                layer = word_set.layers[layer_index]
-                self._mismatch(
-                    row_class, layer, view_blocks, rows, codes, i, when, int(found[layer_index, i, 0])
-                )
+        found = self.words[word_set.word_index(view_blocks, rows)]
+        bad = (found != word_set.words(codes)[:, :, None]).any(dim=2)
+        self._tally().bytes_verified += 8 * found.numel()
+        if bool(bad.any()):
+            layer_index, i = (int(x) for x in torch.nonzero(bad)[0])
+            layer = word_set.layers[layer_index]
+            self._mismatch(row_class, layer, view_blocks, rows, codes, i, when, int(found[layer_index, i, 0]))
 
     def _mismatch(
         self,

@@ -14,4 +14,5 @@ COMMAND_MODULES: tuple[str, ...] = (
     "gate",
     "sweep",
     "bench",
+    "replay_pool",
 )
