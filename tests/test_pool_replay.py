@@ -20,7 +20,7 @@ import torch
 
 from sim.analysis.runs import scenario_workload
 from sim.cli import main
-from sim.pool_replay import PoolCorruption, replay_pool, with_pool_bytes
+from sim.pool_replay import PoolCorruption, PoolReplay, replay_pool, with_pool_bytes
 from sim.scenario import load_scenario
 from sim.sched.scheduler import Scheduler
 from sim.single_type_kv_cache_manager import RingSlotPool
@@ -149,6 +149,34 @@ def test_a_block_reused_before_its_fenced_free_drains_is_caught(small, monkeypat
     message = str(caught.value)
     assert NAMED.match(message), message
     assert "fenced until step seq" in message
+
+
+def test_the_fenced_pages_themselves_show_the_reuse(small, monkeypatch):
+    """The same broken scheduler with the replay's write-time fence check
+    off: the bytes catch it when the fence passes, the old owner's pages
+    holding the new owner's fingerprint."""
+    monkeypatch.setattr(
+        Scheduler, "_free_request_blocks", lambda self, request: self.kv_cache_manager.free(request)
+    )
+    check = PoolReplay._check_ownership
+
+    def without_the_fence_check(self, *args):
+        fenced, self.fenced = self.fenced, {}
+        try:
+            check(self, *args)
+        finally:
+            self.fenced = fenced
+
+    monkeypatch.setattr(PoolReplay, "_check_ownership", without_the_fence_check)
+    with pytest.raises(PoolCorruption) as caught:
+        replay(small, layout="off")
+    message = str(caught.value)
+    assert NAMED.match(message), message
+    assert re.search(
+        r"when the fence of r\d+ \(freed at step \d+\) passes: expected its position \d+, "
+        r"found request r\d+'s fingerprint",
+        message,
+    ), message
 
 
 # ---------------------------------------------------------------------------
