@@ -518,7 +518,7 @@ class PoolReplay:
     def _note_ring_packing(self, holders: dict[tuple[int, int], set[str]]) -> None:
         for group in self.groups:
             if group.slots_per_block > 1:
-                live = defaultdict(int)
+                live: dict[int, int] = defaultdict(int)
                 for (index, view_block), owners in holders.items():
                     if index == group.index and owners:
                         live[view_block // group.slots_per_block] += 1
@@ -612,18 +612,18 @@ class PoolReplay:
             span = layer.byte_range(view_block, int(cells.rows[index]))
             owners = holders.get((group.index, view_block), set())
             if owners != {request_id}:
-                others = sorted(owners - {request_id})
-                what = f"held by {', '.join(others)}" if others else "not held by it"
+                other_requests = sorted(owners - {request_id})
+                what = f"held by {', '.join(other_requests)}" if other_requests else "not held by it"
                 self._fail(
                     request_id, group.index, f"writes view block {view_block} {what}", span, layer.name
                 )
             pool_block = self._pool_block(group, view_block)
             if pool_groups.get(pool_block, set()) != {group.index}:
-                others = sorted(pool_groups[pool_block] - {group.index})
+                other_groups = sorted(pool_groups[pool_block] - {group.index})
                 self._fail(
                     request_id,
                     group.index,
-                    f"writes pool block {pool_block}, also held by groups {others}",
+                    f"writes pool block {pool_block}, also held by groups {other_groups}",
                     span,
                     layer.name,
                 )

@@ -221,6 +221,11 @@ def test_a_pool_larger_than_memory_is_an_error(capsys):
     assert "--pool-bytes 1,000,000,000,000,000" in err and "available RAM" in err
 
 
+def test_a_rank_the_deployment_lacks_is_an_error(capsys):
+    err = _one_line_error(capsys, ["replay-pool", str(SMALL), "--rank", "4"])
+    assert "--rank 4: the deployment has ranks 0..3" in err
+
+
 def test_the_cli_prints_bytes_and_speed(capsys):
     argv = ["replay-pool", str(SMALL), "--layout", "on", "--set", "workload.num_requests=2"]
     assert main(argv) == 0
