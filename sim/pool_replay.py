@@ -802,7 +802,12 @@ class PoolReplay:
         """Before the request's blocks go back (or are fenced): every page
         it holds still holds what was written there."""
         self.counts["frees_verified"] += 1
-        fenced = self.last_seq.get(request.request_id, 0) > self.processed
+        # The fork fences frees (scheduler.defer_block_free); without it the
+        # scheduler models no step in flight that could still read them.
+        fenced = (
+            self.scheduler.config.defer_block_free
+            and self.last_seq.get(request.request_id, 0) > self.processed
+        )
         fence = _Fence(
             seq=self.last_seq.get(request.request_id, 0),
             request_id=request.request_id,
