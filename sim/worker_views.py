@@ -165,9 +165,11 @@ def bind_layer_views(config: KVCacheConfig, kv_caches: Mapping[str, torch.Tensor
     return views
 
 
-def allocate_worker_views(plan: KVCachePlan, rank: int, *, num_blocks: int | None = None) -> WorkerViews:
-    """Allocate rank ``rank``'s pool of ``plan`` on the CPU and bind its
-    views, through vLLM's ``allocate_kv_cache``.
+def allocate_worker_views(
+    plan: KVCachePlan, rank: int, *, num_blocks: int | None = None, device: torch.device = CPU
+) -> WorkerViews:
+    """Allocate rank ``rank``'s pool of ``plan`` on ``device`` (the CPU by
+    default) and bind its views, through vLLM's ``allocate_kv_cache``.
 
     ``num_blocks`` shrinks the pool (see ``with_num_blocks``); by default the
     plan's block count is used.
@@ -179,7 +181,7 @@ def allocate_worker_views(plan: KVCachePlan, rank: int, *, num_blocks: int | Non
     config, unowned = without_unowned_tensors(configs[rank])
     if num_blocks is not None:
         config = with_num_blocks(config, num_blocks, kv_cache_layout)
-    kv_caches = allocate_kv_cache(config, CPU, kv_cache_layout, kernel_block_sizes(config))
+    kv_caches = allocate_kv_cache(config, device, kv_cache_layout, kernel_block_sizes(config))
     return WorkerViews(
         config=config,
         kv_cache_layout=kv_cache_layout,

@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     ("sim.sched",),
     ("sim.workloads", "sim.step_time", "sim.scenario", "sim.engine"),
-    ("sim.analysis", "sim.results", "sim.bench", "sim.conformance"),
+    ("sim.analysis", "sim.results", "sim.bench", "sim.conformance", "sim.pool_replay"),
     ("sim.replay",),
     ("sim.commands",),
     ("sim.cli",),

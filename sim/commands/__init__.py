@@ -20,4 +20,5 @@ COMMAND_MODULES: tuple[str, ...] = (
     "export_trace",
     "validate",
     "calibrate",
+    "replay_pool",
 )
