@@ -161,16 +161,11 @@ def test_mean_accepted_is_the_sum_of_prefix_products():
 
 
 def test_the_runner_samples_one_token_plus_the_accepted_drafts():
-    """A decode at context 100 with 3 drafts (4 scheduled tokens) and draws
-    accepting 2: three sampled tokens, ids base + 100, 101, 102. A prefill
-    chunk short of its prompt's end samples nothing."""
-    decode = ScheduledRequest(
-        request_id="d",
-        num_scheduled_tokens=4,
-        num_computed_tokens=100,
-        num_spec_tokens=3,
-        num_prompt_tokens_left=0,
-    )
+    """A prefill chunk short of its prompt's end (64 of 150 tokens) samples
+    nothing, and the requests after it still run: a decode at context 100
+    with 3 drafts (4 scheduled tokens, 101 tokens known) whose draws accept
+    2 samples three tokens, ids base + 101, 102, 103. A drafted item that
+    reaches only 96 + 4 - 3 = 97 of its 101 tokens samples nothing."""
     chunk = ScheduledRequest(
         request_id="p",
         num_scheduled_tokens=64,
@@ -178,9 +173,35 @@ def test_the_runner_samples_one_token_plus_the_accepted_drafts():
         num_spec_tokens=0,
         num_prompt_tokens_left=64,
     )
+    decode = ScheduledRequest(
+        request_id="d",
+        num_scheduled_tokens=4,
+        num_computed_tokens=100,
+        num_spec_tokens=3,
+        num_prompt_tokens_left=0,
+    )
+    short = ScheduledRequest(
+        request_id="s",
+        num_scheduled_tokens=4,
+        num_computed_tokens=96,
+        num_spec_tokens=3,
+        num_prompt_tokens_left=0,
+    )
     runner = ModelRunner(AcceptanceModel(conditional_rates=(0.8, 0.7, 0.6)), _FixedDraws(0.5, 0.69, 0.61))  # type: ignore[arg-type]
-    out = runner.execute(SchedulerOutput(step_index=1, scheduled=(decode, chunk)), {"d": 101, "p": 150})
+    output = SchedulerOutput(step_index=1, scheduled=(chunk, decode, short))
+    out = runner.execute(output, {"p": 150, "d": 101, "s": 101})
     assert out.sampled_token_ids == {"d": [OUTPUT_TOKEN_BASE + 101 + i for i in range(3)]}
+
+
+@pytest.mark.parametrize("rates", [(1.5,), (0.5, -0.1)])
+def test_acceptance_rates_outside_zero_one_are_refused(rates):
+    with pytest.raises(ValueError, match=r"conditional_rates must lie in \[0, 1\]"):
+        AcceptanceModel(conditional_rates=rates)
+
+
+def test_mean_accepted_is_rounded_to_twelve_digits():
+    """Rounded so the documented figures print cleanly: 1/3 -> 0.333333333333."""
+    assert AcceptanceModel(conditional_rates=(1 / 3,)).mean_accepted(1) == 0.333333333333
 
 
 def test_the_scheduler_keeps_exactly_the_accepted_drafts():
