@@ -10,8 +10,9 @@ seed), never computed with the code under test.
 from __future__ import annotations
 
 import pytest
-from test_scheduler import _Engine, _scheduler, _spec
+from test_scheduler import _Engine, _FixedDraws, _scheduler, _spec
 
+from sim.allocator_invariants import check_allocator
 from sim.analysis.gates import GateSpec, check_row, on_vs_off_row
 from sim.kv_cache_utils import RING_MAX_SLOTS, RING_SLOT_ALIGN, _largest_slots
 from sim.sched.model_runner import OUTPUT_TOKEN_BASE, AcceptanceModel, ModelRunner
@@ -76,6 +77,9 @@ def _evict_then_resume(num_evicted: int) -> int:
     scheduler.add_request(_spec(1, 200, output=3, family=7))
     output = scheduler.schedule()
     assert output.new_request_ids == ("r001",)
+    check_allocator(scheduler.kv_cache_manager, scheduler.deferred_blocks())
+    # vLLM's prefix-cache stats: the request's 200 tokens queried, its hit counted.
+    assert (output.prefix_cache_queries, output.prefix_cache_hits) == (200, output.admitted_hits["r001"])
     return output.admitted_hits["r001"]
 
 
@@ -123,16 +127,6 @@ def test_the_preempted_request_is_the_newest_running():
 
 
 # ------------------------------------------------------------- accepted drafts
-class _FixedDraws:
-    """An RNG stand-in whose ``random()`` returns the given draws in order."""
-
-    def __init__(self, *draws: float) -> None:
-        self.draws = list(draws)
-
-    def random(self) -> float:
-        return self.draws.pop(0)
-
-
 @pytest.mark.parametrize(
     "rates, drafts, draws, accepted",
     [
