@@ -281,3 +281,29 @@ def test_skipping_blocks_of_a_request_with_no_table_does_nothing():
     [retaining, *_] = [m for m in manager.managers if hasattr(m, "_retained_checkpoints")]
     retaining.remove_skipped_blocks("ghost", 100)
     assert retaining.retained_blocks() == [] and not retaining.req_to_blocks.get("ghost")
+
+
+def test_the_manager_defaults_are_the_forks():
+    """Built with no switches: the fork's retained checkpoint is on, prefix
+    caching is on; with caching off a repeated prompt never hits."""
+    from allocator_driver import tiny_plan
+
+    from sim.kv_cache_manager import build_kv_cache_manager
+    from sim.single_type_kv_cache_manager import RetainingMambaManager
+
+    default = build_kv_cache_manager(tiny_plan(False))
+    assert any(isinstance(m, RetainingMambaManager) for m in default.managers)
+    uncached = build_kv_cache_manager(tiny_plan(False), enable_caching=False)
+    for manager, hit in ((default, 96), (uncached, 0)):
+        first = request("P", tokens(5, 150))
+        prefill(manager, first)
+        decode(manager, first, 2)
+        manager.free(first)
+        assert manager.get_computed_blocks(request("Q", tokens(5, 160)))[1] == hit
+
+
+def test_group_index_finds_the_layers_group():
+    manager = tiny_manager(True)
+    index = group_index(manager, ATTENTION)
+    assert ATTENTION in manager.kv_cache_config.kv_cache_groups[index].layer_names
+    assert index == len(manager.managers) - 1  # full attention is the last group (tiny plan)

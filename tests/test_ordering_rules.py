@@ -80,6 +80,8 @@ def _evict_then_resume(num_evicted: int) -> int:
     check_allocator(scheduler.kv_cache_manager, scheduler.deferred_blocks())
     # vLLM's prefix-cache stats: the request's 200 tokens queried, its hit counted.
     assert (output.prefix_cache_queries, output.prefix_cache_hits) == (200, output.admitted_hits["r001"])
+    # vLLM's KV events: each evicted cached block is one removed hash.
+    assert output.num_evicted_blocks == num_evicted == scheduler.num_evicted_blocks
     return output.admitted_hits["r001"]
 
 
