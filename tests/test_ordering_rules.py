@@ -297,3 +297,67 @@ def test_the_largest_aligned_slot_count_wins(needs, slots):
     S in [2, 1024], the largest such S (the seed's ``_choose_ring_slots``)."""
     assert (RING_SLOT_ALIGN, RING_MAX_SLOTS) == (256, 1024)
     assert _largest_slots(needs) == slots
+
+
+def test_gate_rows_in_full():
+    """Every field of a row, hand-written: a drop of 10.1 against 5 % of
+    200 (allowed 10) fails with the message naming baseline, now, change,
+    allowance and why; a layout without a baseline is 'new'; a rise past
+    the allowance is 'improved'; no tolerance means exact (allowed 0)."""
+    gate = GateSpec(
+        scenario="x.yaml",
+        baselines={"num_admitted": {"off": 200}, "num_preemptions": {"on": 4}},
+        tolerance={"num_admitted": "5%"},
+    )
+    fail = check_row("g", gate, "off", "num_admitted", 189.9)
+    assert (fail.gate, fail.layout, fail.metric, fail.baseline, fail.now) == (
+        "g",
+        "off",
+        "num_admitted",
+        200,
+        189.9,
+    )
+    assert (fail.change, fail.allowed, fail.verdict) == (pytest.approx(-10.1), 10.0, "fail")
+    assert fail.message == (
+        "g [off] num_admitted: baseline 200, now 189.9 (-10.1, allowed ±10): a drop is a regression"
+    )
+    new = check_row("g", gate, "on", "num_admitted", 150)
+    assert (new.baseline, new.change, new.allowed, new.verdict) == (None, None, 0.0, "new")
+    assert new.message == "no baseline yet: run kvsim gate --update to record it"
+    better = check_row("g", gate, "on", "num_preemptions", 3)
+    assert (better.change, better.allowed, better.verdict) == (-1, 0.0, "improved")
+    assert better.message == "better than the baseline: run kvsim gate --update to lock it in"
+    same = check_row("g", gate, "on", "num_preemptions", 4)
+    assert (same.verdict, same.message) == ("pass", "")
+
+
+def test_on_vs_off_rows_in_full():
+    same = on_vs_off_row("g", {"off": {"num_admitted": 10}, "on": {"num_admitted": 10}})
+    assert tuple(vars(same).values()) == ("g", "on-vs-off", "num_admitted", 10, 10, 0, 0.0, "pass", "")
+    fewer = on_vs_off_row("g", {"off": {"num_admitted": 10}, "on": {"num_admitted": 9}})
+    assert tuple(vars(fewer).values())[:8] == ("g", "on-vs-off", "num_admitted", 10, 9, -1, 0.0, "fail")
+    assert fewer.message == (
+        "g [on-vs-off] num_admitted: the new layout admits 9 requests, the old 10: "
+        "the new layout must admit no fewer"
+    )
+
+
+@pytest.mark.parametrize(
+    "baseline, now, direction, verdict",
+    [
+        (10, 10.5, "higher", "improved"),  # any rise past allowed 0, even under 1
+        (10, 9.5, "lower", "improved"),
+        (float("nan"), 1.0, "higher", "fail"),  # a metric that appears where none was
+        (1.0, float("nan"), "higher", "fail"),
+    ],
+)
+def test_judge_fractional_changes_and_nan(baseline, now, direction, verdict):
+    from sim.analysis.gates import judge
+
+    assert judge(baseline, now, direction, 0) == verdict
+
+
+def test_a_zero_percent_tolerance_is_exact():
+    from sim.analysis.gates import parse_tolerance
+
+    assert parse_tolerance("0%", "t") == (0.0, 0.0)
