@@ -26,7 +26,7 @@ declare -A MODULES=(
   # pure-function ones (judging, tolerances, the baseline rewrite).
   [gates]="sim/analysis/gates.py|tests/test_ordering_rules.py tests/test_gates.py::test_judge tests/test_gates.py::test_parse_tolerance tests/test_gates.py::test_parse_tolerance_rejects tests/test_gates.py::test_rewrite_changes_only_the_values"
   [single_type_kv_cache_manager]="sim/single_type_kv_cache_manager.py|tests/test_allocator.py tests/test_ordering_rules.py tests/test_allocator_invariant_rules.py"
-  [kv_cache_manager]="sim/kv_cache_manager.py|tests/test_allocator.py tests/test_scheduler.py"
+  [kv_cache_manager]="sim/kv_cache_manager.py|tests/test_allocator.py tests/test_scheduler.py tests/test_ordering_rules.py"
   [scheduler]="sim/sched/scheduler.py|tests/test_scheduler.py tests/test_ordering_rules.py tests/test_engine_timeline.py"
   [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_ordering_rules.py"
   # tests/test_simulation.py pins the engine too but takes seconds a test.

@@ -24,6 +24,7 @@ frame's ``time_s``/``step_time_s``).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -277,3 +278,28 @@ def test_a_prompt_too_long_is_rejected_at_its_arrival(hand_scenario):
     by_id = requests.set_index("request_id")
     assert by_id["rejected"].tolist() == [True, False]
     assert pd.isna(by_id.loc["r0", "admitted_s"]) and by_id.loc["r1", "admitted_s"] == 1.0
+
+
+def _readme_columns(frame: str) -> set[str]:
+    """The backticked column names README.md's Outputs section lists for
+    ``frame`` (its bullet runs to the next bullet)."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text[text.index("## Outputs") : text.index("## Regression gates")]
+    bullet = section[section.index(f"- `{frame}`:") :]
+    bullet = bullet[: bullet.index("\n- ", 3)]
+    names = set(re.findall(r"`([a-z0-9_]+)`", bullet)) - {frame, "sample_interval_s"}
+    return names
+
+
+def test_the_frames_have_the_columns_the_readme_documents(hand_scenario_file):
+    """Every column README.md names for the steps and requests frames is
+    recorded, and the samples frame carries the steps frame's gauges
+    (the README: "the gauges every sample_interval_s")."""
+    sampled = load_scenario(str(hand_scenario_file), ["simulation.sample_interval_s=1.0"])
+    steps, requests, samples, _ = frames(simulate(sampled, "off", _workload(("r0", 0.0, 1000, 3))))
+    steps_named, requests_named = _readme_columns("steps"), _readme_columns("requests")
+    assert len(steps_named) >= 15 and len(requests_named) >= 10  # the parser found the lists
+    assert steps_named <= set(steps.columns), steps_named - set(steps.columns)
+    assert requests_named <= set(requests.columns), requests_named - set(requests.columns)
+    gauges = {"num_requests_running", "num_requests_waiting", "num_free_blocks", "num_deferred_blocks"}
+    assert gauges | {"time_s", "kv_cache_usage_perc"} <= set(samples.columns)
