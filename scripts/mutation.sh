@@ -53,7 +53,7 @@ source_paths = ["sim"]
 only_mutate = ["$source"]
 pytest_add_cli_args_test_selection = [$(toml_list $tests)]
 pytest_add_cli_args = ["-p", "no:cacheprovider", "-x"]
-also_copy = ["tests", "scenarios"]
+also_copy = ["tests", "scenarios", "README.md"]
 TOML
   echo "== $name: $source against $tests"
   (cd "$copy" && "$venv/bin/mutmut" run >run.log 2>&1 || true
