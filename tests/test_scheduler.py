@@ -123,6 +123,8 @@ def test_requests_longer_than_max_model_len_are_rejected_at_arrival():
     assert not scheduler.add_request(_spec(0, MAX_LEN))
     assert scheduler.add_request(_spec(1, MAX_LEN - 1, output=1))
     assert scheduler.num_rejected == 1 and scheduler.num_waiting == 1
+    assert not scheduler.add_request(_spec(2, MAX_LEN + 10))
+    assert scheduler.num_rejected == 2  # each rejection counts
 
 
 def test_waiting_queue_is_head_of_line_blocking():
@@ -159,6 +161,11 @@ def test_preemption_picks_the_newest_and_admits_nothing_in_that_step():
     assert victim.status == RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
     assert victim.num_preemptions == 1  # counted once, on the request itself
     assert victim.num_output_tokens > 0  # outputs are kept; recomputed on resume
+    for _ in range(400):  # its next admission is a resume, not a new request
+        output, _ = engine.step()
+        if "r002" in output.resumed_request_ids:
+            break
+    assert output.resumed_request_ids == ("r002",) and output.new_request_ids == ()
     engine.run()
     assert not scheduler.has_unfinished_requests()  # and it still finishes
 
