@@ -278,6 +278,31 @@ def test_a_prompt_too_long_is_rejected_at_its_arrival(hand_scenario):
     by_id = requests.set_index("request_id")
     assert by_id["rejected"].tolist() == [True, False]
     assert pd.isna(by_id.loc["r0", "admitted_s"]) and by_id.loc["r1", "admitted_s"] == 1.0
+    # The rejected request keeps its arrival record: nothing happened to it.
+    rejected = by_id.loc["r0"]
+    assert pd.isna(rejected["first_token_s"]) and pd.isna(rejected["finished_s"])
+    assert (rejected["generated_tokens"], rejected["prefix_hit_tokens"], rejected["num_preemptions"]) == (
+        0,
+        0,
+        0,
+    )
+    assert set(requests.columns) == {
+        "scenario", "layout", "request_id", "arrival_s", "prompt_tokens", "output_tokens", "rejected",
+        "admitted_s", "first_token_s", "finished_s", "num_preemptions", "prefix_hit_tokens",
+        "generated_tokens", "admitted", "finished", "ttft_s", "queue_s", "e2e_s",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("layout, kv_cache_tokens", [("off", 806_792), ("on", 853_994)])
+def test_each_layout_simulates_its_own_pool(hand_scenario, layout, kv_cache_tokens):
+    """The simulation plans the pool of the layout it is asked for: the
+    seed's figures, 806,792 tokens in the old layout and 853,994 in the new;
+    the frames carry the layout and the scenario's name."""
+    recording = simulate(hand_scenario, layout, _workload(("r0", 0.0, 300, 1)))
+    steps, requests, _, summary = frames(recording)
+    assert summary["kv_cache_tokens"] == kv_cache_tokens
+    assert set(steps["layout"]) == set(requests["layout"]) == {layout} == {summary["layout"]}
+    assert set(requests["scenario"]) == {"timeline"}
 
 
 def _readme_columns(frame: str) -> set[str]:
