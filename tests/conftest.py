@@ -17,3 +17,15 @@ def flash_next() -> ModelConfig:
 def reference() -> DeploymentConfig:
     """TP2 x PP2, 25/23, 4.1e9 B per rank, 262,144 tokens, 8 sequences."""
     return DeploymentConfig()
+
+
+@pytest.fixture(scope="session")
+def default_run_checked():
+    """The shipped default scenario under both layouts, with the allocator
+    invariants checked after every step (checking changes no state, so the
+    frames are those of ``kvsim compare``). Run once per session and shared:
+    it is the suite's most expensive simulation (~35 s unchecked)."""
+    from sim.analysis.runs import run_scenario
+    from sim.scenario import load_scenario
+
+    return run_scenario(load_scenario("default", ["simulation.check_invariants=true"]))

@@ -282,3 +282,67 @@ def test_a_ring_the_external_load_writes_is_not_recorded_for_clearing(
     expected = ring.get_ring_block_ids("fresh")
     assert len(expected) == 1 and len(ring.get_ring_block_ids("loaded")) == 1
     assert (recorded == expected) != broken
+
+
+def test_a_slot_pool_needs_two_slots_and_catches_a_double_free_in_a_live_page():
+    """S = 1 is no packing (the old layout keeps plain blocks): refused;
+    S = 2 is the smallest pool. A slot freed twice while its page lives is
+    caught by the page's own record even when its reference was restored."""
+    pool = BlockPool(num_gpu_blocks=6, enable_caching=True, hash_block_size=16)
+    with pytest.raises(AssertionError, match=r"^a slot pool needs at least two slots per block$"):
+        RingSlotPool(pool, slots_per_block=1)
+    slots = RingSlotPool(pool, slots_per_block=2)
+    first, second = slots.get_new_blocks(2)
+    slots.free_blocks([first])
+    first.ref_cnt = 1  # a stale holder that still thinks it owns the slot
+    with pytest.raises(AssertionError, match=rf"^ring slot {first.block_id} freed twice$"):
+        slots.free_blocks([first])
+    assert slots.num_pages == 1 and second.ref_cnt == 1
+
+
+def test_a_request_that_holds_its_ring_needs_no_new_ring_block():
+    """Old layout (no slot pool): a request's ring costs one block until it
+    holds one, then nothing; an unknown request has no ring ids."""
+    manager = tiny_manager(False)
+    ring = _ring(manager)
+    holder = request("H", tokens(1, 40))
+    prefill(manager, holder)
+    assert ring.get_num_blocks_to_allocate("H", 44, [], 40, 40, 44) == 0
+    assert ring.get_num_blocks_to_allocate("N", 40, [], 0, 0, 40) == 1
+    assert ring.get_ring_block_ids("nobody") == []
+    manager.free(holder)
+
+
+def test_skipping_blocks_of_a_request_with_no_table_does_nothing():
+    """The retaining manager looks at the table before vLLM's skip: a
+    request with no table (nothing allocated yet) retains nothing."""
+    manager = tiny_manager(False)
+    [retaining, *_] = [m for m in manager.managers if hasattr(m, "_retained_checkpoints")]
+    retaining.remove_skipped_blocks("ghost", 100)
+    assert retaining.retained_blocks() == [] and not retaining.req_to_blocks.get("ghost")
+
+
+def test_the_manager_defaults_are_the_forks():
+    """Built with no switches: the fork's retained checkpoint is on, prefix
+    caching is on; with caching off a repeated prompt never hits."""
+    from allocator_driver import tiny_plan
+
+    from sim.kv_cache_manager import build_kv_cache_manager
+    from sim.single_type_kv_cache_manager import RetainingMambaManager
+
+    default = build_kv_cache_manager(tiny_plan(False))
+    assert any(isinstance(m, RetainingMambaManager) for m in default.managers)
+    uncached = build_kv_cache_manager(tiny_plan(False), enable_caching=False)
+    for manager, hit in ((default, 96), (uncached, 0)):
+        first = request("P", tokens(5, 150))
+        prefill(manager, first)
+        decode(manager, first, 2)
+        manager.free(first)
+        assert manager.get_computed_blocks(request("Q", tokens(5, 160)))[1] == hit
+
+
+def test_group_index_finds_the_layers_group():
+    manager = tiny_manager(True)
+    index = group_index(manager, ATTENTION)
+    assert ATTENTION in manager.kv_cache_config.kv_cache_groups[index].layer_names
+    assert index == len(manager.managers) - 1  # full attention is the last group (tiny plan)

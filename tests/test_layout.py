@@ -13,7 +13,7 @@ from sim.cli import main
 from sim.kv_cache_interface import SlotPackedKVCacheTensor
 from sim.kv_cache_plan import plan_kv_cache
 from sim.model_specs import build_worker_specs
-from sim.vllm_bridge import cdiv, kv_cache_utils, planning
+from sim.vllm_bridge import kv_cache_utils, planning
 
 # SSM dtype -> block, block bytes PP0/PP1, blocks, per-request off/on, tokens off/on
 POOL_FIGURES = {
@@ -164,24 +164,29 @@ def test_layer_outermost_layout_keeps_the_old_layout(flash_next, reference):
     assert any("layer-outermost" in note for note in plan.notes)
 
 
+# Hand-derived from the seed's fp32 figures: block 3,200 tokens, widest
+# stride 12,902,400 B, per request 82 attention blocks (cdiv(262,144, 3,200))
+# + 4 Mamba groups x (2 + K = 5) + 1 ring = 103 old, 82 + 3 x 5 = 97 new; the
+# new layout's ring costs cdiv(max_num_seqs, 800) shared blocks; tokens =
+# int((blocks - shared) / per_request x max_model_len).
+#   more memory: 8.2e9 // 12,902,400 = 635 blocks: 635/103 and 634/97 x 262,144
+#   shorter max len: cdiv(131,072, 3,200) = 41: 62 old, 56 new per request
+#   more sequences: cdiv(1000, 800) = 2 shared ring blocks: 315/97 x 262,144
+FLAG_CASES = {
+    "more-memory": ({"kv_cache_memory_bytes": 8_200_000_000}, 635, (103, 97), (1_616_130, 1_713_394)),
+    "shorter-max-len": ({"max_model_len": 131_072}, 317, (62, 56), (670_158, 739_620)),
+    "more-seqs": ({"max_num_seqs": 1000}, 317, (103, 97), (806_792, 851_292)),
+}
+
+
 @pytest.mark.parametrize("on", [False, True], ids=["off", "on"])
-@pytest.mark.parametrize(
-    "change",
-    [{"kv_cache_memory_bytes": 8_200_000_000}, {"max_model_len": 131_072}, {"max_num_seqs": 1000}],
-    ids=["more-memory", "shorter-max-len", "more-seqs"],
-)
-def test_flags_change_the_figures_as_arithmetic_says(flash_next, reference, on, change):
-    deployment = reference.model_copy(update=change)
-    plan = plan_kv_cache(flash_next, deployment, side_cache_layout=on)
-    widest = max(plan.block_bytes_per_stage)
-    assert plan.num_blocks == deployment.kv_cache_memory_bytes // widest
-    k = flash_next.mtp.num_speculative_tokens
-    mamba_groups = 3 if on else 4
-    attention = cdiv(deployment.max_model_len, plan.block_size)
-    assert plan.blocks_per_request == attention + mamba_groups * (2 + k) + (0 if on else 1)
-    shared = cdiv(deployment.max_num_seqs, plan.ring_slots_per_block) if on else 0
-    expected = int((plan.num_blocks - shared) / plan.blocks_per_request * deployment.max_model_len)
-    assert plan.kv_cache_tokens == expected
+@pytest.mark.parametrize("case", sorted(FLAG_CASES))
+def test_flags_change_the_figures_as_arithmetic_says(flash_next, reference, on, case):
+    change, num_blocks, per_request, tokens = FLAG_CASES[case]
+    plan = plan_kv_cache(flash_next, reference.model_copy(update=change), side_cache_layout=on)
+    assert plan.num_blocks == num_blocks
+    assert plan.blocks_per_request == per_request[on]
+    assert plan.kv_cache_tokens == tokens[on]
 
 
 @pytest.mark.parametrize(

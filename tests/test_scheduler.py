@@ -52,6 +52,16 @@ def _scheduler(
     return Scheduler(config, manager)
 
 
+class _FixedDraws:
+    """An RNG stand-in whose ``random()`` returns the given draws in order."""
+
+    def __init__(self, *draws: float) -> None:
+        self.draws = list(draws)
+
+    def random(self) -> float:
+        return self.draws.pop(0)
+
+
 class _Engine(EngineCore):
     """The engine's own step (``EngineCore``), checking the allocator's
     invariants after each step that ran."""
@@ -113,6 +123,8 @@ def test_requests_longer_than_max_model_len_are_rejected_at_arrival():
     assert not scheduler.add_request(_spec(0, MAX_LEN))
     assert scheduler.add_request(_spec(1, MAX_LEN - 1, output=1))
     assert scheduler.num_rejected == 1 and scheduler.num_waiting == 1
+    assert not scheduler.add_request(_spec(2, MAX_LEN + 10))
+    assert scheduler.num_rejected == 2  # each rejection counts
 
 
 def test_waiting_queue_is_head_of_line_blocking():
@@ -141,11 +153,19 @@ def test_preemption_picks_the_newest_and_admits_nothing_in_that_step():
             break
     assert preempting is not None, "the pool should force a preemption"
     victim = scheduler.requests[preempting.preempted_request_ids[0]]
-    assert victim.request_id == max(preempting.preempted_request_ids)  # the newest running
+    # Hand-derived: all three are admitted in arrival order in the first step
+    # (running = [r000, r001, r002]); vLLM's victim is running[-1], the newest.
+    assert victim.request_id == "r002"
     assert not preempting.new_request_ids and not preempting.resumed_request_ids
     assert scheduler.waiting[0] is victim  # back to the front of the queue
     assert victim.status == RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
+    assert victim.num_preemptions == 1  # counted once, on the request itself
     assert victim.num_output_tokens > 0  # outputs are kept; recomputed on resume
+    for _ in range(400):  # its next admission is a resume, not a new request
+        output, _ = engine.step()
+        if "r002" in output.resumed_request_ids:
+            break
+    assert output.resumed_request_ids == ("r002",) and output.new_request_ids == ()
     engine.run()
     assert not scheduler.has_unfinished_requests()  # and it still finishes
 
@@ -181,3 +201,106 @@ def test_acceptance_model_matches_its_theory():
     # Standard error of the mean is < 0.01 here: 5 sigma.
     assert abs(draws.mean() - expected) < 0.05
     assert np.mean(draws >= 1) == pytest.approx(0.8, abs=0.02)
+
+
+def test_one_step_accounts_every_request():
+    """Two 40-token prompts (outputs 5 and 2), budget 512, K = 3, draws fixed.
+    Step 1 prefills both (40 + 40 prompt tokens left, 80 tokens queried, no
+    hit, two new rings in adjacent slots) and samples each one first token.
+    Step 2 decodes both (4 tokens, 3 drafts, no prompt left): r000's draws
+    0.1, 0.1, 0.9 accept 2 (3 tokens); r001's 0.1, 0.9 accept 1, but it
+    needs only 1 more token: it stops there, finished with 2. Generated
+    3 + 1 = 4, drafts 6, accepted 3. Step 3: r000 alone, draws 0.5 x 3
+    accept all, it needs 1 token: finished with 5; generated 1."""
+    scheduler = _scheduler(budget=512)
+    engine = _Engine(scheduler)
+    engine.model_runner.rng = _FixedDraws(0.1, 0.1, 0.9, 0.1, 0.9, 0.5, 0.5, 0.5)  # type: ignore[assignment]
+    scheduler.add_request(_spec(0, 40, output=5))
+    scheduler.add_request(_spec(1, 40, output=2))
+    rows = []
+    for _ in range(3):
+        output, outcome = engine.step()
+        scheduled = [
+            (i.request_id, i.num_scheduled_tokens, i.num_spec_tokens, i.num_prompt_tokens_left)
+            for i in output.scheduled
+        ]
+        cache = (output.prefix_cache_queries, output.prefix_cache_hits)
+        counts = (outcome.num_generated_tokens, outcome.num_draft_tokens, outcome.num_accepted_tokens)
+        rows.append((output.new_request_ids, scheduled, *cache, outcome.finished, *counts))
+        if len(rows) == 1:
+            first_ring, second_ring = output.new_ring_block_ids
+            assert second_ring == first_ring + 1
+    assert rows == [
+        (("r000", "r001"), [("r000", 40, 0, 40), ("r001", 40, 0, 40)], 80, 0, {}, 2, 0, 0),
+        ((), [("r000", 4, 3, 0), ("r001", 4, 3, 0)], 0, 0, {"r001": 2}, 4, 6, 3),
+        ((), [("r000", 4, 3, 0)], 0, 0, {"r000": 5}, 1, 3, 3),
+    ]
+    assert not scheduler.has_unfinished_requests()
+
+
+def _threshold_scheduler(threshold: int, seqs: int = 8) -> Scheduler:
+    manager = build_kv_cache_manager(tiny_plan(True), num_gpu_blocks=400)
+    config = SchedulerConfig(
+        max_num_seqs=seqs,
+        max_num_batched_tokens=512,
+        max_model_len=MAX_LEN,
+        block_size=32,
+        num_speculative_tokens=K,
+        long_prefill_token_threshold=threshold,
+    )
+    return Scheduler(config, manager)
+
+
+@pytest.mark.parametrize("num_requests, chunk", [(1, 96), (2, 32)])
+def test_long_prefill_threshold_applies_only_with_company(num_requests, chunk):
+    """vLLM's long_prefill_token_threshold (32 here) clips a prefill only
+    when another request is running or waiting: a lone 150-token prompt
+    takes vLLM's Mamba-aligned first chunk, 96 tokens (the last cacheable
+    boundary, 128 - 32), unclipped; two take 32-token chunks each."""
+    scheduler = _threshold_scheduler(32)
+    for index in range(num_requests):
+        scheduler.add_request(_spec(index, 150))
+    output = scheduler.schedule()
+    assert [item.num_scheduled_tokens for item in output.scheduled] == [chunk] * num_requests
+
+
+def test_max_num_seqs_caps_admission():
+    """Three small waiting requests, max_num_seqs 2: two admitted."""
+    scheduler = _threshold_scheduler(0, seqs=2)
+    for index in range(3):
+        scheduler.add_request(_spec(index, 20))
+    assert scheduler.schedule().new_request_ids == ("r000", "r001")
+
+
+def test_decodes_near_max_model_len_keep_room_for_the_sampled_token():
+    """A 500-token prompt under max_model_len 512: a step may compute at
+    most up to 511 tokens (one slot left for the sampled token), so the
+    last decodes carry fewer than 1 + K tokens; the request still finishes."""
+    scheduler = _scheduler(budget=512)
+    engine = _Engine(scheduler, rates=(1.0,))
+    scheduler.add_request(_spec(0, 500, output=30))
+    ends, sizes = [], []
+    for output, _ in engine.run():
+        for item in output.scheduled:
+            ends.append(item.num_computed_tokens + item.num_scheduled_tokens)
+            sizes.append(item.num_scheduled_tokens)
+    assert max(ends) == MAX_LEN - 1
+    assert min(sizes[1:]) < 1 + K  # clipped by the limit, not the drafts
+    assert not scheduler.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("max_num_seqs", 0, "max_num_seqs must be positive, got 0"),
+        ("max_num_batched_tokens", -1, "max_num_batched_tokens must be positive, got -1"),
+        ("max_concurrent_batches", 0, "max_concurrent_batches must be at least 1, got 0"),
+    ],
+)
+def test_scheduler_config_names_the_bad_field(field, value, message):
+    base = dict(
+        max_num_seqs=1, max_num_batched_tokens=1, max_model_len=1, block_size=1, num_speculative_tokens=0
+    )
+    SchedulerConfig(**base)  # CONTROL: 1 is valid everywhere
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        SchedulerConfig(**{**base, field: value})

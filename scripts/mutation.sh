@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Mutation testing (mutmut 3) over the modules that hold kvsim's rules, one
+# module at a time, each against the few test files that pin it (fast:
+# mutmut imports vLLM once and forks per mutant, running only the tests
+# that reach the mutated function). Slow on purpose-built hardware and not
+# part of CI; see docs/testing.md.
+#
+#   scripts/mutation.sh                  every module below, in order
+#   scripts/mutation.sh gates step_time  the named modules only
+#
+# Each module runs in a throwaway copy of the working tree
+# (${KVSIM_MUTATION_DIR:-/tmp/kvsim-mutation}/<module>), so the checkout
+# never holds mutants/; the survivors and the counts are printed and kept
+# in <copy>/results.txt. KVSIM_VENV picks the environment (default .venv).
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${KVSIM_VENV:-$root/.venv}"
+work="${KVSIM_MUTATION_DIR:-/tmp/kvsim-mutation}"
+
+# module -> "source file|test files" (the tests that pin that module's rules).
+declare -A MODULES=(
+  [allocator_invariants]="sim/allocator_invariants.py|tests/test_allocator_invariant_rules.py tests/test_allocator_properties.py"
+  [step_time]="sim/step_time.py|tests/test_step_time.py tests/test_engine_timeline.py"
+  # The gates tests that run gate scenarios take seconds each: only the
+  # pure-function ones (judging, tolerances, the baseline rewrite).
+  [gates]="sim/analysis/gates.py|tests/test_ordering_rules.py tests/test_gates.py::test_judge tests/test_gates.py::test_parse_tolerance tests/test_gates.py::test_parse_tolerance_rejects tests/test_gates.py::test_rewrite_changes_only_the_values"
+  [single_type_kv_cache_manager]="sim/single_type_kv_cache_manager.py|tests/test_allocator.py tests/test_ordering_rules.py tests/test_allocator_invariant_rules.py"
+  [kv_cache_manager]="sim/kv_cache_manager.py|tests/test_allocator.py tests/test_scheduler.py tests/test_ordering_rules.py"
+  [scheduler]="sim/sched/scheduler.py|tests/test_scheduler.py tests/test_ordering_rules.py tests/test_engine_timeline.py"
+  [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_ordering_rules.py"
+  # tests/test_simulation.py pins the engine too but takes seconds a test.
+  [engine]="sim/engine.py|tests/test_engine_timeline.py"
+)
+ORDER=(engine scheduler gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager)
+
+toml_list() { printf '"%s", ' "$@" | sed 's/, $//'; }
+
+mutate_one() {
+  local name=$1 entry=${MODULES[$1]:?unknown module $1 (known: ${ORDER[*]})}
+  local source=${entry%%|*} tests=${entry#*|}
+  local copy="$work/$name"
+  rm -rf "$copy" && mkdir -p "$copy"
+  # Tracked and new (not ignored) files only: no results/, no .venv.
+  (cd "$root" && git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$copy")
+  # This module's section replaces the whole-set one.
+  awk '/^\[tool\.mutmut\]/{skip=1; next} /^\[/{skip=0} !skip' "$root/pyproject.toml" >"$copy/pyproject.toml"
+  # shellcheck disable=SC2086
+  cat >>"$copy/pyproject.toml" <<TOML
+
+[tool.mutmut]
+source_paths = ["sim"]
+only_mutate = ["$source"]
+pytest_add_cli_args_test_selection = [$(toml_list $tests)]
+pytest_add_cli_args = ["-p", "no:cacheprovider", "-x"]
+also_copy = ["tests", "scenarios", "README.md"]
+TOML
+  echo "== $name: $source against $tests"
+  (cd "$copy" && "$venv/bin/mutmut" run >run.log 2>&1 || true
+   "$venv/bin/mutmut" results --all true >results.txt 2>&1 || true
+   summarise "$name" results.txt)
+}
+
+summarise() {
+  local name=$1 results=$2
+  local killed survived other
+  killed=$(grep -c ': killed$' "$results" || true)
+  survived=$(grep -c ': survived$' "$results" || true)
+  other=$(grep -vc ': killed$\|: survived$' "$results" || true)
+  echo "$name: killed $killed, survived $survived, other $other"
+  grep ': survived$' "$results" | sed 's/^/  survived: /' || true
+}
+
+for name in "${@:-${ORDER[@]}}"; do
+  mutate_one "$name"
+done
