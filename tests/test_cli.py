@@ -128,3 +128,52 @@ def test_bench_measures_a_run(tmp_path):
     assert figures.sim_s_per_wall_s > 0 and figures.peak_rss_mib > 0
     table = format_bench("tiny", [figures])
     assert "sim s/wall s" in table and "steps/s" in table and "peak MiB" in table
+
+
+def test_bench_saves_its_figures_as_json(tmp_path, monkeypatch, capsys):
+    """``kvsim bench`` writes what it printed as JSON (commit, scenario, one
+    record per layout with the derived rates), so two commits' benches can be
+    compared. The measurement itself is the test above; here it is replaced
+    by fixed figures whose rates are derived by hand: 120 s / 4 s = 30."""
+    import json
+
+    import sim.bench
+    from sim.bench import BenchFigures
+
+    fixed = BenchFigures(
+        layout="on", import_s=1.0, simulated_s=120.0, wall_s=4.0, steps=800, requests=8, peak_rss_mib=300.0
+    )
+    monkeypatch.setattr(sim.bench, "run_bench", lambda scenario, overrides, layouts: [fixed])
+    path = write_scenario(tmp_path, workload=TINY)
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(path), "--layouts", "on", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["figures"] == [
+        {
+            "layout": "on",
+            "import_s": 1.0,
+            "simulated_s": 120.0,
+            "wall_s": 4.0,
+            "steps": 800,
+            "requests": 8,
+            "peak_rss_mib": 300.0,
+            "sim_s_per_wall_s": 30.0,
+            "steps_per_s": 200.0,
+        }
+    ]
+    assert record["scenario"] == path.stem and "commit" in record
+    assert str(out) in capsys.readouterr().out
+
+
+def test_the_saturated_decode_scenario_binds_on_the_pool():
+    """The speed benchmark's saturated case ships and is what it claims: 2,000
+    requests of the shipped Azure conversation slice, arrivals compressed
+    x0.05 (424.3 s of trace -> 21.2 s), 64 sequences."""
+    from sim.analysis.runs import scenario_workload
+    from sim.scenario import load_scenario
+
+    scenario = load_scenario("saturated-decode")
+    workload = scenario_workload(scenario)
+    assert len(workload.requests) == 2000
+    assert scenario.deployment.max_num_seqs == 64
+    assert workload.requests[-1].arrival_s == pytest.approx(424.2594570 * 0.05, abs=1e-6)

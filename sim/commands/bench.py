@@ -1,8 +1,13 @@
-"""``kvsim bench``: simulator speed and memory per layout."""
+"""``kvsim bench``: simulator speed and memory per layout, saved as JSON."""
 
 from __future__ import annotations
 
 import argparse
+import platform
+import subprocess
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from sim.commands.common import CLIError, add_scenario_argument
@@ -14,16 +19,49 @@ def register(subparsers: Any) -> None:
     add_scenario_argument(parser)
     add_override_argument(parser)
     parser.add_argument("--layouts", default="off,on")
+    parser.add_argument(
+        "--out",
+        metavar="FILE",
+        help="where the figures go as JSON, to compare commits (default results/bench/SCENARIO.json)",
+    )
     parser.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from sim.bench import format_bench, run_bench
+    from sim.results import write_json
     from sim.scenario import load_scenario
 
-    load_scenario(args.scenario, args.set)  # bad input fails here, in this process
+    scenario = load_scenario(args.scenario, args.set)  # bad input fails here, in this process
     layouts = tuple(args.layouts.split(","))
     if not set(layouts) <= {"off", "on"}:
         raise CLIError(f"--layouts {args.layouts!r}: expected a comma-separated subset of off,on")
-    print(format_bench(args.scenario, run_bench(args.scenario, args.set, layouts)))
+    figures = run_bench(args.scenario, args.set, layouts)
+    print(format_bench(args.scenario, figures))
+    out = Path(args.out) if args.out else Path("results") / "bench" / f"{scenario.name}.json"
+    record = {
+        "scenario": scenario.name,
+        "set": args.set,
+        "commit": _commit(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {"python": platform.python_version(), "processor": platform.machine()},
+        "figures": [
+            asdict(f) | {"sim_s_per_wall_s": f.sim_s_per_wall_s, "steps_per_s": f.steps_per_s}
+            for f in figures
+        ],
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out, record)
+    print(f"kvsim bench: figures written to {out}")
     return 0
+
+
+def _commit() -> str | None:
+    """The checkout's commit, so two saved benches name what they measured."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None

@@ -19,6 +19,9 @@ DEFAULT_TRACE = DATA_DIR / "mooncake_conversation_slice.jsonl"
 # First 5 minutes (781 requests) of the Azure 2023 code trace: a silent gap,
 # then a burst; no prefix information (the no-sharing control).
 AZURE_CODE_SLICE = DATA_DIR / "azure_code_slice.csv"
+# First 2,000 requests (about 7 minutes) of the Azure 2023 conversation trace:
+# short chat prompts; sped up, it saturates decode (the speed benchmark).
+AZURE_CONV_SLICE = DATA_DIR / "azure_conv_slice.csv"
 # ShareGPT prompt/output lengths (Llama-2 tokenizer), no arrival times.
 SHAREGPT_LENGTHS = DATA_DIR / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
 
@@ -27,6 +30,7 @@ SHIPPED_TRACES: dict[str, tuple[Path, TraceFormat]] = {
     "default": (DEFAULT_TRACE, "mooncake"),
     "mooncake-slice": (DEFAULT_TRACE, "mooncake"),
     "azure-code-slice": (AZURE_CODE_SLICE, "azure"),
+    "azure-conv-slice": (AZURE_CONV_SLICE, "azure"),
     "sharegpt-lengths": (SHAREGPT_LENGTHS, "sharegpt"),
 }
 
