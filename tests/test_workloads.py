@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from sim.config import ConfigError, validate
 from sim.workloads import (
     AZURE_CODE_SLICE,
+    AZURE_CONV_SLICE,
     DATA_DIR,
     DEFAULT_TRACE,
     FRESH_ID_BASE,
@@ -100,6 +101,7 @@ def test_shipped_files_match_the_checksums_in_their_readme():
     assert set(checksums) == {
         DEFAULT_TRACE.name,
         AZURE_CODE_SLICE.name,
+        AZURE_CONV_SLICE.name,
         SHAREGPT_LENGTHS.name,
     }
     for name, digest in checksums.items():

@@ -51,6 +51,7 @@ from sim.workloads.loaders import (
 )
 from sim.workloads.shipped import (
     AZURE_CODE_SLICE,
+    AZURE_CONV_SLICE,
     DATA_DIR,
     DEFAULT_TRACE,
     SHAREGPT_LENGTHS,
@@ -77,6 +78,7 @@ from sim.workloads.transforms import (
 
 __all__ = [
     "AZURE_CODE_SLICE",
+    "AZURE_CONV_SLICE",
     "DATA_DIR",
     "DEFAULT_TRACE",
     "FRESH_ID_BASE",
