@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from sim.workloads.loaders import (
-    NO_PREFIX_UNIT,
     _cells,
     _check_header,
     _check_order,
@@ -35,6 +34,7 @@ from sim.workloads.loaders import (
     _lines,
     _row,
     _short,
+    no_prefix_request,
 )
 from sim.workloads.shipped import display_path
 from sim.workloads.spec import (
@@ -42,7 +42,6 @@ from sim.workloads.spec import (
     RequestSpec,
     TraceError,
     Workload,
-    ceil_div,
     request_id,
     sort_requests,
 )
@@ -123,13 +122,8 @@ def load_timed_csv(path: Path | str, *, name: str | None = None) -> Workload:
         previous = (time_s, arrival)
         prompt_len = _int_cell(path, line, TIMED_CSV_HEADER[1], prompt)
         requests.append(
-            RequestSpec(
-                request_id=request_id(len(requests)),
-                arrival_s=time_s,
-                prompt_len=prompt_len,
-                output_len=_int_cell(path, line, TIMED_CSV_HEADER[2], output),
-                prefix_ids=fresh.take(ceil_div(prompt_len, NO_PREFIX_UNIT)),
-                prefix_unit=NO_PREFIX_UNIT,
+            no_prefix_request(
+                len(requests), time_s, prompt_len, _int_cell(path, line, TIMED_CSV_HEADER[2], output), fresh
             )
         )
     if not requests:

@@ -178,6 +178,21 @@ def _check_order(path: Path, line: int, time: tuple[float, str], previous: tuple
         )
 
 
+def no_prefix_request(
+    index: int, arrival_s: float, prompt_len: int, output_len: int, fresh: FreshIds
+) -> RequestSpec:
+    """A request of a trace without prefix information: every chunk of its
+    prompt gets a fresh content id, so it shares no block with another."""
+    return RequestSpec(
+        request_id=request_id(index),
+        arrival_s=arrival_s,
+        prompt_len=prompt_len,
+        output_len=output_len,
+        prefix_ids=fresh.take(ceil_div(prompt_len, NO_PREFIX_UNIT)),
+        prefix_unit=NO_PREFIX_UNIT,
+    )
+
+
 def _empty(path: Path) -> TraceError:
     return TraceError(path, 1, "empty trace: no requests")
 
@@ -312,13 +327,12 @@ def load_azure(path: Path | str, *, name: str | None = None, max_requests: int |
         _check_span(path, line, (ticks - first_ticks) / _TICKS_PER_S)
         prompt_len = _int_cell(path, line, AZURE_HEADER[1], context)
         requests.append(
-            RequestSpec(
-                request_id=request_id(len(requests)),
-                arrival_s=(ticks - first_ticks) / _TICKS_PER_S,
-                prompt_len=prompt_len,
-                output_len=_int_cell(path, line, AZURE_HEADER[2], generated),
-                prefix_ids=fresh.take(ceil_div(prompt_len, NO_PREFIX_UNIT)),
-                prefix_unit=NO_PREFIX_UNIT,
+            no_prefix_request(
+                len(requests),
+                (ticks - first_ticks) / _TICKS_PER_S,
+                prompt_len,
+                _int_cell(path, line, AZURE_HEADER[2], generated),
+                fresh,
             )
         )
     if not requests:
@@ -377,14 +391,7 @@ def load_sharegpt_lengths(
     times_s = arrival_times_s(arrival, len(lengths), rng)
     fresh = FreshIds()
     requests = [
-        RequestSpec(
-            request_id=request_id(index),
-            arrival_s=float(time_s),
-            prompt_len=prompt_len,
-            output_len=output_len,
-            prefix_ids=fresh.take(ceil_div(prompt_len, NO_PREFIX_UNIT)),
-            prefix_unit=NO_PREFIX_UNIT,
-        )
+        no_prefix_request(index, float(time_s), prompt_len, output_len, fresh)
         for index, ((prompt_len, output_len), time_s) in enumerate(zip(lengths, times_s, strict=True))
     ]
     return Workload(
