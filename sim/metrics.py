@@ -325,7 +325,27 @@ def by_vllm_name(name: str) -> list[tuple[Frame, Metric]]:
     ]
 
 
-def unregistered(frame: Frame, names: Iterable[str]) -> list[str]:
-    """The column names in ``names`` that ``frame``'s registry lacks."""
+# Columns only a replay's frames have (what a live server shows and a
+# simulation has no counterpart of).
+# fmt: off
+REPLAY_ONLY: dict[Frame, tuple[Metric, ...]] = {
+    "requests": (
+        _m("sent_s", "s", "value", "when the replay sent the request"),
+        _m("finish_reason", "text", "value", "the server's finish reason (length: the output was pinned)"),
+        _m("error", "text", "value", "why the request failed (HTTP status, lost connection, timeout)"),
+    ),
+    "summary": (
+        _m("layout_check", "ok|mismatch|unchecked", "value", "the server's boot log against kvsim's plan"),
+        _m("complete", "bool", "value", "every request was sent and ended (not interrupted)"),
+    ),
+}
+# fmt: on
+
+
+def unregistered(frame: Frame, names: Iterable[str], *, source: str = "sim") -> list[str]:
+    """The column names in ``names`` that ``frame``'s registry lacks (a
+    replay's frames may also hold ``REPLAY_ONLY``'s columns)."""
     known = set(columns(frame))
+    if source == "replay":
+        known |= {m.name for m in REPLAY_ONLY.get(frame, ())}
     return [name for name in names if name not in known]

@@ -25,6 +25,7 @@ import pandas as pd
 from replay_fault_server import MALFORMED_METRICS, MISSING_METRICS, FaultOptions, free_port, running_server
 from sim_helpers import write_scenario
 
+from sim import metrics
 from sim.cli import main
 
 FAULT_SERVER = Path(__file__).with_name("replay_fault_server.py")
@@ -104,6 +105,10 @@ def test_closed_loop_serve_and_replay_reproduce_the_simulation(tmp_path, capsys)
     assert manifest["boot_kv_cache_tokens"] == sim["kv_cache_tokens"]
     frames = _frames(out)
     assert set(frames["requests"]["source"]) == {"replay"} and frames["requests"].columns[-1] == "source"
+    # Every replay column is registered (the sim's, or a replay-only one).
+    for name, frame in frames.items():
+        assert metrics.unregistered(name, frame.columns, source="replay") == [], name
+    assert metrics.unregistered("requests", ["sent_s"]) == ["sent_s"]  # CONTROL: not a sim column
     assert (frames["requests"]["generated_tokens"] == 30).all()
     # The scraped counters agree with the simulator's own totals.
     assert replay["prefix_cache_queries_tokens"] == sim["prefix_cache_queries_tokens"]
