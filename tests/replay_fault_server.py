@@ -17,7 +17,7 @@ import json
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -128,22 +128,29 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(options: FaultOptions) -> Iterator[str]:
-    """The server in a thread of its own on 127.0.0.1; stopped on exit. When
-    it dies (``die_at``), its listening socket closes: later requests fail."""
+def app_in_thread(
+    make_app: Callable[[], web.Application],
+    *,
+    start_timeout_s: float,
+    stop_when: asyncio.Event | None = None,
+) -> Iterator[str]:
+    """``make_app()`` (built inside the server's loop) served from a thread of
+    its own on 127.0.0.1; stopped on exit. ``stop_when`` closes the listening
+    socket once set, so later requests fail as on a dead server."""
     port = free_port()
     loop = asyncio.new_event_loop()
     started = threading.Event()
-    server = FaultServer(options)
-    runner = web.AppRunner(server.app(), shutdown_timeout=1.0)
+    runners: list[web.AppRunner] = []
 
     async def serve() -> None:
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", port)
+        runners.append(web.AppRunner(make_app(), shutdown_timeout=1.0))
+        await runners[0].setup()
+        site = web.TCPSite(runners[0], "127.0.0.1", port)
         await site.start()
         started.set()
-        await server.dead.wait()
-        await site.stop()
+        if stop_when is not None:
+            await stop_when.wait()
+            await site.stop()
 
     def run() -> None:
         asyncio.set_event_loop(loop)
@@ -153,13 +160,23 @@ def running_server(options: FaultOptions) -> Iterator[str]:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
-        assert started.wait(10), "fault server did not start"
+        assert started.wait(start_timeout_s), "the server did not start"
         yield f"http://127.0.0.1:{port}"
     finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        if runners:
+            asyncio.run_coroutine_threadsafe(runners[0].cleanup(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+@contextlib.contextmanager
+def running_server(options: FaultOptions) -> Iterator[str]:
+    """The fault server on 127.0.0.1; when it dies (``die_at``), its
+    listening socket closes: later requests fail."""
+    server = FaultServer(options)
+    with app_in_thread(server.app, start_timeout_s=10, stop_when=server.dead) as url:
+        yield url
 
 
 def main() -> None:

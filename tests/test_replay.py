@@ -11,7 +11,6 @@ ones.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -22,7 +21,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
-from replay_fault_server import MALFORMED_METRICS, MISSING_METRICS, FaultOptions, free_port, running_server
+from replay_fault_server import (
+    MALFORMED_METRICS,
+    MISSING_METRICS,
+    FaultOptions,
+    app_in_thread,
+    free_port,
+    running_server,
+)
 from sim_helpers import write_scenario
 
 from sim import metrics
@@ -257,40 +263,15 @@ SHARED_PREFIX = {
 @contextlib.contextmanager
 def _kvsim_serve_in_thread(path: Path, speed: float) -> Iterator[str]:
     """``kvsim serve``'s app in a thread on 127.0.0.1 (no process start-up)."""
-    from aiohttp import web
-
     from sim.replay.live_engine import LiveEngine
     from sim.replay.server import build_app
     from sim.scenario import load_scenario
 
-    port = free_port()
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    runner: list[web.AppRunner] = []
+    def make_app():
+        return build_app(LiveEngine(load_scenario(str(path)), "on", speed=speed))
 
-    async def serve() -> None:
-        app = build_app(LiveEngine(load_scenario(str(path)), "on", speed=speed))
-        runner.append(web.AppRunner(app, shutdown_timeout=1.0))
-        await runner[0].setup()
-        await web.TCPSite(runner[0], "127.0.0.1", port).start()
-        started.set()
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        loop.create_task(serve())
-        loop.run_forever()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        assert started.wait(60), "kvsim serve did not start"
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        if runner:
-            asyncio.run_coroutine_threadsafe(runner[0].cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+    with app_in_thread(make_app, start_timeout_s=60) as url:
+        yield url
 
 
 def _replay_hits(tmp_path: Path, path: Path, name: str) -> pd.Series:
