@@ -17,36 +17,6 @@ if TYPE_CHECKING:  # frames only read a recording: no engine (nor vLLM) at impor
     from sim.engine import Recording
 
 
-# The columns of a step row (``Simulation._record_step``): a run with no
-# step (every request rejected, or a horizon before the first arrival) still
-# has them, so figures and summaries read the same columns from every run.
-STEP_COLUMNS = (
-    "step",
-    "time_s",
-    "step_time_s",
-    "num_requests_running",
-    "num_requests_waiting",
-    "num_scheduled_requests",
-    "num_scheduled_tokens",
-    "num_prefill_tokens",
-    "num_decode_tokens",
-    "num_admitted",
-    "num_resumed",
-    "num_preemptions",
-    "num_finished",
-    "num_generation_tokens",
-    "num_draft_tokens",
-    "num_accepted_tokens",
-    "num_free_blocks",
-    "num_deferred_blocks",
-    "kv_cache_usage_perc",
-    "prefix_cache_queries_tokens",
-    "prefix_cache_hits_tokens",
-    "prefix_cache_evicted_blocks",
-    "num_retained_checkpoints",
-)
-
-
 # The ``source`` column: frames from ``kvsim run`` say "sim", frames from
 # ``kvsim replay`` (a live server) say "replay"; always the last column.
 SIM_SOURCE = "sim"
