@@ -74,7 +74,7 @@ class Simulation:
         self.kv_cache_manager = build_kv_cache_manager(
             self.plan, **allocator_options(scenario.allocator), mtp_hashing=config.mtp_hashing
         )
-        self.scheduler = Scheduler(config, self.kv_cache_manager)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, fast_path=scenario.simulation.fast_path)
         acceptance = AcceptanceModel(conditional_rates=scenario.mtp.acceptance_rates)
         self.model_runner = ModelRunner(acceptance, _runner_rng(scenario.seed))
         self.core = EngineCore(self.scheduler, self.model_runner)

@@ -22,6 +22,7 @@ from typing import Protocol
 from sim.kv_cache_manager import KVCacheManager, MTPHashing
 from sim.sched.model_runner import OUTPUT_TOKEN_BASE
 from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepOutcome
+from sim.sched.settled import SettledSteps
 from sim.sched.stats import PrefixCacheStats, SchedulerGauges, SchedulerStats, SpecDecodingStats
 from sim.vllm_bridge import (
     BlockRemoved,
@@ -101,11 +102,20 @@ class _StepState:
 
 
 class Scheduler:
-    """FCFS scheduler over one ``KVCacheManager``."""
+    """FCFS scheduler over one ``KVCacheManager``.
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    ``fast_path``: skip a decoding request's allocator calls between block
+    boundaries, where they change nothing (``sim/sched/settled.py``); the
+    steps, frames and allocator states are the same either way.
+    """
+
+    def __init__(
+        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, *, fast_path: bool = True
+    ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.settled_allocations = _settled_steps(config, kv_cache_manager) if fast_path else None
+        self.settled_caching = _settled_steps(config, kv_cache_manager) if fast_path else None
         self.split = MambaAlignedSplit(
             block_size=config.block_size,
             max_num_scheduled_tokens=config.max_num_batched_tokens,
@@ -215,6 +225,10 @@ class Scheduler:
         victim) until it fits, the victim is the request itself, or the victim's
         blocks cannot be freed at once (a fenced free would not help now)."""
         lookahead = self.config.num_speculative_tokens
+        settled = self.settled_allocations
+        span = self._decode_span(request, num_new + lookahead)
+        if settled is not None and span is not None and settled.is_settled(request.request_id, *span):
+            return True
         while self.kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is None:
             victim = self.running[-1]
             if not self._blocks_can_be_freed(victim):
@@ -224,7 +238,18 @@ class Scheduler:
             step.preempted_ids.append(victim.request_id)
             if victim is request:
                 return False
+        if settled is not None and span is not None:
+            settled.record(request.request_id, *span)
         return True
+
+    def _decode_span(self, request: Request, num_tokens: int) -> tuple[int, int] | None:
+        """The positions a decoding request's next ``num_tokens`` slots
+        span, when the fast path is on (None: make every call). Decoding:
+        only the last known token and drafts are left to compute, so the
+        prefill end lies behind the span too."""
+        if self.settled_allocations is None or request.num_computed_tokens < request.num_tokens - 1:
+            return None
+        return request.num_computed_tokens, request.num_computed_tokens + num_tokens
 
     def _schedule_waiting(self, step: _StepState) -> None:
         while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -346,6 +371,9 @@ class Scheduler:
         return self.last_sched_seq.get(request.request_id, 0) <= self.processed_step_seq
 
     def _free_request_blocks(self, request: Request) -> None:
+        for settled in (self.settled_allocations, self.settled_caching):
+            if settled is not None:
+                settled.forget(request.request_id)
         if self._blocks_can_be_freed(request):
             self.kv_cache_manager.free(request)
             return
@@ -422,8 +450,17 @@ class Scheduler:
         """Cache the blocks the accepted tokens filled, then take the
         drafter's K new drafts (vLLM's ``update_draft_token_ids``)."""
         if self.config.num_speculative_tokens:
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            self._cache_blocks(request)
         request.spec_token_ids = [DRAFT_TOKEN_ID] * self.config.num_speculative_tokens
+
+    def _cache_blocks(self, request: Request) -> None:
+        computed = request.num_computed_tokens
+        settled = self.settled_caching
+        if settled is not None and settled.is_settled(request.request_id, computed, computed):
+            return
+        self.kv_cache_manager.cache_blocks(request, computed)
+        if settled is not None:
+            settled.record(request.request_id, computed, computed)
 
     def _finish(self, request: Request) -> None:
         self.running.remove(request)
@@ -496,3 +533,16 @@ class Scheduler:
     def token_counts(self) -> dict[str, int]:
         """Each running request's tokens (prompt plus outputs, no drafts)."""
         return {r.request_id: r.num_tokens for r in self.running}
+
+
+def _settled_steps(config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> SettledSteps:
+    """Windows over every block size a call divides by (the groups', the
+    hash block), widened by a margin well past the lookahead and re-prefill
+    offsets a call adds (a few tokens each). The rings' block size is left
+    out: a ring is claimed once per request and never reads a position."""
+    rings = kv_cache_manager.ring_managers
+    sizes = {m.block_size for m in kv_cache_manager.managers if m not in rings}
+    sizes.add(kv_cache_manager.block_pool.hash_block_size)
+    sizes.add(config.block_size)
+    margin = 4 * (1 + config.num_speculative_tokens) + 16
+    return SettledSteps(tuple(sizes), margin)

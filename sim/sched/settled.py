@@ -1,0 +1,65 @@
+"""Settled decode steps: the calls into vLLM's allocator kvsim may skip.
+
+No twin in vLLM (its scheduler makes every call); this is kvsim's fast path.
+Between block boundaries a decoding request's ``allocate_slots`` and
+``cache_blocks`` calls change nothing, and they are most of a saturated
+simulation's time. Both read the request's token positions only through
+block arithmetic (ceil and floor divisions by a group's or the hash block
+size, a remainder, a few tokens of lookahead or re-prefill either side). So
+while every position a call can read lies strictly inside one block of
+every size, two calls see the same quantities and take the same branches;
+the first such call does the block's work (allocates, frees the old Mamba
+state, caches the full blocks) and leaves tables that the next calls find
+complete. Those next calls are skipped.
+
+``margin_tokens`` widens the window a call is taken to read on both sides,
+so an offset the argument above missed (a lookahead, the re-prefill
+rollback) cannot reach a boundary unnoticed. The skip is checked, not only
+argued: ``tests/test_fast_path.py`` makes every skipped call anyway and
+asserts it changed nothing, and compares the frames of every gate scenario
+with and without the fast path.
+"""
+
+from __future__ import annotations
+
+
+class SettledSteps:
+    """Per request, the block window of its last real call of one kind; a
+    call in the same window is settled."""
+
+    def __init__(self, block_sizes: tuple[int, ...], margin_tokens: int) -> None:
+        if not block_sizes or min(block_sizes) <= 0:
+            raise ValueError(f"block sizes must be positive, got {block_sizes}")
+        self.block_sizes = tuple(sorted(set(block_sizes)))
+        self.margin_tokens = margin_tokens
+        self._windows: dict[str, tuple[int, ...]] = {}
+
+    def window(self, first_token: int, last_token: int) -> tuple[int, ...] | None:
+        """The blocks (one index per block size) holding every position from
+        ``first_token`` to ``last_token`` widened by the margin; None when
+        the widened span touches or crosses a boundary."""
+        low = first_token - self.margin_tokens
+        high = last_token + self.margin_tokens
+        if low <= 0:
+            return None
+        window = tuple(low // size for size in self.block_sizes)
+        for index, size in zip(window, self.block_sizes, strict=True):
+            if high // size != index or low % size == 0:
+                return None
+        return window
+
+    def is_settled(self, request_id: str, first_token: int, last_token: int) -> bool:
+        window = self.window(first_token, last_token)
+        return window is not None and self._windows.get(request_id) == window
+
+    def record(self, request_id: str, first_token: int, last_token: int) -> None:
+        """A real call was made over these tokens."""
+        window = self.window(first_token, last_token)
+        if window is None:
+            self._windows.pop(request_id, None)
+        else:
+            self._windows[request_id] = window
+
+    def forget(self, request_id: str) -> None:
+        """The request's blocks were freed (preempted or finished)."""
+        self._windows.pop(request_id, None)

@@ -1,0 +1,226 @@
+"""The fast path (``simulation.fast_path``, ``sim/sched/settled.py``): the
+allocator calls it skips change nothing, and every frame is the same with
+and without it.
+
+Two independent checks, neither reading the fast path's own reasoning: a
+scheduler that makes every skipped call anyway and compares the whole
+allocator state (every block's id, reference count and hash, the free
+queue's order, every per-request table and dict of every manager) before
+and after; and the frames of every gate scenario run both ways.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sim_helpers
+
+from sim.analysis.gates import DEFAULT_GATES, gate_scenario, load_gates
+from sim.analysis.runs import scenario_workload
+from sim.engine import Simulation
+from sim.paths import SCENARIOS_DIR
+from sim.scenario import load_scenario
+from sim.sched.scheduler import Scheduler
+from sim.sched.settled import SettledSteps
+from sim.vllm_bridge import KVCacheBlock
+
+# ----------------------------------------------------------------- windows
+
+
+@pytest.mark.parametrize(
+    ("first", "last", "window"),
+    [
+        # margin 32 on 3,200-token blocks: [first - 32, last + 32] must lie
+        # strictly inside one block.
+        (100, 107, (0,)),  # 68..139
+        (10, 20, None),  # -22: reaches back past the first position
+        (32, 40, None),  # 0..72: touches the boundary at 0
+        (3168, 3170, None),  # 3136..3202 crosses 3200
+        (3160, 3167, (0,)),  # 3128..3199: the last position before the boundary
+        (3232, 3239, None),  # 3200..3271 starts on the boundary
+        (3233, 3240, (1,)),  # 3201..3272
+    ],
+)
+def test_a_window_is_one_block_interior_widened_by_the_margin(first, last, window):
+    assert SettledSteps((3200,), margin_tokens=32).window(first, last) == window
+
+
+def test_a_window_needs_every_block_size():
+    """3,300..3,340 is inside block 1 of 3,200 tokens but crosses 3,328 = 2 x 1,664."""
+    assert SettledSteps((3200,), 0).window(3300, 3340) == (1,)
+    assert SettledSteps((3200, 1664), 0).window(3300, 3340) is None
+    assert SettledSteps((3200, 1664), 0).window(3340, 3400) == (2, 1)
+
+
+def test_only_a_second_call_in_the_same_window_is_settled():
+    settled = SettledSteps((3200,), margin_tokens=8)
+    assert not settled.is_settled("a", 100, 107)  # never called
+    settled.record("a", 100, 107)
+    assert settled.is_settled("a", 104, 111)
+    assert not settled.is_settled("b", 104, 111)  # per request
+    settled.record("a", 3190, 3197)  # a boundary call: no window
+    assert not settled.is_settled("a", 104, 111)
+    settled.record("a", 100, 107)
+    settled.forget("a")  # freed: its tables are gone
+    assert not settled.is_settled("a", 104, 111)
+
+
+# ------------------------------------------------------- skipped calls
+
+
+def _state(value: Any, depth: int = 0) -> Any:
+    """A comparable copy of allocator state: blocks as (id, refs, hash)."""
+    if isinstance(value, KVCacheBlock):
+        return ("block", value.block_id, value.ref_cnt, value.block_hash)
+    if depth > 4:
+        return repr(value)
+    if isinstance(value, dict):
+        return {repr(k): _state(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        items = [_state(v, depth + 1) for v in value]
+        return sorted(items, key=repr) if isinstance(value, set | frozenset) else items
+    if isinstance(value, int | float | str | bool | type(None)):
+        return value
+    return type(value).__name__
+
+
+def allocator_state(kv_cache_manager) -> Any:
+    pool = kv_cache_manager.block_pool
+    managers = [
+        {
+            name: _state(field)
+            for name, field in vars(manager).items()
+            if name not in ("block_pool", "kv_cache_spec")
+        }
+        for manager in kv_cache_manager.managers
+    ]
+    return {
+        "blocks": [_state(block) for block in pool.blocks],
+        "free_queue": [block.block_id for block in pool.free_block_queue.get_all_free_blocks()],
+        "cached": len(pool.cached_block_hash_to_block),
+        "managers": managers,
+    }
+
+
+class CallingScheduler(Scheduler):
+    """Makes every call the fast path skips, and checks it changed nothing."""
+
+    checked_allocations = 0
+    checked_cachings = 0
+
+    def _allocate_or_preempt(self, request, num_new, step):
+        lookahead = self.config.num_speculative_tokens
+        span = self._decode_span(request, num_new + lookahead)
+        if span is not None and self.settled_allocations.is_settled(request.request_id, *span):
+            before = allocator_state(self.kv_cache_manager)
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
+            assert blocks is not None and not any(blocks.blocks), (
+                f"{request.request_id}: a settled call allocated"
+            )
+            assert allocator_state(self.kv_cache_manager) == before, f"{request.request_id}: state changed"
+            self.checked_allocations += 1
+        return super()._allocate_or_preempt(request, num_new, step)
+
+    def _cache_blocks(self, request):
+        computed = request.num_computed_tokens
+        if self.settled_caching.is_settled(request.request_id, computed, computed):
+            before = allocator_state(self.kv_cache_manager)
+            self.kv_cache_manager.cache_blocks(request, computed)
+            assert allocator_state(self.kv_cache_manager) == before, f"{request.request_id}: caching changed"
+            self.checked_cachings += 1
+        super()._cache_blocks(request)
+
+
+def _simulation(name: str, overrides: list[str], layout: str, tmp_path: Path) -> Simulation:
+    if name == "decode-across-boundaries":
+        scenario = sim_helpers.scenario(tmp_path, name, overrides, workload=DECODE_ACROSS_BOUNDARIES)
+    else:
+        scenario = load_scenario(name, overrides)
+    return Simulation(scenario, layout, scenario_workload(scenario))  # type: ignore[arg-type]
+
+
+# 3,000-token prompts with 500-token outputs: every decode crosses the
+# 3,200-token block boundary (a new attention block, a new Mamba state,
+# the old state freed two steps later); 12 such requests fill the pool.
+DECODE_ACROSS_BOUNDARIES = {
+    "trace": "synthetic",
+    "num_requests": 12,
+    "arrival": {"process": "poisson", "rate_per_s": 20.0},
+    "prompt": {"distribution": "fixed", "tokens": 3000},
+    "output": {"distribution": "fixed", "tokens": 500},
+}
+
+CHECKED_CASES = [
+    ("decode-across-boundaries", ["deployment.max_num_seqs=16"]),
+    # Pool-bound decode: the case the fast path is for.
+    ("saturated-decode", ["workload.max_requests=40", "deployment.max_num_seqs=16"]),
+    # Preemptions and resumes, prefix hits, long chunked prompts; both hashings.
+    (str(SCENARIOS_DIR / "conformance" / "heavy-preemption.yaml"), []),
+    (str(SCENARIOS_DIR / "conformance" / "prefix-hits.yaml"), ["scheduler.mtp_hash_mode=lookahead"]),
+    (str(SCENARIOS_DIR / "conformance" / "long-chunked.yaml"), []),
+]
+
+
+@pytest.mark.parametrize("layout", ["off", "on"])
+@pytest.mark.parametrize(
+    ("name", "overrides"), CHECKED_CASES, ids=lambda v: Path(str(v)).stem if isinstance(v, str) else ""
+)
+def test_every_skipped_call_changes_nothing(name, overrides, layout, tmp_path):
+    simulation = _simulation(name, overrides, layout, tmp_path)
+    checking = CallingScheduler(simulation.scheduler.config, simulation.kv_cache_manager)
+    simulation.scheduler = simulation.core.scheduler = checking
+    simulation.run()
+    # Control: the fast path did skip calls here, so the check had work.
+    assert checking.checked_allocations > 0 and checking.checked_cachings > 0
+
+
+def test_the_check_catches_a_call_skipped_across_a_boundary(monkeypatch, tmp_path):
+    """Failing control for the check above: windows that ignore block
+    boundaries settle the boundary call that allocates, and it is caught."""
+    monkeypatch.setattr(SettledSteps, "window", lambda self, first, last: (0,))
+    simulation = _simulation(*CHECKED_CASES[0], "off", tmp_path)
+    checking = CallingScheduler(simulation.scheduler.config, simulation.kv_cache_manager)
+    simulation.scheduler = simulation.core.scheduler = checking
+    with pytest.raises(AssertionError, match="a settled call allocated|state changed|caching changed"):
+        simulation.run()
+
+
+# ---------------------------------------------------------------- frames
+
+
+def _frames(scenario, layout: str, fast_path: bool) -> dict[str, Any]:
+    scenario = scenario.model_copy(
+        update={"simulation": scenario.simulation.model_copy(update={"fast_path": fast_path})}
+    )
+    recording = Simulation(scenario, layout, scenario_workload(scenario)).run()  # type: ignore[arg-type]
+    return {
+        "steps": recording.steps.to_dict(),
+        "samples": recording.samples.to_dict(),
+        "requests": recording.requests,
+        "end_time_s": recording.end_time_s,
+        "stalled": recording.stalled,
+    }
+
+
+GATES = load_gates(DEFAULT_GATES).gates
+
+
+@pytest.mark.parametrize("layout", ["off", "on"])
+@pytest.mark.parametrize("gate", sorted(GATES))
+def test_every_gate_scenario_gives_the_same_frames_with_and_without_the_fast_path(gate, layout):
+    scenario = gate_scenario(DEFAULT_GATES, gate, GATES[gate])
+    fast, step_by_step = _frames(scenario, layout, True), _frames(scenario, layout, False)
+    for frame in fast:
+        assert fast[frame] == step_by_step[frame], f"{gate} [{layout}]: {frame} differ"
+
+
+def test_a_fast_path_that_skips_across_boundaries_changes_the_frames(monkeypatch, tmp_path):
+    """Failing control: settle every decode call after the first (ignoring
+    block boundaries) and the frames comparison above goes red."""
+    name, overrides = CHECKED_CASES[0]
+    scenario = sim_helpers.scenario(tmp_path, name, overrides, workload=DECODE_ACROSS_BOUNDARIES)
+    step_by_step = _frames(scenario, "off", False)
+    monkeypatch.setattr(SettledSteps, "window", lambda self, first, last: (0,))
+    assert _frames(scenario, "off", True)["steps"] != step_by_step["steps"]
