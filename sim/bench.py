@@ -1,8 +1,13 @@
 """``kvsim bench``: how fast the simulator runs, per layout.
 
 A benchmark, not a test: it prints figures (simulated seconds per wall
-second, engine steps per second, peak memory) and asserts nothing. Each
-layout runs in a fresh process so its peak memory is its own.
+second, engine steps per second, microseconds per step, peak memory) and
+asserts nothing. Each measurement runs in a fresh process so its peak
+memory is its own. Speed targets are ratios within one run (the machine's
+load cancels): against kvsim without its fast path (``step-by-step``), and
+against vLLM 0.33.0's own ``Scheduler`` stepping the same trace (``vllm``,
+the conformance backend, with fenced frees off as vLLM frees at once: a
+handful of steps differ from kvsim's fenced run, and the ratio is per step).
 """
 
 from __future__ import annotations
@@ -12,6 +17,10 @@ import resource
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
+
+# What a measurement runs: kvsim's simulation (fast path on or off) or
+# vLLM's own Scheduler driven by the conformance driver.
+BACKENDS = ("kvsim", "step-by-step", "vllm")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,6 +32,11 @@ class BenchFigures:
     steps: int
     requests: int
     peak_rss_mib: float
+    backend: str = "kvsim"
+
+    @property
+    def us_per_step(self) -> float:
+        return self.wall_s / self.steps * 1e6 if self.steps else float("nan")
 
     @property
     def sim_s_per_wall_s(self) -> float:
@@ -33,48 +47,107 @@ class BenchFigures:
         return self.steps / self.wall_s if self.wall_s else float("nan")
 
 
-def _measure(scenario_name: str, overrides: list[str], layout: str) -> dict:
+def _measure(scenario_name: str, overrides: list[str], layout: str, backend: str = "kvsim") -> dict:
     started = time.perf_counter()
     from sim.analysis.runs import scenario_workload
-    from sim.engine import simulate
     from sim.scenario import load_scenario
 
     scenario = load_scenario(scenario_name, overrides)
+    if backend != "kvsim":
+        scenario = _compared_scenario(scenario, backend)
     workload = scenario_workload(scenario)
-    imported = time.perf_counter()
-    recording = simulate(scenario, layout, workload)  # type: ignore[arg-type]
-    finished = time.perf_counter()
+    run = _run_vllm if backend == "vllm" else _run_kvsim
+    simulated_s, steps, wall_s = run(scenario, layout, workload)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return asdict(
         BenchFigures(
             layout=layout,
-            import_s=imported - started,
-            simulated_s=recording.end_time_s,
-            wall_s=finished - imported,
-            steps=len(recording.steps),
-            requests=len(recording.requests),
+            backend=backend,
+            import_s=time.perf_counter() - started - wall_s,  # imports, the trace, building
+            simulated_s=simulated_s,
+            wall_s=wall_s,
+            steps=steps,
+            requests=len(workload.requests),
             peak_rss_mib=peak_kib / 1024,
         )
     )
 
 
-def run_bench(scenario_name: str, overrides: list[str], layouts: tuple[str, ...]) -> list[BenchFigures]:
+def _compared_scenario(scenario, backend: str):  # noqa: ANN001, ANN202 (scenario types load late)
+    """The scenario as the comparison runs it: without the fast path, or
+    with fenced frees off (vLLM's Scheduler frees at once)."""
+    if backend == "step-by-step":
+        section = scenario.simulation.model_copy(update={"fast_path": False})
+        return scenario.model_copy(update={"simulation": section})
+    from sim.conformance.driver import conformance_scenario
+
+    return conformance_scenario(scenario)
+
+
+def _run_kvsim(scenario, layout: str, workload) -> tuple[float, int, float]:  # noqa: ANN001
+    from sim.engine import Simulation
+
+    simulation = Simulation(scenario, layout, workload)  # type: ignore[arg-type]
+    begun = time.perf_counter()
+    recording = simulation.run()
+    return recording.end_time_s, len(recording.steps), time.perf_counter() - begun
+
+
+def _run_vllm(scenario, layout: str, workload) -> tuple[float, int, float]:  # noqa: ANN001
+    """vLLM's Scheduler over the trace, timed without building it."""
+    from sim.conformance.driver import drive, plan_for, vllm_backend
+    from sim.step_time import StepTimeModel
+
+    backend = vllm_backend(scenario, plan_for(scenario, layout))  # type: ignore[arg-type]
+    step_time = StepTimeModel(scenario.step_time_config())
+    begun = time.perf_counter()
+    trajectory = drive(backend, workload.requests, step_time, scenario.simulation.max_time_s)
+    simulated_s = trajectory.times_s[-1] if trajectory.times_s else 0.0
+    return simulated_s, len(trajectory.steps), time.perf_counter() - begun
+
+
+def run_bench(
+    scenario_name: str, overrides: list[str], layouts: tuple[str, ...], against: tuple[str, ...] = ()
+) -> list[BenchFigures]:
+    """kvsim per layout, then each backend in ``against`` per layout."""
     context = multiprocessing.get_context("spawn")
     figures = []
-    for layout in layouts:
-        with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-            figures.append(BenchFigures(**pool.submit(_measure, scenario_name, overrides, layout).result()))
+    for backend in ("kvsim", *against):
+        for layout in layouts:
+            with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+                measured = pool.submit(_measure, scenario_name, overrides, layout, backend).result()
+            figures.append(BenchFigures(**measured))
     return figures
 
 
 def format_bench(scenario_name: str, figures: list[BenchFigures]) -> str:
     header = (
-        f"{'layout':<7}{'simulated s':>12}{'wall s':>9}{'sim s/wall s':>14}"
-        f"{'steps':>8}{'steps/s':>9}{'requests':>10}{'peak MiB':>10}{'import s':>10}"
+        f"{'backend':<13}{'layout':<7}{'simulated s':>12}{'wall s':>9}{'sim s/wall s':>14}"
+        f"{'steps':>8}{'steps/s':>9}{'us/step':>9}{'requests':>10}{'peak MiB':>10}{'import s':>10}"
     )
     rows = [
-        f"{f.layout:<7}{f.simulated_s:>12.1f}{f.wall_s:>9.2f}{f.sim_s_per_wall_s:>14.1f}"
-        f"{f.steps:>8}{f.steps_per_s:>9.0f}{f.requests:>10}{f.peak_rss_mib:>10.0f}{f.import_s:>10.1f}"
+        f"{f.backend:<13}{f.layout:<7}{f.simulated_s:>12.1f}{f.wall_s:>9.2f}{f.sim_s_per_wall_s:>14.1f}"
+        f"{f.steps:>8}{f.steps_per_s:>9.0f}{f.us_per_step:>9.0f}{f.requests:>10}{f.peak_rss_mib:>10.0f}"
+        f"{f.import_s:>10.1f}"
         for f in figures
     ]
-    return "\n".join([f"kvsim bench: scenario {scenario_name}", header, *rows])
+    return "\n".join([f"kvsim bench: scenario {scenario_name}", header, *rows, *_ratios(figures)])
+
+
+def step_cost_ratios(figures: list[BenchFigures]) -> dict[str, dict[str, float]]:
+    """Per compared backend and layout: its microseconds per step over
+    kvsim's (how many times fewer kvsim takes), from the same run."""
+    kvsim = {f.layout: f for f in figures if f.backend == "kvsim"}
+    ratios: dict[str, dict[str, float]] = {}
+    for f in figures:
+        if f.backend != "kvsim" and f.layout in kvsim:
+            ratios.setdefault(f.backend, {})[f.layout] = f.us_per_step / kvsim[f.layout].us_per_step
+    return ratios
+
+
+def _ratios(figures: list[BenchFigures]) -> list[str]:
+    return [
+        f"kvsim takes {ratio:.1f}x fewer us per step than {backend} [{layout}]"
+        for backend, by_layout in step_cost_ratios(figures).items()
+        for layout, ratio in by_layout.items()
+    ]

@@ -128,6 +128,31 @@ def test_bench_measures_a_run(tmp_path):
     assert figures.sim_s_per_wall_s > 0 and figures.peak_rss_mib > 0
     table = format_bench("tiny", [figures])
     assert "sim s/wall s" in table and "steps/s" in table and "peak MiB" in table
+    # vLLM's own Scheduler over the same trace (fenced frees off): it runs
+    # every request too, in about as many steps.
+    vllm = BenchFigures(**_measure(str(path), [], "on", "vllm"))
+    assert vllm.backend == "vllm" and vllm.requests == 8
+    assert abs(vllm.steps - figures.steps) <= figures.steps // 10
+
+
+def test_bench_ratios_are_per_step_cost_within_one_run():
+    """kvsim 1 s over 1,000 steps (1,000 us a step); vLLM 6 s over 1,200
+    steps (5,000 us): 5x fewer. Only layouts both measured are compared."""
+    from sim.bench import BenchFigures, format_bench, step_cost_ratios
+
+    common = {"import_s": 1.0, "simulated_s": 100.0, "requests": 8, "peak_rss_mib": 1.0}
+    figures = [
+        BenchFigures(layout="on", backend="kvsim", wall_s=1.0, steps=1000, **common),
+        BenchFigures(layout="on", backend="vllm", wall_s=6.0, steps=1200, **common),
+        BenchFigures(layout="off", backend="vllm", wall_s=6.0, steps=1200, **common),
+    ]
+    assert step_cost_ratios(figures) == {"vllm": {"on": 5.0}}
+    assert "kvsim takes 5.0x fewer us per step than vllm [on]" in format_bench("x", figures)
+
+
+def test_bench_rejects_an_unknown_backend(capsys):
+    assert main(["bench", "default", "--against", "sglang"]) == 2
+    assert "--against 'sglang'" in capsys.readouterr().err
 
 
 def test_bench_saves_its_figures_as_json(tmp_path, monkeypatch, capsys):
@@ -143,7 +168,7 @@ def test_bench_saves_its_figures_as_json(tmp_path, monkeypatch, capsys):
     fixed = BenchFigures(
         layout="on", import_s=1.0, simulated_s=120.0, wall_s=4.0, steps=800, requests=8, peak_rss_mib=300.0
     )
-    monkeypatch.setattr(sim.bench, "run_bench", lambda scenario, overrides, layouts: [fixed])
+    monkeypatch.setattr(sim.bench, "run_bench", lambda scenario, overrides, layouts, against: [fixed])
     path = write_scenario(tmp_path, workload=TINY)
     out = tmp_path / "bench.json"
     assert main(["bench", str(path), "--layouts", "on", "--out", str(out)]) == 0
@@ -157,10 +182,13 @@ def test_bench_saves_its_figures_as_json(tmp_path, monkeypatch, capsys):
             "steps": 800,
             "requests": 8,
             "peak_rss_mib": 300.0,
+            "backend": "kvsim",
             "sim_s_per_wall_s": 30.0,
             "steps_per_s": 200.0,
+            "us_per_step": 5000.0,  # 4 s / 800 steps
         }
     ]
+    assert record["us_per_step_ratios"] == {}
     assert record["scenario"] == path.stem and "commit" in record
     assert str(out) in capsys.readouterr().out
 

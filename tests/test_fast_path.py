@@ -176,10 +176,18 @@ def test_every_skipped_call_changes_nothing(name, overrides, layout, tmp_path):
     assert checking.checked_allocations > 0 and checking.checked_cachings > 0
 
 
+def settle_every_call_after_the_first(monkeypatch) -> None:
+    """A broken fast path: blind to block boundaries, it settles every
+    decode call of a request after its first real one."""
+    called: set[tuple[int, str]] = set()
+    monkeypatch.setattr(SettledSteps, "record", lambda self, rid, first, last: called.add((id(self), rid)))
+    monkeypatch.setattr(SettledSteps, "is_settled", lambda self, rid, first, last: (id(self), rid) in called)
+
+
 def test_the_check_catches_a_call_skipped_across_a_boundary(monkeypatch, tmp_path):
-    """Failing control for the check above: windows that ignore block
-    boundaries settle the boundary call that allocates, and it is caught."""
-    monkeypatch.setattr(SettledSteps, "window", lambda self, first, last: (0,))
+    """Failing control for the check above: the boundary call that
+    allocates is settled, and it is caught."""
+    settle_every_call_after_the_first(monkeypatch)
     simulation = _simulation(*CHECKED_CASES[0], "off", tmp_path)
     checking = CallingScheduler(simulation.scheduler.config, simulation.kv_cache_manager)
     simulation.scheduler = simulation.core.scheduler = checking
@@ -222,5 +230,5 @@ def test_a_fast_path_that_skips_across_boundaries_changes_the_frames(monkeypatch
     name, overrides = CHECKED_CASES[0]
     scenario = sim_helpers.scenario(tmp_path, name, overrides, workload=DECODE_ACROSS_BOUNDARIES)
     step_by_step = _frames(scenario, "off", False)
-    monkeypatch.setattr(SettledSteps, "window", lambda self, first, last: (0,))
+    settle_every_call_after_the_first(monkeypatch)
     assert _frames(scenario, "off", True)["steps"] != step_by_step["steps"]

@@ -20,6 +20,14 @@ def register(subparsers: Any) -> None:
     add_override_argument(parser)
     parser.add_argument("--layouts", default="off,on")
     parser.add_argument(
+        "--against",
+        default="",
+        metavar="BACKENDS",
+        help="also measure, per layout, a comma-separated subset of: step-by-step (kvsim without its "
+        "fast path), vllm (vLLM's own Scheduler on the same trace, fenced frees off on both sides); "
+        "prints kvsim's microseconds per step against each",
+    )
+    parser.add_argument(
         "--out",
         metavar="FILE",
         help="where the figures go as JSON, to compare commits (default results/bench/SCENARIO.json)",
@@ -28,7 +36,7 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from sim.bench import format_bench, run_bench
+    from sim.bench import BACKENDS, format_bench, run_bench, step_cost_ratios
     from sim.results import write_json
     from sim.scenario import load_scenario
 
@@ -36,7 +44,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     layouts = tuple(args.layouts.split(","))
     if not set(layouts) <= {"off", "on"}:
         raise CLIError(f"--layouts {args.layouts!r}: expected a comma-separated subset of off,on")
-    figures = run_bench(args.scenario, args.set, layouts)
+    against = tuple(name for name in args.against.split(",") if name)
+    if not set(against) <= set(BACKENDS) - {"kvsim"}:
+        raise CLIError(f"--against {args.against!r}: expected a comma-separated subset of step-by-step,vllm")
+    figures = run_bench(args.scenario, args.set, layouts, against)
     print(format_bench(args.scenario, figures))
     out = Path(args.out) if args.out else Path("results") / "bench" / f"{scenario.name}.json"
     record = {
@@ -46,9 +57,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"python": platform.python_version(), "processor": platform.machine()},
         "figures": [
-            asdict(f) | {"sim_s_per_wall_s": f.sim_s_per_wall_s, "steps_per_s": f.steps_per_s}
+            asdict(f)
+            | {
+                "sim_s_per_wall_s": f.sim_s_per_wall_s,
+                "steps_per_s": f.steps_per_s,
+                "us_per_step": f.us_per_step,
+            }
             for f in figures
         ],
+        "us_per_step_ratios": step_cost_ratios(figures),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, record)

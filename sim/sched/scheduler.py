@@ -439,7 +439,17 @@ class Scheduler:
         )
 
     def _append_output(self, request: Request, sampled: list[int]) -> tuple[int, bool]:
-        """Append tokens one at a time, stopping as vLLM's ``check_stop`` says."""
+        """Append tokens one at a time, stopping as vLLM's ``check_stop`` says.
+        kvsim's requests stop by length only (``ignore_eos``, no stop ids,
+        output ids far from any EOS), so when the length limits lie past
+        every token but the last, none but the last can stop the request:
+        they go in at once and ``check_stop`` judges the last."""
+        room = min(
+            request.max_tokens - request.num_output_tokens, self.config.max_model_len - request.num_tokens
+        )
+        if len(sampled) <= room:
+            request.append_output_token_ids(sampled)
+            return len(sampled), check_stop(request, self.config.max_model_len)
         for count, token in enumerate(sampled, start=1):
             request.append_output_token_ids(token)
             if check_stop(request, self.config.max_model_len):

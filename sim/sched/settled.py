@@ -32,7 +32,9 @@ class SettledSteps:
             raise ValueError(f"block sizes must be positive, got {block_sizes}")
         self.block_sizes = tuple(sorted(set(block_sizes)))
         self.margin_tokens = margin_tokens
-        self._windows: dict[str, tuple[int, ...]] = {}
+        # request id -> (least first token, greatest last token) of a call
+        # in the window of its last real call: the window, as two bounds.
+        self._bounds: dict[str, tuple[int, int]] = {}
 
     def window(self, first_token: int, last_token: int) -> tuple[int, ...] | None:
         """The blocks (one index per block size) holding every position from
@@ -49,17 +51,22 @@ class SettledSteps:
         return window
 
     def is_settled(self, request_id: str, first_token: int, last_token: int) -> bool:
-        window = self.window(first_token, last_token)
-        return window is not None and self._windows.get(request_id) == window
+        bounds = self._bounds.get(request_id)
+        return bounds is not None and bounds[0] <= first_token and last_token <= bounds[1]
 
     def record(self, request_id: str, first_token: int, last_token: int) -> None:
         """A real call was made over these tokens."""
         window = self.window(first_token, last_token)
         if window is None:
-            self._windows.pop(request_id, None)
-        else:
-            self._windows[request_id] = window
+            self._bounds.pop(request_id, None)
+            return
+        # Block k of size b holds positions k*b + 1 .. (k+1)*b - 1 strictly
+        # inside; the margin must fit within them on both sides.
+        self._bounds[request_id] = (
+            max(k * b + 1 + self.margin_tokens for k, b in zip(window, self.block_sizes, strict=True)),
+            min((k + 1) * b - 1 - self.margin_tokens for k, b in zip(window, self.block_sizes, strict=True)),
+        )
 
     def forget(self, request_id: str) -> None:
         """The request's blocks were freed (preempted or finished)."""
-        self._windows.pop(request_id, None)
+        self._bounds.pop(request_id, None)
