@@ -45,6 +45,11 @@ MAX_YAML_BYTES = 1 << 20
 
 
 DType = Literal["fp32", "fp16", "bf16", "fp8_e4m3"]
+# How MTP drafts shape prefix-cache hashes (vLLM's two modes; see
+# ``MTPHashing`` in sim/kv_cache_manager.py). Here so the command line can
+# offer them without importing vLLM.
+MTPHashMode = Literal["eagle-drop", "lookahead"]
+MTP_HASH_MODES: tuple[MTPHashMode, ...] = ("eagle-drop", "lookahead")
 
 
 class StrictModel(BaseModel):

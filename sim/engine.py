@@ -103,19 +103,19 @@ class Simulation:
         return self.recording
 
     def run(self) -> Recording:
+        """To the end; the progress bar (when asked for) counts the work:
+        requests done (finished or rejected) out of the workload's."""
         self.start()
-        horizon = self.scenario.simulation.max_time_s
-        total = horizon or max(self.workload.duration_s, 1e-9)
         with tqdm(
-            total=round(total, 1),
-            unit="sim s",
+            total=len(self.workload.requests),
+            unit="req",
             delay=3,
             disable=not self.progress,
             desc=f"{self.scenario.name} [{self.layout}]",
             leave=False,
         ) as bar:
             self._bar = bar
-            self.env.run(until=horizon)
+            self.env.run(until=self.scenario.simulation.max_time_s)
         self._bar = None
         return self.finish()
 
@@ -123,7 +123,10 @@ class Simulation:
         for spec in self.workload.requests:
             if spec.arrival_s > self.env.now:
                 yield self.env.timeout(spec.arrival_s - self.env.now)
-            self._record_arrival(spec, accepted=self.scheduler.add_request(spec))
+            accepted = self.scheduler.add_request(spec)
+            self._record_arrival(spec, accepted)
+            if not accepted:
+                self._advance_bar(1)
             self._wake()
         self._wake()  # the engine may be asleep on an empty queue: let it see the end
 
@@ -209,8 +212,11 @@ class Simulation:
         self.recording.steps.append({"time_s": now, "step_time_s": step_s, **stats})
         if self.scenario.simulation.check_invariants:
             check_allocator(self.kv_cache_manager, self.scheduler.deferred_blocks())
-        if self._bar is not None:
-            self._bar.update(round(now, 1) - self._bar.n)
+        self._advance_bar(len(outcome.finished))
+
+    def _advance_bar(self, num_requests_done: int) -> None:
+        if self._bar is not None and num_requests_done:
+            self._bar.update(num_requests_done)
 
     def _record_sample(self, gauges: SchedulerGauges) -> None:
         values = flat_columns(gauges)

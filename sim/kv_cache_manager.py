@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
+from sim.config import MTP_HASH_MODES, MTPHashMode
 from sim.kv_cache_interface import (
     RetainedCheckpointMambaSpec,
     RingSlotsSpec,
@@ -35,9 +36,6 @@ from sim.vllm_bridge import (
     sha256,
 )
 from sim.vllm_bridge import KVCacheManager as _VllmKVCacheManager
-
-MTPHashMode = Literal["eagle-drop", "lookahead"]
-MTP_HASH_MODES: tuple[MTPHashMode, ...] = ("eagle-drop", "lookahead")
 
 
 @dataclass(frozen=True, kw_only=True)

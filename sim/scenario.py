@@ -21,6 +21,7 @@ from sim.config import (
     ConfigError,
     DeploymentConfig,
     ModelConfig,
+    MTPHashMode,
     StrictModel,
     apply_overrides,
     load_model,
@@ -50,7 +51,7 @@ class SchedulerSection(StrictModel):
     max_concurrent_batches: int = Field(2, ge=1)
     # MTP prefix-cache hashing: the EAGLE block drop (what the fork runs) or
     # vLLM 0.33.0's lookahead hashes (its default with prefix caching).
-    mtp_hash_mode: Literal["eagle-drop", "lookahead"] = "eagle-drop"
+    mtp_hash_mode: MTPHashMode = "eagle-drop"
 
 
 class MTPSection(StrictModel):

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from sim.config import ConfigError, DeploymentConfig, ModelConfig, load_model, validate
 from sim.paths import DEFAULT_MODEL
 from sim.scenario import add_override_argument
+
+if TYPE_CHECKING:  # pandas costs a second at start-up; only printing needs it
+    import pandas as pd
 
 
 class CLIError(ConfigError):

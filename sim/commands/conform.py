@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from sim.commands.common import add_scenario_argument
-from sim.kv_cache_manager import MTP_HASH_MODES
+from sim.config import MTP_HASH_MODES
 from sim.scenario import add_override_argument
 
 
