@@ -140,6 +140,7 @@ class Scheduler:
         # Accepted arrivals since the last schedule(): not in a step's waiting gauge.
         self._num_arrived_since_schedule = 0
         self.num_evicted_blocks = 0
+        self._params_by_output_len: dict[int, SamplingParams] = {}
 
     # ------------------------------------------------------------------ intake
     def add_request(self, spec: RequestSpec) -> bool:
@@ -155,17 +156,26 @@ class Scheduler:
     def _materialize(self, spec: RequestSpec) -> Request:
         """Build the vLLM ``Request`` only when it reaches the queue head, so
         a long waiting queue holds no token lists."""
-        params = SamplingParams(max_tokens=spec.output_len, ignore_eos=True)
         request = Request(
             request_id=spec.request_id,
             prompt_token_ids=spec.prompt_token_ids(),
-            sampling_params=params,
+            sampling_params=self._sampling_params(spec.output_len),
             pooling_params=None,
             arrival_time=spec.arrival_s,
             block_hasher=self._hasher,
         )
         self.requests[spec.request_id] = request
         return request
+
+    def _sampling_params(self, output_len: int) -> SamplingParams:
+        """One ``SamplingParams`` per output length, shared by the requests
+        that have it (building one costs as much as the rest of an
+        admission; ``Request`` only reads it)."""
+        params = self._params_by_output_len.get(output_len)
+        if params is None:
+            params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+            self._params_by_output_len[output_len] = params
+        return params
 
     def _peek_waiting(self) -> Request:
         head = self.waiting[0]
