@@ -85,6 +85,7 @@ class Simulation:
         self._arrivals: simpy.Process | None = None
         self._engine: simpy.Process | None = None
         self._bar: tqdm | None = None
+        self._engine_end_s = 0.0
         self.totals: dict[str, int] = dict.fromkeys(SAMPLED_TOTALS, 0)
         self.recording = Recording(scenario=scenario.name, layout=layout, plan=self.plan.to_dict())
 
@@ -98,7 +99,11 @@ class Simulation:
             self.env.process(self.sampler(self.scenario.simulation.sample_interval_s))
 
     def finish(self) -> Recording:
-        self.recording.end_time_s = float(self.env.now)
+        """The recording, ending when the engine stopped (or at the horizon
+        while it still ran): the sampler's last tick may come later, and a
+        run's duration must not depend on the sampling interval."""
+        engine_done = self._engine is not None and not self._engine.is_alive
+        self.recording.end_time_s = float(self._engine_end_s if engine_done else self.env.now)
         self.recording.num_rejected = self.scheduler.num_rejected
         return self.recording
 
@@ -139,6 +144,10 @@ class Simulation:
         return self._wakeup
 
     def engine_loop(self) -> Generator[simpy.Event, Any, None]:
+        yield from self._engine_steps()
+        self._engine_end_s = self.env.now
+
+    def _engine_steps(self) -> Generator[simpy.Event, Any, None]:
         while True:
             if not self.scheduler.has_unfinished_requests():
                 if self._arrivals_ended():

@@ -205,3 +205,17 @@ def test_the_saturated_decode_scenario_binds_on_the_pool():
     assert len(workload.requests) == 2000
     assert scenario.deployment.max_num_seqs == 64
     assert workload.requests[-1].arrival_s == pytest.approx(424.2594570 * 0.05, abs=1e-6)
+
+
+def test_the_scale_scenario_is_a_million_short_requests():
+    """``synthetic-1m`` (the 1M-request benchmark) as its comment says; its
+    first thousand requests built here stand for the million (same draws)."""
+    from sim.analysis.runs import scenario_workload
+    from sim.scenario import load_scenario
+
+    scenario = load_scenario("synthetic-1m")
+    assert scenario.workload.num_requests == 1_000_000
+    assert scenario.workload.arrival.rate_per_s == 12.0
+    head = scenario_workload(load_scenario("synthetic-1m", ["workload.num_requests=1000"]))
+    assert all(64 <= r.prompt_len <= 512 and 8 <= r.output_len <= 64 for r in head.requests)
+    assert all(len(r.prefix_ids) == 1 for r in head.requests)  # one content id each: small specs

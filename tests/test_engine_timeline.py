@@ -267,10 +267,28 @@ def test_the_sampler_reads_the_gauges_each_interval_until_the_engine_stops(hand_
     _, _, samples, summary = frames(recording)
     columns = ["time_s", "num_requests_running", "num_requests_waiting"]
     assert samples[columns].values.tolist() == [[0.0, 1, 0], [1.0, 1, 1], [2.0, 2, 0]]
-    # Not asserted: duration_s. The clock stops at the sampler's next tick
-    # (3.0 here), not at the engine's end (2.112): reported in issue 10's
-    # report as a suspected bug (throughput then depends on the interval).
     assert summary["num_rejected"] == 0 and not summary["stalled"]
+    # The run lasts until the engine stops (2.112), not until the sampler's
+    # next tick (3.0): 5 output tokens / 2.112 s, whatever the interval.
+    assert summary["duration_s"] == pytest.approx(2.112, abs=1e-12)
+    assert summary["output_throughput_tokens_per_s"] == pytest.approx(5 / 2.112, abs=1e-9)
+
+
+@pytest.mark.parametrize("interval_s", [None, 0.3, 5.0])
+def test_the_duration_does_not_depend_on_the_sampling_interval(hand_scenario_file, interval_s):
+    """Same case, sampled every 0.3 s, every 5 s (one sample, at 0.0: the
+    next tick falls long after the end) or not at all: 2.112 s each time."""
+    sampled = load_scenario(str(hand_scenario_file), [f"simulation.sample_interval_s={interval_s or 'null'}"])
+    recording = simulate(sampled, "off", _workload(("r0", 0.0, 1000, 3), ("r1", 0.5, 500, 2)))
+    assert recording.end_time_s == pytest.approx(2.112, abs=1e-12)
+
+
+def test_a_horizon_ends_the_run_while_the_engine_still_runs(hand_scenario_file):
+    """max_time_s 1.5 cuts the same case mid-step 2 (1.2 -> 1.904): the run
+    lasts 1.5 s."""
+    cut = load_scenario(str(hand_scenario_file), ["simulation.max_time_s=1.5"])
+    recording = simulate(cut, "off", _workload(("r0", 0.0, 1000, 3), ("r1", 0.5, 500, 2)))
+    assert recording.end_time_s == 1.5
 
 
 def test_a_prompt_too_long_is_rejected_at_its_arrival(hand_scenario):
