@@ -125,7 +125,7 @@ def test_bench_measures_a_run(tmp_path):
     path = write_scenario(tmp_path, workload=TINY)
     figures = BenchFigures(**_measure(str(path), [], "on"))
     assert figures.steps > 0 and figures.requests == 8
-    assert figures.sim_s_per_wall_s > 0 and figures.peak_rss_mib > 0
+    assert figures.sim_s_per_wall_s > 0 and figures.peak_rss_mib > 0 and figures.cpu_s > 0
     table = format_bench("tiny", [figures])
     assert "sim s/wall s" in table and "steps/s" in table and "peak MiB" in table
     # vLLM's own Scheduler over the same trace (fenced frees off): it runs
@@ -166,7 +166,14 @@ def test_bench_saves_its_figures_as_json(tmp_path, monkeypatch, capsys):
     from sim.bench import BenchFigures
 
     fixed = BenchFigures(
-        layout="on", import_s=1.0, simulated_s=120.0, wall_s=4.0, steps=800, requests=8, peak_rss_mib=300.0
+        layout="on",
+        import_s=1.0,
+        simulated_s=120.0,
+        wall_s=4.0,
+        steps=800,
+        requests=8,
+        peak_rss_mib=300.0,
+        cpu_s=3.5,
     )
     monkeypatch.setattr(sim.bench, "run_bench", lambda scenario, overrides, layouts, against: [fixed])
     path = write_scenario(tmp_path, workload=TINY)
@@ -183,6 +190,7 @@ def test_bench_saves_its_figures_as_json(tmp_path, monkeypatch, capsys):
             "requests": 8,
             "peak_rss_mib": 300.0,
             "backend": "kvsim",
+            "cpu_s": 3.5,
             "sim_s_per_wall_s": 30.0,
             "steps_per_s": 200.0,
             "us_per_step": 5000.0,  # 4 s / 800 steps

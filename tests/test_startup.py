@@ -19,7 +19,8 @@ HEAVY = ("vllm", "torch")
 def imported_after(code: str) -> set[str]:
     """Which of ``HEAVY`` a fresh interpreter holds after running ``code``."""
     probe = f"{code}\nimport sys\nprint('imported:', *(m for m in {HEAVY!r} if m in sys.modules))"
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
+    command = [sys.executable, "-c", probe]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)
     last = done.stdout.splitlines()[-1].split()
     assert last[0] == "imported:", done.stdout[-500:]
     return set(last[1:])
