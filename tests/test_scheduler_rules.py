@@ -626,3 +626,68 @@ def test_evicted_blocks_add_up_over_the_steps():
     assert not scheduler.has_unfinished_requests()
     assert sum(1 for n in per_step if n) >= 2
     assert scheduler.num_evicted_blocks == sum(per_step)
+
+
+@pytest.mark.parametrize("max_model_len, admitted", [(485, False), (484, True)])
+def test_a_hit_too_close_to_max_model_len_to_pad_runs_on_a_short_budget(max_model_len, admitted):
+    """The 481-token prompt cached as above, then admitted by an engine with
+    a 3-token budget. At max_model_len 485 it would be padded to 4 rows, more
+    than the budget: vLLM prefers not scheduling it. At 484 there is no room
+    to pad, so it is not a padding candidate: its one token runs."""
+    hashing = MTPHashing.for_mode("lookahead", num_speculative_tokens=K)
+    manager = build_kv_cache_manager(
+        _plan_with_max_model_len(max_model_len), num_gpu_blocks=400, mtp_hashing=hashing
+    )
+    configs = [
+        SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            block_size=32,
+            num_speculative_tokens=K,
+            mtp_hashing=hashing,
+        )
+        for budget in (512, 3)
+    ]
+    first = Scheduler(configs[0], manager)
+    first.add_request(_spec(0, 481, output=1, family=7))
+    _Engine(first, rates=(0.0,)).run()
+    second = Scheduler(configs[1], manager)  # the same pool, its cached prefix
+    second.add_request(_spec(1, 481, output=2, family=7))
+    output = second.schedule()
+    assert output.new_request_ids == (("r001",) if admitted else ())
+    if admitted:
+        assert _scheduled(output) == [("r001", 1, 0)] and output.admitted_hits == {"r001": 480}
+
+
+def test_multi_module_lookahead_moves_the_last_cacheable_boundary():
+    """Multi-module MTP with lookahead hashes (K = 3 lookahead tokens): a
+    checkpoint must leave 3 tokens to prove it, so a lone 65-token prompt's
+    last cacheable boundary is (65 - 3) // 32 * 32 = 32, not 64: vLLM's
+    split stops the first chunk there (32), then runs to the end (33)."""
+    scheduler = _threshold_scheduler(0, MULTI_MODULE_LOOKAHEAD)
+    engine = _Engine(scheduler, rates=(0.0,))
+    scheduler.add_request(_spec(0, 65))
+    sizes = [engine.step()[0].scheduled[0].num_scheduled_tokens for _ in range(2)]
+    assert sizes == [32, 33]
+
+
+def test_a_prefix_block_is_hit_only_when_its_lookahead_tokens_exist():
+    """Multi-module lookahead hashes: a block's hash covers the 3 tokens
+    after it, so a request can hit a cached block only if it has them.
+    r000's 100-token prompt stops its first chunk at its last cacheable
+    boundary, (100 - 3) // 32 * 32 = 96, where the Mamba groups keep their
+    state, and caches blocks 0..2. r001 (the first 97 tokens) cannot prove
+    block 2 (1 token after it): its longest attention hit is 64, where no
+    Mamba state is cached: no hit. r002 (99 tokens) can: it hits 96."""
+    scheduler = _threshold_scheduler(0, MULTI_MODULE_LOOKAHEAD)
+    engine = _Engine(scheduler, rates=(0.0,))
+    scheduler.add_request(_spec(0, 100, output=1, family=7))
+    engine.run()
+    hits = {}
+    for index, prompt in ((1, 97), (2, 99)):
+        scheduler.add_request(_spec(index, prompt, output=1, family=7))
+        output, _ = engine.step()
+        hits.update(output.admitted_hits)
+        engine.run()
+    assert hits == {"r001": 0, "r002": 96}
