@@ -691,3 +691,24 @@ def test_a_prefix_block_is_hit_only_when_its_lookahead_tokens_exist():
         hits.update(output.admitted_hits)
         engine.run()
     assert hits == {"r001": 0, "r002": 96}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a known difference (docs/fidelity.md, Scheduling, WAITING loop): kvsim's waiting "
+    "loop stops where vLLM 0.33.0 requeues a request the drafter's runway leaves 0 tokens "
+    "(skip_request, 'so it does not stall the requests behind it')",
+)
+def test_a_waiting_request_the_runway_leaves_nothing_does_not_block_the_queue():
+    """Prefill runway 3 (multi-module MTP), threshold 1, two waiting
+    requests: r000's 3-token prompt may take 1 token (sub-block, the
+    threshold), which would end 2 tokens before its prompt's end, inside the
+    runway: vLLM's ``_reserve_prefill_lookahead`` leaves 0, and its waiting
+    loop requeues r000 and admits r001 (a 1-token prompt, taken whole)."""
+    hashing = MTPHashing(
+        use_eagle_block_drop=True, num_hash_lookahead_tokens=0, num_prefill_lookahead_tokens=K
+    )
+    scheduler = _threshold_scheduler(1, hashing)
+    scheduler.add_request(_spec(0, 3))
+    scheduler.add_request(_spec(1, 1))
+    assert scheduler.schedule().new_request_ids == ("r001",)
