@@ -36,7 +36,7 @@ declare -A MODULES=(
   # The conformance gate (kvsim's scheduler and allocator step for step
   # against vLLM's own Scheduler, 12 short runs, about 6 s) runs last:
   # mutmut runs the fastest tests first.
-  [kv_cache_manager]="sim/kv_cache_manager.py|tests/test_allocator.py tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_conformance.py::test_every_step_is_identical"
+  [kv_cache_manager]="sim/kv_cache_manager.py|tests/test_mtp_hashing.py tests/test_allocator.py tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_conformance.py::test_every_step_is_identical"
   [scheduler]="sim/sched/scheduler.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_engine_timeline.py tests/test_conformance.py::test_every_step_is_identical"
   [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py"
   # tests/test_simulation.py pins the engine too but takes seconds a test.

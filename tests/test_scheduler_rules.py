@@ -712,3 +712,19 @@ def test_a_waiting_request_the_runway_leaves_nothing_does_not_block_the_queue():
     scheduler.add_request(_spec(0, 3))
     scheduler.add_request(_spec(1, 1))
     assert scheduler.schedule().new_request_ids == ("r001",)
+
+
+def test_a_padded_requests_placeholder_drafts_are_never_accepted():
+    """Every real draft is accepted (rate 1.0): r001's decode keeps its 3
+    drafts (4 tokens), while r002's padded rows hold placeholders the
+    verifier never accepts: it samples its one token. Step 2 generates
+    4 + 1 tokens and accepts 3 of 6 drafts (vLLM counts the placeholders,
+    ``scheduled_spec_decode_tokens = [-1] * K``, as drafts)."""
+    scheduler = _pad_scheduler()
+    engine = _Engine(scheduler, rates=(1.0,))
+    scheduler.add_request(_spec(1, 2))
+    engine.step()
+    scheduler.add_request(_spec(2, 1))
+    output, outcome = engine.step()
+    assert [item.is_padded for item in output.scheduled] == [False, True]
+    assert (outcome.num_generated_tokens, outcome.num_draft_tokens, outcome.num_accepted_tokens) == (5, 6, 3)
