@@ -728,3 +728,26 @@ def test_a_padded_requests_placeholder_drafts_are_never_accepted():
     output, outcome = engine.step()
     assert [item.is_padded for item in output.scheduled] == [False, True]
     assert (outcome.num_generated_tokens, outcome.num_draft_tokens, outcome.num_accepted_tokens) == (5, 6, 3)
+
+
+@pytest.mark.parametrize("prompt, hit", [(64, 0), (66, 32)])
+def test_the_drafters_re_prefillable_tokens_are_not_cached(prompt, hit):
+    """Multi-module MTP with the EAGLE drop (prefill runway 3): vLLM's
+    coordinator caches only tokens whose KV is final, so the last 3 - 1 = 2
+    computed tokens stay out of the cache. r000 (one output) computes its
+    prompt in two chunks (the first ends at its last cacheable boundary,
+    32) and finishes. At 64 tokens, block 1 (32..63) holds tokens 62 and 63,
+    not final: r001 (200 tokens, the same start) matches block 0 only, and
+    the EAGLE drop takes it back: no hit. At 66 tokens block 1 is final:
+    two blocks match, one is dropped: 32 (where r000's first chunk left the
+    Mamba groups' checkpoint)."""
+    hashing = MTPHashing(
+        use_eagle_block_drop=True, num_hash_lookahead_tokens=0, num_prefill_lookahead_tokens=K
+    )
+    scheduler = _threshold_scheduler(0, hashing)
+    engine = _Engine(scheduler, rates=(0.0,))
+    scheduler.add_request(_spec(0, prompt, output=1, family=7))
+    engine.run()
+    scheduler.add_request(_spec(1, 200, output=1, family=7))
+    output, _ = engine.step()
+    assert output.admitted_hits == {"r001": hit}
