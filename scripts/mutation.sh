@@ -12,11 +12,18 @@
 # (${KVSIM_MUTATION_DIR:-/tmp/kvsim-mutation}/<module>), so the checkout
 # never holds mutants/; the survivors and the counts are printed and kept
 # in <copy>/results.txt. KVSIM_VENV picks the environment (default .venv).
+# KVSIM_MUTATION_CHILDREN caps the parallel mutant runs (mutmut's
+# --max-children; default: every core), e.g. 1 on a shared machine:
+#   nice -n 19 env KVSIM_MUTATION_CHILDREN=1 scripts/mutation.sh scheduler
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${KVSIM_VENV:-$root/.venv}"
 work="${KVSIM_MUTATION_DIR:-/tmp/kvsim-mutation}"
+children=()
+if [[ -n "${KVSIM_MUTATION_CHILDREN:-}" ]]; then
+  children=(--max-children "$KVSIM_MUTATION_CHILDREN")
+fi
 
 # module -> "source file|test files" (the tests that pin that module's rules).
 declare -A MODULES=(
@@ -26,9 +33,12 @@ declare -A MODULES=(
   # pure-function ones (judging, tolerances, the baseline rewrite).
   [gates]="sim/analysis/gates.py|tests/test_ordering_rules.py tests/test_gates.py::test_judge tests/test_gates.py::test_parse_tolerance tests/test_gates.py::test_parse_tolerance_rejects tests/test_gates.py::test_rewrite_changes_only_the_values"
   [single_type_kv_cache_manager]="sim/single_type_kv_cache_manager.py|tests/test_allocator.py tests/test_ordering_rules.py tests/test_allocator_invariant_rules.py"
-  [kv_cache_manager]="sim/kv_cache_manager.py|tests/test_allocator.py tests/test_scheduler.py tests/test_ordering_rules.py"
-  [scheduler]="sim/sched/scheduler.py|tests/test_scheduler.py tests/test_ordering_rules.py tests/test_engine_timeline.py"
-  [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_ordering_rules.py"
+  # The conformance gate (kvsim's scheduler and allocator step for step
+  # against vLLM's own Scheduler, 12 short runs, about 6 s) runs last:
+  # mutmut runs the fastest tests first.
+  [kv_cache_manager]="sim/kv_cache_manager.py|tests/test_mtp_hashing.py tests/test_allocator.py tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_conformance.py::test_every_step_is_identical"
+  [scheduler]="sim/sched/scheduler.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_engine_timeline.py tests/test_conformance.py::test_every_step_is_identical"
+  [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py"
   # tests/test_simulation.py pins the engine too but takes seconds a test.
   [engine]="sim/engine.py|tests/test_engine_timeline.py"
 )
@@ -56,7 +66,7 @@ pytest_add_cli_args = ["-p", "no:cacheprovider", "-x"]
 also_copy = ["tests", "scenarios", "README.md"]
 TOML
   echo "== $name: $source against $tests"
-  (cd "$copy" && "$venv/bin/mutmut" run >run.log 2>&1 || true
+  (cd "$copy" && "$venv/bin/mutmut" run "${children[@]}" >run.log 2>&1 || true
    "$venv/bin/mutmut" results --all true >results.txt 2>&1 || true
    summarise "$name" results.txt)
 }
