@@ -26,6 +26,14 @@ if [[ -n "${KVSIM_MUTATION_CHILDREN:-}" ]]; then
 fi
 
 # module -> "source file|test files" (the tests that pin that module's rules).
+# The fast path's unit tests and one case that makes every skipped call
+# anyway (decodes across block boundaries, the pool binding): seconds, not
+# the minute the whole file takes.
+FAST_PATH_TESTS="tests/test_fast_path.py::test_a_window_is_one_block_interior_widened_by_the_margin \
+tests/test_fast_path.py::test_a_window_needs_every_block_size \
+tests/test_fast_path.py::test_only_a_second_call_in_the_same_window_is_settled \
+tests/test_fast_path.py::test_every_skipped_call_changes_nothing[decode-across-boundaries--off]"
+
 declare -A MODULES=(
   [allocator_invariants]="sim/allocator_invariants.py|tests/test_allocator_invariant_rules.py tests/test_allocator_properties.py"
   [step_time]="sim/step_time.py|tests/test_step_time.py tests/test_engine_timeline.py"
@@ -37,12 +45,13 @@ declare -A MODULES=(
   # against vLLM's own Scheduler, 12 short runs, about 6 s) runs last:
   # mutmut runs the fastest tests first.
   [kv_cache_manager]="sim/kv_cache_manager.py|tests/test_mtp_hashing.py tests/test_allocator.py tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_conformance.py::test_every_step_is_identical"
-  [scheduler]="sim/sched/scheduler.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_engine_timeline.py tests/test_conformance.py::test_every_step_is_identical"
+  [scheduler]="sim/sched/scheduler.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_engine_timeline.py tests/test_conformance.py::test_every_step_is_identical $FAST_PATH_TESTS"
+  [settled]="sim/sched/settled.py|$FAST_PATH_TESTS"
   [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py"
   # tests/test_simulation.py pins the engine too but takes seconds a test.
   [engine]="sim/engine.py|tests/test_engine_timeline.py"
 )
-ORDER=(engine scheduler gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager)
+ORDER=(engine scheduler settled gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager)
 
 toml_list() { printf '"%s", ' "$@" | sed 's/, $//'; }
 
