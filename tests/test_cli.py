@@ -135,19 +135,21 @@ def test_bench_measures_a_run(tmp_path):
     assert abs(vllm.steps - figures.steps) <= figures.steps // 10
 
 
-def test_bench_ratios_are_per_step_cost_within_one_run():
-    """kvsim 1 s over 1,000 steps (1,000 us a step); vLLM 6 s over 1,200
-    steps (5,000 us): 5x fewer. Only layouts both measured are compared."""
+def test_bench_ratios_are_per_step_cpu_cost_within_one_run():
+    """kvsim 1 CPU s over 1,000 steps (1,000 us a step); vLLM 6 CPU s over
+    1,200 steps (5,000 us): 5x fewer. Wall time (a loaded machine: 3 s and
+    9 s) does not enter. Only layouts both measured are compared."""
     from sim.bench import BenchFigures, format_bench, step_cost_ratios
 
     common = {"import_s": 1.0, "simulated_s": 100.0, "requests": 8, "peak_rss_mib": 1.0}
     figures = [
-        BenchFigures(layout="on", backend="kvsim", wall_s=1.0, steps=1000, **common),
-        BenchFigures(layout="on", backend="vllm", wall_s=6.0, steps=1200, **common),
-        BenchFigures(layout="off", backend="vllm", wall_s=6.0, steps=1200, **common),
+        BenchFigures(layout="on", backend="kvsim", wall_s=3.0, cpu_s=1.0, steps=1000, **common),
+        BenchFigures(layout="on", backend="vllm", wall_s=9.0, cpu_s=6.0, steps=1200, **common),
+        BenchFigures(layout="off", backend="vllm", wall_s=9.0, cpu_s=6.0, steps=1200, **common),
     ]
     assert step_cost_ratios(figures) == {"vllm": {"on": 5.0}}
-    assert "kvsim takes 5.0x fewer us per step than vllm [on]" in format_bench("x", figures)
+    assert "kvsim takes 5.0x fewer CPU us per step than vllm [on]" in format_bench("x", figures)
+    assert figures[0].sim_s_per_cpu_s == 100.0 and figures[0].cpu_us_per_step == 1000.0
 
 
 def test_bench_rejects_an_unknown_backend(capsys):
@@ -194,9 +196,11 @@ def test_bench_saves_its_figures_as_json(tmp_path, monkeypatch, capsys):
             "sim_s_per_wall_s": 30.0,
             "steps_per_s": 200.0,
             "us_per_step": 5000.0,  # 4 s / 800 steps
+            "sim_s_per_cpu_s": 120.0 / 3.5,
+            "cpu_us_per_step": 4375.0,  # 3.5 s / 800 steps
         }
     ]
-    assert record["us_per_step_ratios"] == {}
+    assert record["cpu_us_per_step_ratios"] == {}
     assert record["scenario"] == path.stem and "commit" in record
     assert str(out) in capsys.readouterr().out
 

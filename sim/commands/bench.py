@@ -62,10 +62,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "sim_s_per_wall_s": f.sim_s_per_wall_s,
                 "steps_per_s": f.steps_per_s,
                 "us_per_step": f.us_per_step,
+                "sim_s_per_cpu_s": f.sim_s_per_cpu_s,
+                "cpu_us_per_step": f.cpu_us_per_step,
             }
             for f in figures
         ],
-        "us_per_step_ratios": step_cost_ratios(figures),
+        "cpu_us_per_step_ratios": step_cost_ratios(figures),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, record)
