@@ -12,11 +12,16 @@
 # (${KVSIM_MUTATION_DIR:-/tmp/kvsim-mutation}/<module>), so the checkout
 # never holds mutants/; the survivors and the counts are printed and kept
 # in <copy>/results.txt. KVSIM_VENV picks the environment (default .venv).
+# KVSIM_MUTATION_CHILDREN caps the mutants run at once (mutmut's
+# --max-children; default: one per core). On a shared machine:
+#
+#   nice -n 19 env KVSIM_MUTATION_CHILDREN=1 scripts/mutation.sh engine
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${KVSIM_VENV:-$root/.venv}"
 work="${KVSIM_MUTATION_DIR:-/tmp/kvsim-mutation}"
+children="${KVSIM_MUTATION_CHILDREN:-$(nproc)}"
 
 # module -> "source file|test files" (the tests that pin that module's rules).
 declare -A MODULES=(
@@ -56,7 +61,7 @@ pytest_add_cli_args = ["-p", "no:cacheprovider", "-x"]
 also_copy = ["tests", "scenarios", "README.md"]
 TOML
   echo "== $name: $source against $tests"
-  (cd "$copy" && "$venv/bin/mutmut" run >run.log 2>&1 || true
+  (cd "$copy" && "$venv/bin/mutmut" run --max-children "$children" >run.log 2>&1 || true
    "$venv/bin/mutmut" results --all true >results.txt 2>&1 || true
    summarise "$name" results.txt)
 }
