@@ -346,3 +346,25 @@ def test_group_index_finds_the_layers_group():
     index = group_index(manager, ATTENTION)
     assert ATTENTION in manager.kv_cache_config.kv_cache_groups[index].layer_names
     assert index == len(manager.managers) - 1  # full attention is the last group (tiny plan)
+
+
+def test_a_ring_manager_with_two_slots_per_block_packs_two_rings_per_block():
+    """S = 2, the smallest packing: the manager serves rings from a slot
+    pool (a whole block per ring is only for S = 1). Hand count: rings of
+    requests 0 and 1 are slots 0 and 1 of one pool block (ids 2p and
+    2p + 1), request 2's ring opens a second block; 3 blocks of a 6-block
+    pool (null block included) leave 3 free, not 2."""
+    from dataclasses import replace
+
+    spec = replace(_ring(tiny_manager(True)).kv_cache_spec, slots_per_block=2)
+    pool = BlockPool(num_gpu_blocks=6, enable_caching=True, hash_block_size=16)
+    ring = RingCircularBufferManager(
+        spec, block_pool=pool, enable_caching=False, kv_cache_group_id=0, scheduler_block_size=spec.block_size
+    )
+    assert ring.slot_pool is not None and ring.slot_pool.slots_per_block == 2
+    for rid in ("r0", "r1", "r2"):
+        ring.allocate_new_blocks(rid, 1, 1)
+    ids = [ring.get_ring_block_ids(rid)[0] for rid in ("r0", "r1", "r2")]
+    assert ids[0] % 2 == 0 and ids[1] == ids[0] + 1  # one block, two slots
+    assert ids[2] // 2 != ids[0] // 2 and ids[2] % 2 == 0
+    assert ring.slot_pool.num_pages == 2 and pool.get_num_free_blocks() == 3
