@@ -31,8 +31,9 @@ import pandas as pd
 import pytest
 import yaml
 
+import sim.engine
 from sim.analysis.frames import frames
-from sim.engine import simulate
+from sim.engine import Simulation, simulate
 from sim.scenario import Scenario, load_scenario
 from sim.step_time import StepTimeModel
 from sim.workloads.spec import FreshIds, RequestSpec, Workload
@@ -330,3 +331,156 @@ def test_the_frames_have_the_columns_the_readme_documents(hand_scenario_file):
     assert requests_named <= set(requests.columns), requests_named - set(requests.columns)
     gauges = {"num_requests_running", "num_requests_waiting", "num_free_blocks", "num_deferred_blocks"}
     assert gauges | {"time_s", "kv_cache_usage_perc"} <= set(samples.columns)
+
+
+# ------------------------------------------------------- issue 10, round 2
+def test_the_clock_stops_at_the_horizon_even_mid_step(hand_scenario_file):
+    """The idle-engine case under ``simulation.max_time_s = 2.3``: step 1
+    (1.0 -> 2.2) ends, step 2 (2.2 -> 2.404) is still running at 2.3 and
+    never ends, and r1 (due at 10.0) never arrives. The clock reads 2.3."""
+    stopped = load_scenario(str(hand_scenario_file), ["simulation.max_time_s=2.3"])
+    recording = simulate(stopped, "off", _workload(("r0", 1.0, 1000, 2), ("r1", 10.0, 300, 1)))
+    steps, requests, _, summary = frames(recording)
+    assert _timeline(steps, requests) == [
+        (1.0, "arrive r0"),
+        (1.0, "admit r0"),
+        (1.0, "step start 1"),
+        (2.2, "step end 1"),
+        (2.2, "first token r0"),
+    ]
+    assert recording.end_time_s == 2.3 and summary["duration_s"] == 2.3
+
+
+def test_the_samples_carry_the_running_totals(hand_scenario_file):
+    """The mid-step-arrival case sampled every 1 s. At 0.0 and 1.0 no step
+    has ended: every total is 0. At 2.0 steps 1 (r0's prefill, 1 token) and
+    2 (r0's decode + r1's prefill, 2 tokens, 3 drafts from r0's decode, none
+    accepted) have ended: prompts 1,000 + 500 counted at their first tokens,
+    3 tokens generated, 3 drafts, no preemption."""
+    sampled = load_scenario(str(hand_scenario_file), ["simulation.sample_interval_s=1.0"])
+    _, _, samples, _ = frames(simulate(sampled, "off", _workload(("r0", 0.0, 1000, 3), ("r1", 0.5, 500, 2))))
+    columns = [
+        "num_prompt_total_tokens",
+        "num_generation_total_tokens",
+        "num_draft_total_tokens",
+        "num_accepted_total_tokens",
+        "num_preemptions_total",
+    ]
+    assert samples[columns].values.tolist() == [[0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [1500, 3, 3, 0, 0]]
+
+
+def test_the_sampler_stops_at_the_row_cap_and_says_so(hand_scenario_file, monkeypatch):
+    """With the cap at 2 rows the sampler records 0.0 and 1.0, then stops
+    (the engine runs on to 2.112) and marks the samples truncated."""
+    monkeypatch.setattr(sim.engine, "MAX_SAMPLE_ROWS", 2)
+    sampled = load_scenario(str(hand_scenario_file), ["simulation.sample_interval_s=1.0"])
+    steps, _, samples, summary = frames(
+        simulate(sampled, "off", _workload(("r0", 0.0, 1000, 3), ("r1", 0.5, 500, 2)))
+    )
+    assert samples["time_s"].tolist() == [0.0, 1.0] and summary["samples_truncated"]
+    assert steps["time_s"].round(9).tolist() == [1.2, 1.904, 2.112]
+
+
+def test_a_sampler_started_before_the_engine_is_refused(hand_scenario):
+    """The sampler reads the engine process's life: started alone it fails
+    loudly instead of sampling forever."""
+    simulation = Simulation(hand_scenario, "off", _workload(("r0", 0.0, 300, 1)))
+    with pytest.raises(AssertionError, match=r"^start\(\) registers the engine before the sampler$"):
+        next(simulation.sampler(1.0))
+
+
+def test_a_caller_may_advance_the_clock_itself(hand_scenario):
+    """``start`` then ``env.run`` a little at a time (no progress bar): at 2.0
+    r0's prefill (0.0 -> 1.2) has ended and step 2 (1.2 -> 1.904) too; the
+    rest runs to 2.112; ``finish`` stamps the clock and the rejections
+    (r2's prompt is max_model_len long)."""
+    workload = _workload(("r0", 0.0, 1000, 3), ("r1", 0.5, 500, 2), ("r2", 0.6, 262_144, 1))
+    simulation = Simulation(hand_scenario, "off", workload)
+    simulation.start()
+    simulation.env.run(until=2.0)
+    assert len(simulation.recording.steps) == 2
+    simulation.env.run()
+    recording = simulation.finish()
+    assert recording.end_time_s == pytest.approx(2.112, abs=1e-12)
+    assert recording.num_rejected == 1 and not recording.stalled
+
+
+class _RecordingBar:
+    """A stand-in for tqdm that keeps its arguments and updates."""
+
+    made: list[_RecordingBar] = []
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.n, self.updates = kwargs, 0.0, []
+        _RecordingBar.made.append(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, amount):
+        self.updates.append(amount)
+        self.n += amount
+
+
+@pytest.mark.parametrize("progress", [True, False, None], ids=["asked", "not-asked", "default"])
+def test_the_progress_bar_counts_simulated_seconds(hand_scenario, monkeypatch, progress):
+    """The bar (stderr only, off unless asked, shown after 3 s of wall time,
+    not left behind) counts simulated seconds to one decimal towards the
+    workload's last arrival (0.5 s here): the mid-step case's steps end at
+    1.2, 1.904 and 2.112, so it moves by 1.2, 0.7 and 0.2 and reads 2.1.
+    Labelled with the scenario and the layout."""
+    monkeypatch.setattr(sim.engine, "tqdm", _RecordingBar)
+    _RecordingBar.made = []
+    workload = _workload(("r0", 0.0, 1000, 3), ("r1", 0.5, 500, 2))
+    kwargs = {} if progress is None else {"progress": progress}
+    simulate(hand_scenario, "off", workload, **kwargs)
+    (bar,) = _RecordingBar.made
+    assert bar.kwargs == {
+        "total": 0.5,
+        "unit": "sim s",
+        "delay": 3,
+        "disable": not progress,
+        "desc": "timeline [off]",
+        "leave": False,
+    }
+    assert bar.updates == pytest.approx([1.2, 0.7, 0.2], abs=1e-9) and bar.n == pytest.approx(2.1)
+
+
+def test_the_progress_bar_total_is_the_horizon_when_there_is_one(
+    hand_scenario, hand_scenario_file, monkeypatch
+):
+    """With ``max_time_s`` 2.3 the bar runs to 2.3 (not to the last arrival,
+    10.0); a workload arriving all at 0 still gets a positive total, shown
+    as 0.0 (1e-9 rounded)."""
+    monkeypatch.setattr(sim.engine, "tqdm", _RecordingBar)
+    _RecordingBar.made = []
+    stopped = load_scenario(str(hand_scenario_file), ["simulation.max_time_s=2.3"])
+    simulate(stopped, "on", _workload(("r0", 1.0, 1000, 2), ("r1", 10.0, 300, 1)), progress=True)
+    simulate(hand_scenario, "off", _workload(("r0", 0.0, 300, 1)), progress=True)
+    assert [(bar.kwargs["total"], bar.kwargs["desc"]) for bar in _RecordingBar.made] == [
+        (2.3, "timeline [on]"),
+        (0.0, "timeline [off]"),
+    ]
+
+
+def test_a_pool_no_request_fits_stalls_the_engine(hand_scenario, monkeypatch):
+    """A 10-block pool holds no 3,100-token request (it needs an attention
+    block, a ring block and a block per Mamba group, far over 10): nothing
+    is ever scheduled. r0 (0.0) waits; r1 (5.0) wakes the engine, which
+    finds nothing fits, sees no arrival left and stops: stalled, with both
+    requests unadmitted and no step; the clock ends at 5.0. (The validated
+    plans always fit a max_model_len request; this is the safety net.)"""
+    real = sim.engine.build_kv_cache_manager
+    monkeypatch.setattr(
+        sim.engine, "build_kv_cache_manager", lambda plan, **kw: real(plan, **kw, num_gpu_blocks=10)
+    )
+    no_check = hand_scenario.model_copy(
+        update={"simulation": hand_scenario.simulation.model_copy(update={"check_invariants": False})}
+    )
+    recording = simulate(no_check, "off", _workload(("r0", 0.0, 3100, 1), ("r1", 5.0, 3100, 1)))
+    steps, requests, _, summary = frames(recording)
+    assert summary["stalled"] and recording.stalled and len(steps) == 0
+    assert requests["admitted_s"].isna().all() and recording.end_time_s == 5.0
