@@ -34,6 +34,7 @@ import yaml
 import sim.engine
 from sim.analysis.frames import frames
 from sim.engine import Simulation, simulate
+from sim.kv_cache_plan import plan_kv_cache
 from sim.scenario import Scenario, load_scenario
 from sim.step_time import StepTimeModel
 from sim.workloads.spec import FreshIds, RequestSpec, Workload
@@ -484,3 +485,132 @@ def test_a_pool_no_request_fits_stalls_the_engine(hand_scenario, monkeypatch):
     steps, requests, _, summary = frames(recording)
     assert summary["stalled"] and recording.stalled and len(steps) == 0
     assert requests["admitted_s"].isna().all() and recording.end_time_s == 5.0
+
+
+# Two 7,000-token prompts with the same content, one output token each: r0
+# at 0.0, r1 at 20.0 (r0 long finished). Hand derivation (vLLM 0.33.0's
+# Mamba "align" split and MTP hashing, K = 3, 3,200-token blocks):
+# - eagle-drop, caching on: a prefill chunk ends at the last cacheable block
+#   boundary, floor(7000 / 3200) = 2 blocks less the EAGLE-dropped one =
+#   3,200: r0 runs 3,200 (0.2 + 3.2 = 3.4 s) then 3,800 (4.0 s, to 7.4). r1
+#   hits the 2 matched blocks less the dropped one, 3,200 tokens, and
+#   computes 3,800 in one step: 20.0 -> 24.0.
+# - lookahead, caching on: a hash also covers the next token, the
+#   checkpoint is floor(6999 / 3200) blocks = 6,400 and nothing is dropped:
+#   r0 runs 6,400 (6.6 s) then 600 (0.8 s, to 7.4); r1 hits 6,400 and
+#   computes 600: 20.0 -> 20.8.
+# - caching off (either mode): vLLM turns the lookahead hashes off without
+#   caching, so the split is eagle-drop's; no hit: r1 repeats r0's two
+#   steps, 20.0 -> 23.4 -> 27.4.
+SWITCH_CASES = {
+    "eagle-drop": ([], [3.4, 7.4, 24.0], 3200),
+    "lookahead": (["scheduler.mtp_hash_mode=lookahead"], [6.6, 7.4, 20.8], 6400),
+    "no-caching": (["allocator.enable_prefix_caching=false"], [3.4, 7.4, 23.4, 27.4], 0),
+    "no-caching-lookahead": (
+        ["allocator.enable_prefix_caching=false", "scheduler.mtp_hash_mode=lookahead"],
+        [3.4, 7.4, 23.4, 27.4],
+        0,
+    ),
+}
+
+
+def _same_prompt_twice() -> Workload:
+    prompt = FreshIds().take(14)  # 14 x 512 >= 7,000 tokens, shared
+    return Workload(
+        name="timeline",
+        source="hand-built",
+        requests=tuple(
+            RequestSpec(
+                request_id=rid,
+                arrival_s=at,
+                prompt_len=7000,
+                output_len=1,
+                prefix_ids=prompt,
+                prefix_unit=512,
+            )
+            for rid, at in (("r0", 0.0), ("r1", 20.0))
+        ),
+    )
+
+
+@pytest.mark.parametrize("case", list(SWITCH_CASES))
+def test_the_prefix_caching_switches_move_the_repeated_prompts_steps(hand_scenario_file, case):
+    """The scenario's hashing mode and prefix-caching switch reach both the
+    scheduler and the allocator: the step ends and r1's hit move as derived
+    above (SWITCH_CASES)."""
+    overrides, step_ends_s, hit_tokens = SWITCH_CASES[case]
+    scenario = load_scenario(str(hand_scenario_file), overrides)
+    steps, requests = _run(scenario, _same_prompt_twice())
+    assert steps["time_s"].round(9).tolist() == step_ends_s
+    by_id = requests.set_index("request_id")
+    assert by_id["prefix_hit_tokens"].tolist() == [0, hit_tokens]
+    assert by_id.loc["r1", "ttft_s"] == pytest.approx(step_ends_s[-1] - 20.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("case", list(SWITCH_CASES))
+def test_vllms_scheduler_takes_the_derived_steps(hand_scenario_file, case):
+    """The independent check of SWITCH_CASES: vLLM 0.33.0's own Scheduler,
+    driven by the conformance clock over the same trace, ends its steps at
+    the derived times and reports the derived hit."""
+    from sim.conformance.driver import drive, plan_for, vllm_backend
+
+    overrides, step_ends_s, hit_tokens = SWITCH_CASES[case]
+    scenario = load_scenario(str(hand_scenario_file), ["scheduler.defer_block_free=false", *overrides])
+    trajectory = drive(
+        vllm_backend(scenario, plan_for(scenario, "off")),
+        _same_prompt_twice().requests,
+        StepTimeModel(scenario.step_time_config()),
+    )
+    assert [round(t, 9) for t in trajectory.times_s] == step_ends_s
+    assert sum(step.prefix_cache_hits_tokens for step in trajectory.steps) == hit_tokens
+
+
+def test_preemptions_and_sampled_drafts_are_vllms(hand_scenario_file, monkeypatch):
+    """A 40-block pool (max_model_len 6,400), three 3,100-token prompts with
+    200 outputs 0.1 s apart, drafts accepted with probability 0.5: outputs
+    cross the 3,200-token block boundary and the pool runs out, so the
+    newest running request is preempted and resumed, again and again.
+    vLLM's own Scheduler (fences off, as vLLM without a connector), driven
+    by the conformance clock with the engine's RNG stream for the seed (the
+    stream both backends share, ``sim.conformance.backends.model_runner``),
+    is the expected value: every step ends at the same instant, and each
+    request's preemption count is the number of steps that preempted it
+    (r1 five times, measured on vLLM)."""
+    from sim.conformance.driver import drive, vllm_backend
+
+    scenario = load_scenario(
+        str(hand_scenario_file),
+        [
+            "deployment.max_model_len=6400",
+            "mtp.acceptance_rates=[0.5,0.5,0.5]",
+            "scheduler.defer_block_free=false",
+        ],
+    )
+    plan = plan_kv_cache(
+        scenario.load_model(), scenario.deployment, side_cache_layout=False, num_gpu_blocks_override=40
+    )
+    monkeypatch.setattr(sim.engine, "plan_kv_cache", lambda *args, **kwargs: plan)
+    ids = FreshIds()
+    workload = Workload(
+        name="timeline",
+        source="hand-built",
+        requests=tuple(
+            RequestSpec(
+                request_id=f"r{i}",
+                arrival_s=0.1 * i,
+                prompt_len=3100,
+                output_len=200,
+                prefix_ids=ids.take(7),
+                prefix_unit=512,
+            )
+            for i in range(3)
+        ),
+    )
+    steps, requests = _run(scenario, workload)
+    vllm = drive(vllm_backend(scenario, plan), workload.requests, StepTimeModel(scenario.step_time_config()))
+    assert steps["time_s"].round(9).tolist() == [round(t, 9) for t in vllm.times_s]
+    preempted = [r for step in vllm.steps for r in step.preempted]
+    expected = {rid: preempted.count(rid) for rid in ("r0", "r1", "r2")}
+    assert expected == {"r0": 0, "r1": 5, "r2": 0}
+    assert dict(zip(requests["request_id"], requests["num_preemptions"], strict=True)) == expected
+    assert steps["num_accepted_tokens"].sum() > 0  # the draws mattered
