@@ -352,6 +352,18 @@ def test_the_clock_stops_at_the_horizon_even_mid_step(hand_scenario_file):
     assert recording.end_time_s == 2.3 and summary["duration_s"] == 2.3
 
 
+def test_a_run_stopped_at_its_horizon_can_be_continued(hand_scenario_file):
+    """After ``run`` stops at 2.3 a caller may advance the same clock on:
+    step 2 ends at 2.404 and r1's step at 10.5, as without a horizon."""
+    stopped = load_scenario(str(hand_scenario_file), ["simulation.max_time_s=2.3"])
+    simulation = Simulation(stopped, "off", _workload(("r0", 1.0, 1000, 2), ("r1", 10.0, 300, 1)))
+    assert simulation.run().end_time_s == 2.3
+    simulation.env.run()
+    recording = simulation.finish()
+    assert [round(t, 9) for t in recording.steps.to_dict()["time_s"]] == [2.2, 2.404, 10.5]
+    assert recording.end_time_s == 10.5
+
+
 def test_the_samples_carry_the_running_totals(hand_scenario_file):
     """The mid-step-arrival case sampled every 1 s. At 0.0 and 1.0 no step
     has ended: every total is 0. At 2.0 steps 1 (r0's prefill, 1 token) and
@@ -430,17 +442,24 @@ class _RecordingBar:
 def test_the_progress_bar_counts_simulated_seconds(hand_scenario, monkeypatch, progress):
     """The bar (stderr only, off unless asked, shown after 3 s of wall time,
     not left behind) counts simulated seconds to one decimal towards the
-    workload's last arrival (0.5 s here): the mid-step case's steps end at
-    1.2, 1.904 and 2.112, so it moves by 1.2, 0.7 and 0.2 and reads 2.1.
-    Labelled with the scenario and the layout."""
+    workload's last arrival (0.25 s here, shown as 0.2): the mid-step
+    case's steps (r1 arriving at 0.25, still during step 1) end at 1.2,
+    1.904 and 2.112, so it moves by 1.2, 0.7 and 0.2 and reads 2.1.
+    Labelled with the scenario and the layout. The default is off, for
+    ``simulate`` and ``Simulation`` alike."""
     monkeypatch.setattr(sim.engine, "tqdm", _RecordingBar)
     _RecordingBar.made = []
-    workload = _workload(("r0", 0.0, 1000, 3), ("r1", 0.5, 500, 2))
-    kwargs = {} if progress is None else {"progress": progress}
-    simulate(hand_scenario, "off", workload, **kwargs)
-    (bar,) = _RecordingBar.made
+    workload = _workload(("r0", 0.0, 1000, 3), ("r1", 0.25, 500, 2))
+    if progress is None:
+        Simulation(hand_scenario, "off", workload).run()
+        simulate(hand_scenario, "off", workload)
+    else:
+        simulate(hand_scenario, "off", workload, progress=progress)
+    bar = _RecordingBar.made[-1]
+    assert len(_RecordingBar.made) == (1 if progress is not None else 2)
+    assert all(made.kwargs["disable"] is (not progress) for made in _RecordingBar.made)
     assert bar.kwargs == {
-        "total": 0.5,
+        "total": 0.2,
         "unit": "sim s",
         "delay": 3,
         "disable": not progress,
@@ -614,3 +633,30 @@ def test_preemptions_and_sampled_drafts_are_vllms(hand_scenario_file, monkeypatc
     assert expected == {"r0": 0, "r1": 5, "r2": 0}
     assert dict(zip(requests["request_id"], requests["num_preemptions"], strict=True)) == expected
     assert steps["num_accepted_tokens"].sum() > 0  # the draws mattered
+
+
+def test_fenced_frees_the_engine_waits_out_match_the_conformance_clock():
+    """The conformance heavy-preemption shape (a quarter-size pool, 24
+    requests crossing block boundaries) with the fork's fenced frees on:
+    once, every running request needs blocks that only a preempted
+    victim's fenced free returns, so nothing can be scheduled until the
+    steps in flight complete. The engine must then complete them and go
+    on, not stop: its steps are those of the conformance driver's clock
+    (``sim.conformance.driver.drive``, the same engine model written
+    without SimPy) over kvsim's scheduler, and every request finishes."""
+    from sim.analysis.runs import scenario_workload
+    from sim.conformance.driver import drive, kvsim_backend, plan_for
+    from sim.paths import SCENARIOS_DIR
+
+    scenario = load_scenario(str(SCENARIOS_DIR / "conformance" / "heavy-preemption.yaml"))
+    assert scenario.scheduler.defer_block_free
+    workload = scenario_workload(scenario)
+    steps, requests = _run(scenario, workload)
+    expected = drive(
+        kvsim_backend(scenario, plan_for(scenario, "off")),
+        workload.requests,
+        StepTimeModel(scenario.step_time_config()),
+    )
+    assert not expected.stalled and len(expected.steps) > 100
+    assert steps["time_s"].round(9).tolist() == [round(t, 9) for t in expected.times_s]
+    assert requests["finished_s"].notna().all() and len(requests) == 24
