@@ -119,7 +119,7 @@ def tiny_report(tmp_path_factory: pytest.TempPathFactory) -> GateReport:
 
 def test_a_tiny_gate_runs_both_layouts_and_judges_every_row(tiny_report: GateReport) -> None:
     assert _rows(tiny_report) == EXPECTED_ROWS
-    assert set(tiny_report.rows["gate"]) == {"tiny"}
+    assert set(tiny_report.rows["gate"]) == {"tiny"} and tiny_report.gates_path.name == "gates.yaml"
     assert not tiny_report.ok and not tiny_report.updated
     assert tiny_report.failures["metric"].tolist() == ["num_finished"]
     summaries = tiny_report.summaries
@@ -158,6 +158,7 @@ def test_the_junit_report_has_a_testcase_per_row(tiny_report: GateReport) -> Non
         "skipped": "2",
     }
     cases = list(suite)
+    assert {c.tag for c in cases} == {"testcase"}
     assert [(c.get("classname"), c.get("name")) for c in cases] == [
         ("gates.tiny", f"{layout} {metric}") for layout, metric, *_ in EXPECTED_ROWS
     ]
@@ -249,6 +250,10 @@ def test_only_selects_gates_in_file_order(tmp_path: Path) -> None:
         select(loaded, ["tiny", "nope"], path)
     report = run_gates(path, only=["tiny"])  # the other gate's scenario is never loaded
     assert set(report.rows["gate"]) == {"tiny"}
+    with pytest.raises(ConfigError, match=rf"^--only nope: no such gate in {path} "):
+        run_gates(path, only=["nope"])
+    with pytest.raises(ConfigError, match=rf"^{path}: gate other: x.yaml: "):
+        run_gates(path)
 
 
 ONE_GATE = "gates:\n  g:\n    scenario: tiny.yaml\n    baselines: "
