@@ -368,3 +368,33 @@ def test_a_ring_manager_with_two_slots_per_block_packs_two_rings_per_block():
     assert ids[0] % 2 == 0 and ids[1] == ids[0] + 1  # one block, two slots
     assert ids[2] // 2 != ids[0] // 2 and ids[2] % 2 == 0
     assert ring.slot_pool.num_pages == 2 and pool.get_num_free_blocks() == 3
+
+
+@pytest.mark.parametrize("zeroing", [False, True], ids=["no-zeroing", "zeroing"])
+def test_the_ring_records_blocks_for_kv_zeroing_exactly_as_upstream(zeroing: bool) -> None:
+    """vLLM's own ``CircularBufferManager`` is the expected value: it never
+    records ring blocks for worker-side KV zeroing, with zeroing on or off
+    (a ``CircularBufferSpec`` is excluded from ``_record_new_block_ids``;
+    rings are cleared through their own record instead). kvsim's ring
+    manager (old layout, whole blocks, so ids match block for block)
+    records the same: nothing, whatever ``record_for_zeroing`` says."""
+    from sim.vllm_bridge import CircularBufferManager
+
+    spec = _ring(tiny_manager(False)).kv_cache_spec
+    recorded = []
+    for manager_class in (CircularBufferManager, RingCircularBufferManager):
+        pool = BlockPool(num_gpu_blocks=6, enable_caching=False, hash_block_size=16)
+        ring = manager_class(
+            spec,
+            block_pool=pool,
+            enable_caching=False,
+            kv_cache_group_id=0,
+            scheduler_block_size=spec.block_size,
+            needs_kv_cache_zeroing=zeroing,
+        )
+        ring.allocate_new_blocks("fresh", 1, 1)
+        ring.allocate_external_computed_blocks("loaded", 0, 64, record_for_zeroing=False)
+        ring.allocate_new_blocks("second", 1, 1)
+        recorded.append(list(ring.new_block_ids))
+    upstream, kvsim = recorded
+    assert kvsim == upstream == []
