@@ -38,8 +38,9 @@ declare -A MODULES=(
   [allocator_invariants]="sim/allocator_invariants.py|tests/test_allocator_invariant_rules.py tests/test_allocator_properties.py"
   [step_time]="sim/step_time.py|tests/test_step_time.py tests/test_engine_timeline.py"
   # The gates tests that run gate scenarios take seconds each: only the
-  # pure-function ones (judging, tolerances, the baseline rewrite).
-  [gates]="sim/analysis/gates.py|tests/test_ordering_rules.py tests/test_gates.py::test_judge tests/test_gates.py::test_parse_tolerance tests/test_gates.py::test_parse_tolerance_rejects tests/test_gates.py::test_rewrite_changes_only_the_values"
+  # pure-function ones (judging, tolerances, the baseline rewrite) and
+  # tests/test_gate_reports.py (run, report, --update on a sub-second gate).
+  [gates]="sim/analysis/gates.py|tests/test_gate_reports.py tests/test_ordering_rules.py tests/test_gates.py::test_judge tests/test_gates.py::test_parse_tolerance tests/test_gates.py::test_parse_tolerance_rejects tests/test_gates.py::test_rewrite_changes_only_the_values"
   [single_type_kv_cache_manager]="sim/single_type_kv_cache_manager.py|tests/test_allocator.py tests/test_ordering_rules.py tests/test_allocator_invariant_rules.py"
   # The conformance gate (kvsim's scheduler and allocator step for step
   # against vLLM's own Scheduler, 12 short runs, about 6 s) runs last:

@@ -346,3 +346,90 @@ def test_group_index_finds_the_layers_group():
     index = group_index(manager, ATTENTION)
     assert ATTENTION in manager.kv_cache_config.kv_cache_groups[index].layer_names
     assert index == len(manager.managers) - 1  # full attention is the last group (tiny plan)
+
+
+def test_a_ring_manager_with_two_slots_per_block_packs_two_rings_per_block():
+    """S = 2, the smallest packing: the manager serves rings from a slot
+    pool (a whole block per ring is only for S = 1). Hand count: rings of
+    requests 0 and 1 are slots 0 and 1 of one pool block (ids 2p and
+    2p + 1), request 2's ring opens a second block; 3 blocks of a 6-block
+    pool (null block included) leave 3 free, not 2."""
+    from dataclasses import replace
+
+    spec = replace(_ring(tiny_manager(True)).kv_cache_spec, slots_per_block=2)
+    pool = BlockPool(num_gpu_blocks=6, enable_caching=True, hash_block_size=16)
+    ring = RingCircularBufferManager(
+        spec, block_pool=pool, enable_caching=False, kv_cache_group_id=0, scheduler_block_size=spec.block_size
+    )
+    assert ring.slot_pool is not None and ring.slot_pool.slots_per_block == 2
+    for rid in ("r0", "r1", "r2"):
+        ring.allocate_new_blocks(rid, 1, 1)
+    ids = [ring.get_ring_block_ids(rid)[0] for rid in ("r0", "r1", "r2")]
+    assert ids[0] % 2 == 0 and ids[1] == ids[0] + 1  # one block, two slots
+    assert ids[2] // 2 != ids[0] // 2 and ids[2] % 2 == 0
+    assert ring.slot_pool.num_pages == 2 and pool.get_num_free_blocks() == 3
+
+
+@pytest.mark.parametrize("zeroing", [False, True], ids=["no-zeroing", "zeroing"])
+def test_the_ring_records_blocks_for_kv_zeroing_exactly_as_upstream(zeroing: bool) -> None:
+    """vLLM's own ``CircularBufferManager`` is the expected value: it never
+    records ring blocks for worker-side KV zeroing, with zeroing on or off
+    (a ``CircularBufferSpec`` is excluded from ``_record_new_block_ids``;
+    rings are cleared through their own record instead). kvsim's ring
+    manager (old layout, whole blocks, so ids match block for block)
+    records the same: nothing, whatever ``record_for_zeroing`` says."""
+    from sim.vllm_bridge import CircularBufferManager
+
+    spec = _ring(tiny_manager(False)).kv_cache_spec
+    recorded = []
+    for manager_class in (CircularBufferManager, RingCircularBufferManager):
+        pool = BlockPool(num_gpu_blocks=6, enable_caching=False, hash_block_size=16)
+        ring = manager_class(
+            spec,
+            block_pool=pool,
+            enable_caching=False,
+            kv_cache_group_id=0,
+            scheduler_block_size=spec.block_size,
+            needs_kv_cache_zeroing=zeroing,
+        )
+        ring.allocate_new_blocks("fresh", 1, 1)
+        ring.allocate_external_computed_blocks("loaded", 0, 64, record_for_zeroing=False)
+        ring.allocate_new_blocks("second", 1, 1)
+        recorded.append(list(ring.new_block_ids))
+    upstream, kvsim = recorded
+    assert kvsim == upstream == []
+
+
+def test_kvsims_specs_select_kvsims_managers_in_vllms_registry():
+    """``_register`` (run at import) puts kvsim's two spec types in vLLM's
+    spec registry. Re-run here on a registry without them (mutation tools
+    swap code in only after import): vLLM then serves a ``RingSlotsSpec``
+    with kvsim's ring manager and a ``RetainedCheckpointMambaSpec`` with
+    the retaining Mamba manager; without the registration it would serve
+    them with its own managers (found through the spec's base classes).
+    (The registered ``uniform_type_base_spec`` is not checked: vLLM's
+    ``CircularBufferSpec`` and ``MambaSpec`` decide grouping by their own
+    ``is_uniform_with_collection``, which does not read it.)"""
+    from vllm.v1 import kv_cache_spec_registry as registry
+
+    from sim.kv_cache_interface import RetainedCheckpointMambaSpec, RingSlotsSpec
+    from sim.single_type_kv_cache_manager import RetainingMambaManager, _register
+    from sim.vllm_bridge import CircularBufferManager, KVCacheSpecRegistry, MambaManager
+
+    manager = tiny_manager(False)
+    ring_spec = _ring(manager).kv_cache_spec
+    [mamba_spec, *_] = [m.kv_cache_spec for m in manager.managers if hasattr(m, "_retained_checkpoints")]
+    assert type(ring_spec) is RingSlotsSpec and type(mamba_spec) is RetainedCheckpointMambaSpec
+    saved = dict(registry._REGISTRY_KVCACHESPEC_LIST)  # vLLM's module-level registry
+    try:
+        for spec_class in (RingSlotsSpec, RetainedCheckpointMambaSpec):
+            del registry._REGISTRY_KVCACHESPEC_LIST[spec_class]
+        # CONTROL: unregistered, vLLM's own managers would serve them.
+        assert KVCacheSpecRegistry.get_manager_class(ring_spec) is CircularBufferManager
+        assert KVCacheSpecRegistry.get_manager_class(mamba_spec) is MambaManager
+        _register()
+        assert KVCacheSpecRegistry.get_manager_class(ring_spec) is RingCircularBufferManager
+        assert KVCacheSpecRegistry.get_manager_class(mamba_spec) is RetainingMambaManager
+    finally:
+        registry._REGISTRY_KVCACHESPEC_LIST.clear()
+        registry._REGISTRY_KVCACHESPEC_LIST.update(saved)

@@ -31,8 +31,10 @@ import pandas as pd
 import pytest
 import yaml
 
+import sim.engine
 from sim.analysis.frames import frames
-from sim.engine import simulate
+from sim.engine import Simulation, simulate
+from sim.kv_cache_plan import plan_kv_cache
 from sim.scenario import Scenario, load_scenario
 from sim.step_time import StepTimeModel
 from sim.workloads.spec import FreshIds, RequestSpec, Workload
@@ -348,3 +350,329 @@ def test_the_frames_have_the_columns_the_readme_documents(hand_scenario_file):
     assert requests_named <= set(requests.columns), requests_named - set(requests.columns)
     gauges = {"num_requests_running", "num_requests_waiting", "num_free_blocks", "num_deferred_blocks"}
     assert gauges | {"time_s", "kv_cache_usage_perc"} <= set(samples.columns)
+
+
+# ------------------------------------------------------- issue 10, round 2
+def test_the_clock_stops_at_the_horizon_even_mid_step(hand_scenario_file):
+    """The idle-engine case under ``simulation.max_time_s = 2.3``: step 1
+    (1.0 -> 2.2) ends, step 2 (2.2 -> 2.404) is still running at 2.3 and
+    never ends, and r1 (due at 10.0) never arrives. The clock reads 2.3."""
+    stopped = load_scenario(str(hand_scenario_file), ["simulation.max_time_s=2.3"])
+    recording = simulate(stopped, "off", _workload(("r0", 1.0, 1000, 2), ("r1", 10.0, 300, 1)))
+    steps, requests, _, summary = frames(recording)
+    assert _timeline(steps, requests) == [
+        (1.0, "arrive r0"),
+        (1.0, "admit r0"),
+        (1.0, "step start 1"),
+        (2.2, "step end 1"),
+        (2.2, "first token r0"),
+    ]
+    assert recording.end_time_s == 2.3 and summary["duration_s"] == 2.3
+
+
+def test_a_run_stopped_at_its_horizon_can_be_continued(hand_scenario_file):
+    """After ``run`` stops at 2.3 a caller may advance the same clock on:
+    step 2 ends at 2.404 and r1's step at 10.5, as without a horizon."""
+    stopped = load_scenario(str(hand_scenario_file), ["simulation.max_time_s=2.3"])
+    simulation = Simulation(stopped, "off", _workload(("r0", 1.0, 1000, 2), ("r1", 10.0, 300, 1)))
+    assert simulation.run().end_time_s == 2.3
+    simulation.env.run()
+    recording = simulation.finish()
+    assert [round(t, 9) for t in recording.steps.to_dict()["time_s"]] == [2.2, 2.404, 10.5]
+    assert recording.end_time_s == 10.5
+
+
+def test_the_samples_carry_the_running_totals(hand_scenario_file):
+    """The mid-step-arrival case sampled every 1 s. At 0.0 and 1.0 no step
+    has ended: every total is 0. At 2.0 steps 1 (r0's prefill, 1 token) and
+    2 (r0's decode + r1's prefill, 2 tokens, 3 drafts from r0's decode, none
+    accepted) have ended: prompts 1,000 + 500 counted at their first tokens,
+    3 tokens generated, 3 drafts, no preemption."""
+    sampled = load_scenario(str(hand_scenario_file), ["simulation.sample_interval_s=1.0"])
+    _, _, samples, _ = frames(simulate(sampled, "off", _workload(("r0", 0.0, 1000, 3), ("r1", 0.5, 500, 2))))
+    columns = [
+        "num_prompt_total_tokens",
+        "num_generation_total_tokens",
+        "num_draft_total_tokens",
+        "num_accepted_total_tokens",
+        "num_preemptions_total",
+    ]
+    assert samples[columns].values.tolist() == [[0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [1500, 3, 3, 0, 0]]
+
+
+def test_the_sampler_stops_at_the_row_cap_and_says_so(hand_scenario_file, monkeypatch):
+    """With the cap at 2 rows the sampler records 0.0 and 1.0, then stops
+    (the engine runs on to 2.112) and marks the samples truncated."""
+    monkeypatch.setattr(sim.engine, "MAX_SAMPLE_ROWS", 2)
+    sampled = load_scenario(str(hand_scenario_file), ["simulation.sample_interval_s=1.0"])
+    steps, _, samples, summary = frames(
+        simulate(sampled, "off", _workload(("r0", 0.0, 1000, 3), ("r1", 0.5, 500, 2)))
+    )
+    assert samples["time_s"].tolist() == [0.0, 1.0] and summary["samples_truncated"]
+    assert steps["time_s"].round(9).tolist() == [1.2, 1.904, 2.112]
+
+
+def test_a_sampler_started_before_the_engine_is_refused(hand_scenario):
+    """The sampler reads the engine process's life: started alone it fails
+    loudly instead of sampling forever."""
+    simulation = Simulation(hand_scenario, "off", _workload(("r0", 0.0, 300, 1)))
+    with pytest.raises(AssertionError, match=r"^start\(\) registers the engine before the sampler$"):
+        next(simulation.sampler(1.0))
+
+
+def test_a_caller_may_advance_the_clock_itself(hand_scenario):
+    """``start`` then ``env.run`` a little at a time (no progress bar): at 2.0
+    r0's prefill (0.0 -> 1.2) has ended and step 2 (1.2 -> 1.904) too; the
+    rest runs to 2.112; ``finish`` stamps the clock and the rejections
+    (r2's prompt is max_model_len long)."""
+    workload = _workload(("r0", 0.0, 1000, 3), ("r1", 0.5, 500, 2), ("r2", 0.6, 262_144, 1))
+    simulation = Simulation(hand_scenario, "off", workload)
+    simulation.start()
+    simulation.env.run(until=2.0)
+    assert len(simulation.recording.steps) == 2
+    simulation.env.run()
+    recording = simulation.finish()
+    assert recording.end_time_s == pytest.approx(2.112, abs=1e-12)
+    assert recording.num_rejected == 1 and not recording.stalled
+
+
+class _RecordingBar:
+    """A stand-in for tqdm that keeps its arguments and updates."""
+
+    made: list[_RecordingBar] = []
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.n, self.updates = kwargs, 0.0, []
+        _RecordingBar.made.append(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, amount):
+        self.updates.append(amount)
+        self.n += amount
+
+
+@pytest.mark.parametrize("progress", [True, False, None], ids=["asked", "not-asked", "default"])
+def test_the_progress_bar_counts_requests_done(hand_scenario, monkeypatch, progress):
+    """The bar (stderr only, off unless asked, shown after 3 s of wall time,
+    not left behind) counts the work: requests done out of the workload's 2.
+    In the mid-step case (r1 arriving at 0.25, during step 1) both finish in
+    step 3, at 2.112: one update of 2, and it reads 2 of 2. Labelled with
+    the scenario and the layout. The default is off, for ``simulate`` and
+    ``Simulation`` alike."""
+    monkeypatch.setattr(sim.engine, "tqdm", _RecordingBar)
+    _RecordingBar.made = []
+    workload = _workload(("r0", 0.0, 1000, 3), ("r1", 0.25, 500, 2))
+    if progress is None:
+        Simulation(hand_scenario, "off", workload).run()
+        simulate(hand_scenario, "off", workload)
+    else:
+        simulate(hand_scenario, "off", workload, progress=progress)
+    bar = _RecordingBar.made[-1]
+    assert len(_RecordingBar.made) == (1 if progress is not None else 2)
+    assert all(made.kwargs["disable"] is (not progress) for made in _RecordingBar.made)
+    assert bar.kwargs == {
+        "total": 2,
+        "unit": "req",
+        "delay": 3,
+        "disable": not progress,
+        "desc": "timeline [off]",
+        "leave": False,
+    }
+    assert bar.updates == [2] and bar.n == 2
+
+
+def test_the_progress_bar_counts_rejections_and_stops_short_at_a_horizon(
+    hand_scenario, hand_scenario_file, monkeypatch
+):
+    """A prompt of max_model_len tokens is rejected at its arrival (0.0):
+    done, +1. r1 (1.0, 1,000 tokens, 2 outputs) is prefilled 1.0 -> 2.2 and
+    would finish at 2.404, past the 2.3 horizon; r2 arrives at 10.0, after
+    it. The bar reads 1 of 3."""
+    monkeypatch.setattr(sim.engine, "tqdm", _RecordingBar)
+    _RecordingBar.made = []
+    stopped = load_scenario(str(hand_scenario_file), ["simulation.max_time_s=2.3"])
+    workload = _workload(("r0", 0.0, 262_144, 1), ("r1", 1.0, 1000, 2), ("r2", 10.0, 300, 1))
+    simulate(stopped, "on", workload, progress=True)
+    (bar,) = _RecordingBar.made
+    assert (bar.kwargs["total"], bar.kwargs["desc"], bar.updates) == (3, "timeline [on]", [1])
+
+
+def test_a_pool_no_request_fits_stalls_the_engine(hand_scenario, monkeypatch):
+    """A 10-block pool holds no 3,100-token request (it needs an attention
+    block, a ring block and a block per Mamba group, far over 10): nothing
+    is ever scheduled. r0 (0.0) waits; r1 (5.0) wakes the engine, which
+    finds nothing fits, sees no arrival left and stops: stalled, with both
+    requests unadmitted and no step; the clock ends at 5.0. (The validated
+    plans always fit a max_model_len request; this is the safety net.)"""
+    real = sim.engine.build_kv_cache_manager
+    monkeypatch.setattr(
+        sim.engine, "build_kv_cache_manager", lambda plan, **kw: real(plan, **kw, num_gpu_blocks=10)
+    )
+    no_check = hand_scenario.model_copy(
+        update={"simulation": hand_scenario.simulation.model_copy(update={"check_invariants": False})}
+    )
+    recording = simulate(no_check, "off", _workload(("r0", 0.0, 3100, 1), ("r1", 5.0, 3100, 1)))
+    steps, requests, _, summary = frames(recording)
+    assert summary["stalled"] and recording.stalled and len(steps) == 0
+    assert requests["admitted_s"].isna().all() and recording.end_time_s == 5.0
+
+
+# Two 7,000-token prompts with the same content, one output token each: r0
+# at 0.0, r1 at 20.0 (r0 long finished). Hand derivation (vLLM 0.33.0's
+# Mamba "align" split and MTP hashing, K = 3, 3,200-token blocks):
+# - eagle-drop, caching on: a prefill chunk ends at the last cacheable block
+#   boundary, floor(7000 / 3200) = 2 blocks less the EAGLE-dropped one =
+#   3,200: r0 runs 3,200 (0.2 + 3.2 = 3.4 s) then 3,800 (4.0 s, to 7.4). r1
+#   hits the 2 matched blocks less the dropped one, 3,200 tokens, and
+#   computes 3,800 in one step: 20.0 -> 24.0.
+# - lookahead, caching on: a hash also covers the next token, the
+#   checkpoint is floor(6999 / 3200) blocks = 6,400 and nothing is dropped:
+#   r0 runs 6,400 (6.6 s) then 600 (0.8 s, to 7.4); r1 hits 6,400 and
+#   computes 600: 20.0 -> 20.8.
+# - caching off (either mode): vLLM turns the lookahead hashes off without
+#   caching, so the split is eagle-drop's; no hit: r1 repeats r0's two
+#   steps, 20.0 -> 23.4 -> 27.4.
+SWITCH_CASES = {
+    "eagle-drop": ([], [3.4, 7.4, 24.0], 3200),
+    "lookahead": (["scheduler.mtp_hash_mode=lookahead"], [6.6, 7.4, 20.8], 6400),
+    "no-caching": (["allocator.enable_prefix_caching=false"], [3.4, 7.4, 23.4, 27.4], 0),
+    "no-caching-lookahead": (
+        ["allocator.enable_prefix_caching=false", "scheduler.mtp_hash_mode=lookahead"],
+        [3.4, 7.4, 23.4, 27.4],
+        0,
+    ),
+}
+
+
+def _same_prompt_twice() -> Workload:
+    prompt = FreshIds().take(14)  # 14 x 512 >= 7,000 tokens, shared
+    return Workload(
+        name="timeline",
+        source="hand-built",
+        requests=tuple(
+            RequestSpec(
+                request_id=rid,
+                arrival_s=at,
+                prompt_len=7000,
+                output_len=1,
+                prefix_ids=prompt,
+                prefix_unit=512,
+            )
+            for rid, at in (("r0", 0.0), ("r1", 20.0))
+        ),
+    )
+
+
+@pytest.mark.parametrize("case", list(SWITCH_CASES))
+def test_the_prefix_caching_switches_move_the_repeated_prompts_steps(hand_scenario_file, case):
+    """The scenario's hashing mode and prefix-caching switch reach both the
+    scheduler and the allocator: the step ends and r1's hit move as derived
+    above (SWITCH_CASES)."""
+    overrides, step_ends_s, hit_tokens = SWITCH_CASES[case]
+    scenario = load_scenario(str(hand_scenario_file), overrides)
+    steps, requests = _run(scenario, _same_prompt_twice())
+    assert steps["time_s"].round(9).tolist() == step_ends_s
+    by_id = requests.set_index("request_id")
+    assert by_id["prefix_hit_tokens"].tolist() == [0, hit_tokens]
+    assert by_id.loc["r1", "ttft_s"] == pytest.approx(step_ends_s[-1] - 20.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("case", list(SWITCH_CASES))
+def test_vllms_scheduler_takes_the_derived_steps(hand_scenario_file, case):
+    """The independent check of SWITCH_CASES: vLLM 0.33.0's own Scheduler,
+    driven by the conformance clock over the same trace, ends its steps at
+    the derived times and reports the derived hit."""
+    from sim.conformance.driver import drive, plan_for, vllm_backend
+
+    overrides, step_ends_s, hit_tokens = SWITCH_CASES[case]
+    scenario = load_scenario(str(hand_scenario_file), ["scheduler.defer_block_free=false", *overrides])
+    trajectory = drive(
+        vllm_backend(scenario, plan_for(scenario, "off")),
+        _same_prompt_twice().requests,
+        StepTimeModel(scenario.step_time_config()),
+    )
+    assert [round(t, 9) for t in trajectory.times_s] == step_ends_s
+    assert sum(step.prefix_cache_hits_tokens for step in trajectory.steps) == hit_tokens
+
+
+def test_preemptions_and_sampled_drafts_are_vllms(hand_scenario_file, monkeypatch):
+    """A 40-block pool (max_model_len 6,400), three 3,100-token prompts with
+    200 outputs 0.1 s apart, drafts accepted with probability 0.5: outputs
+    cross the 3,200-token block boundary and the pool runs out, so the
+    newest running request is preempted and resumed, again and again.
+    vLLM's own Scheduler (fences off, as vLLM without a connector), driven
+    by the conformance clock with the engine's RNG stream for the seed (the
+    stream both backends share, ``sim.conformance.backends.model_runner``),
+    is the expected value: every step ends at the same instant, and each
+    request's preemption count is the number of steps that preempted it
+    (r1 five times, measured on vLLM)."""
+    from sim.conformance.driver import drive, vllm_backend
+
+    scenario = load_scenario(
+        str(hand_scenario_file),
+        [
+            "deployment.max_model_len=6400",
+            "mtp.acceptance_rates=[0.5,0.5,0.5]",
+            "scheduler.defer_block_free=false",
+        ],
+    )
+    plan = plan_kv_cache(
+        scenario.load_model(), scenario.deployment, side_cache_layout=False, num_gpu_blocks_override=40
+    )
+    monkeypatch.setattr(sim.engine, "plan_kv_cache", lambda *args, **kwargs: plan)
+    ids = FreshIds()
+    workload = Workload(
+        name="timeline",
+        source="hand-built",
+        requests=tuple(
+            RequestSpec(
+                request_id=f"r{i}",
+                arrival_s=0.1 * i,
+                prompt_len=3100,
+                output_len=200,
+                prefix_ids=ids.take(7),
+                prefix_unit=512,
+            )
+            for i in range(3)
+        ),
+    )
+    steps, requests = _run(scenario, workload)
+    vllm = drive(vllm_backend(scenario, plan), workload.requests, StepTimeModel(scenario.step_time_config()))
+    assert steps["time_s"].round(9).tolist() == [round(t, 9) for t in vllm.times_s]
+    preempted = [r for step in vllm.steps for r in step.preempted]
+    expected = {rid: preempted.count(rid) for rid in ("r0", "r1", "r2")}
+    assert expected == {"r0": 0, "r1": 5, "r2": 0}
+    assert dict(zip(requests["request_id"], requests["num_preemptions"], strict=True)) == expected
+    assert steps["num_accepted_tokens"].sum() > 0  # the draws mattered
+
+
+def test_fenced_frees_the_engine_waits_out_match_the_conformance_clock():
+    """The conformance heavy-preemption shape (a quarter-size pool, 24
+    requests crossing block boundaries) with the fork's fenced frees on:
+    once, every running request needs blocks that only a preempted
+    victim's fenced free returns, so nothing can be scheduled until the
+    steps in flight complete. The engine must then complete them and go
+    on, not stop: its steps are those of the conformance driver's clock
+    (``sim.conformance.driver.drive``, the same engine model written
+    without SimPy) over kvsim's scheduler, and every request finishes."""
+    from sim.analysis.runs import scenario_workload
+    from sim.conformance.driver import drive, kvsim_backend, plan_for
+    from sim.paths import SCENARIOS_DIR
+
+    scenario = load_scenario(str(SCENARIOS_DIR / "conformance" / "heavy-preemption.yaml"))
+    assert scenario.scheduler.defer_block_free
+    workload = scenario_workload(scenario)
+    steps, requests = _run(scenario, workload)
+    expected = drive(
+        kvsim_backend(scenario, plan_for(scenario, "off")),
+        workload.requests,
+        StepTimeModel(scenario.step_time_config()),
+    )
+    assert not expected.stalled and len(expected.steps) > 100
+    assert steps["time_s"].round(9).tolist() == [round(t, 9) for t in expected.times_s]
+    assert requests["finished_s"].notna().all() and len(requests) == 24

@@ -420,9 +420,11 @@ def write_baselines(path: Path, values: Baselines) -> None:
 
     def write(tmp: Path) -> None:
         tmp.write_text(text)
-        os.chmod(tmp, mode)
 
     atomic_write(path, write)
+    # After the rename: atomic_write gives the new file the umask's mode
+    # once ``write`` returns, so a mode set inside ``write`` would be lost.
+    os.chmod(path, mode)
 
 
 def rewrite_baselines(text: str, values: Baselines) -> str:
