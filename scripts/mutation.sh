@@ -32,6 +32,9 @@ fi
 FAST_PATH_TESTS="tests/test_fast_path.py::test_a_window_is_one_block_interior_widened_by_the_margin \
 tests/test_fast_path.py::test_a_window_needs_every_block_size \
 tests/test_fast_path.py::test_only_a_second_call_in_the_same_window_is_settled \
+tests/test_fast_path.py::test_a_settled_window_ends_exactly_at_its_bounds \
+tests/test_fast_path.py::test_block_sizes_must_be_positive \
+tests/test_fast_path.py::test_forgetting_a_request_never_recorded_is_harmless \
 tests/test_fast_path.py::test_every_skipped_call_changes_nothing[decode-across-boundaries--off]"
 
 declare -A MODULES=(

@@ -54,6 +54,35 @@ def test_a_window_needs_every_block_size():
     assert SettledSteps((3200, 1664), 0).window(3340, 3400) == (2, 1)
 
 
+def test_a_settled_window_ends_exactly_at_its_bounds():
+    """A real call over 100..107 (margin 32, 3,200-token blocks) settles
+    later calls whose first token is at least 0 + 1 + 32 = 33 and whose last
+    is at most 3,199 - 32 = 3,167, not one token beyond either."""
+    settled = SettledSteps((3200,), margin_tokens=32)
+    settled.record("a", 100, 107)
+    assert settled.is_settled("a", 33, 40) and not settled.is_settled("a", 32, 40)
+    assert settled.is_settled("a", 100, 3167) and not settled.is_settled("a", 100, 3168)
+    # Two sizes: block 1 of 3,200 (3,201..6,399) and block 3 of 1,664
+    # (4,993..6,655): 4,993 + 8 = 5,001 up to 6,399 - 8 = 6,391.
+    both = SettledSteps((3200, 1664), margin_tokens=8)
+    both.record("a", 5100, 5107)
+    assert both.is_settled("a", 5001, 6391)
+    assert not both.is_settled("a", 5000, 5100) and not both.is_settled("a", 5100, 6392)
+
+
+def test_block_sizes_must_be_positive():
+    for sizes in ((), (0,), (3200, -1)):
+        with pytest.raises(ValueError, match=r"block sizes must be positive, got \("):
+            SettledSteps(sizes, margin_tokens=8)
+    assert SettledSteps((1,), margin_tokens=0).window(5, 5) is None  # a 1-token block has no interior
+
+
+def test_forgetting_a_request_never_recorded_is_harmless():
+    settled = SettledSteps((3200,), margin_tokens=8)
+    settled.forget("never-seen")
+    assert not settled.is_settled("never-seen", 100, 107)
+
+
 def test_only_a_second_call_in_the_same_window_is_settled():
     settled = SettledSteps((3200,), margin_tokens=8)
     assert not settled.is_settled("a", 100, 107)  # never called

@@ -39,16 +39,17 @@ class SettledSteps:
     def window(self, first_token: int, last_token: int) -> tuple[int, ...] | None:
         """The blocks (one index per block size) holding every position from
         ``first_token`` to ``last_token`` widened by the margin; None when
-        the widened span touches or crosses a boundary."""
+        the widened span touches or crosses a boundary (a span reaching
+        below 0 crosses the one at 0)."""
         low = first_token - self.margin_tokens
         high = last_token + self.margin_tokens
-        if low <= 0:
-            return None
-        window = tuple(low // size for size in self.block_sizes)
-        for index, size in zip(window, self.block_sizes, strict=True):
-            if high // size != index or low % size == 0:
+        window = []
+        for size in self.block_sizes:
+            index = low // size
+            if low % size == 0 or high // size != index:
                 return None
-        return window
+            window.append(index)
+        return tuple(window)
 
     def is_settled(self, request_id: str, first_token: int, last_token: int) -> bool:
         bounds = self._bounds.get(request_id)
@@ -56,15 +57,15 @@ class SettledSteps:
 
     def record(self, request_id: str, first_token: int, last_token: int) -> None:
         """A real call was made over these tokens."""
-        window = self.window(first_token, last_token)
-        if window is None:
+        if self.window(first_token, last_token) is None:
             self._bounds.pop(request_id, None)
             return
         # Block k of size b holds positions k*b + 1 .. (k+1)*b - 1 strictly
         # inside; the margin must fit within them on both sides.
+        blocks = [((first_token - self.margin_tokens) // size, size) for size in self.block_sizes]
         self._bounds[request_id] = (
-            max(k * b + 1 + self.margin_tokens for k, b in zip(window, self.block_sizes, strict=True)),
-            min((k + 1) * b - 1 - self.margin_tokens for k, b in zip(window, self.block_sizes, strict=True)),
+            max(k * b + 1 + self.margin_tokens for k, b in blocks),
+            min((k + 1) * b - 1 - self.margin_tokens for k, b in blocks),
         )
 
     def forget(self, request_id: str) -> None:
