@@ -85,7 +85,6 @@ class Simulation:
         self._arrivals: simpy.Process | None = None
         self._engine: simpy.Process | None = None
         self._bar: tqdm | None = None
-        self._engine_end_s = 0.0
         self.totals: dict[str, int] = dict.fromkeys(SAMPLED_TOTALS, 0)
         self.recording = Recording(scenario=scenario.name, layout=layout, plan=self.plan.to_dict())
 
@@ -102,8 +101,8 @@ class Simulation:
         """The recording, ending when the engine stopped (or at the horizon
         while it still ran): the sampler's last tick may come later, and a
         run's duration must not depend on the sampling interval."""
-        engine_done = self._engine is not None and not self._engine.is_alive
-        self.recording.end_time_s = float(self._engine_end_s if engine_done else self.env.now)
+        if self._engine is None or self._engine.is_alive:  # stopped at the horizon
+            self.recording.end_time_s = float(self.env.now)
         self.recording.num_rejected = self.scheduler.num_rejected
         return self.recording
 
@@ -145,13 +144,13 @@ class Simulation:
 
     def engine_loop(self) -> Generator[simpy.Event, Any, None]:
         yield from self._engine_steps()
-        self._engine_end_s = self.env.now
+        self.recording.end_time_s = float(self.env.now)
 
     def _engine_steps(self) -> Generator[simpy.Event, Any, None]:
         while True:
             if not self.scheduler.has_unfinished_requests():
                 if self._arrivals_ended():
-                    break
+                    return
                 yield self._sleep()
                 continue
             started_s = self.env.now
@@ -163,7 +162,7 @@ class Simulation:
                     continue
                 if self._arrivals_ended():
                     self.recording.stalled = True
-                    break
+                    return
                 yield self._sleep()
                 continue
             step_s = self.step_time.step_time_s(scheduled.output)

@@ -676,3 +676,17 @@ def test_fenced_frees_the_engine_waits_out_match_the_conformance_clock():
     assert not expected.stalled and len(expected.steps) > 100
     assert steps["time_s"].round(9).tolist() == [round(t, 9) for t in expected.times_s]
     assert requests["finished_s"].notna().all() and len(requests) == 24
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_the_fast_path_switch_reaches_the_scheduler(hand_scenario_file, fast_path):
+    """``simulation.fast_path`` decides whether the scheduler keeps settled
+    windows (the frames are the same either way: tests/test_fast_path.py),
+    and the timeline with it off is the one the cases above derive."""
+    scenario = load_scenario(str(hand_scenario_file), [f"simulation.fast_path={str(fast_path).lower()}"])
+    simulation = Simulation(scenario, "off", _workload(("r0", 0.0, 1000, 3), ("r1", 0.5, 500, 2)))
+    assert (simulation.scheduler.settled_allocations is not None) is fast_path
+    assert (simulation.scheduler.settled_caching is not None) is fast_path
+    steps, _, _, summary = frames(simulation.run())
+    assert steps["time_s"].tolist() == pytest.approx([1.2, 1.904, 2.112], abs=1e-12)
+    assert summary["duration_s"] == pytest.approx(2.112, abs=1e-12)
