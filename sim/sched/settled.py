@@ -41,15 +41,20 @@ class SettledSteps:
         ``first_token`` to ``last_token`` widened by the margin; None when
         the widened span touches or crosses a boundary (a span reaching
         below 0 crosses the one at 0)."""
+        blocks = self._blocks(first_token, last_token)
+        return None if blocks is None else tuple(index for index, _ in blocks)
+
+    def _blocks(self, first_token: int, last_token: int) -> list[tuple[int, int]] | None:
+        """``window``'s (index, block size) pairs."""
         low = first_token - self.margin_tokens
         high = last_token + self.margin_tokens
-        window = []
+        blocks = []
         for size in self.block_sizes:
             index = low // size
             if low % size == 0 or high // size != index:
                 return None
-            window.append(index)
-        return tuple(window)
+            blocks.append((index, size))
+        return blocks
 
     def is_settled(self, request_id: str, first_token: int, last_token: int) -> bool:
         bounds = self._bounds.get(request_id)
@@ -57,12 +62,12 @@ class SettledSteps:
 
     def record(self, request_id: str, first_token: int, last_token: int) -> None:
         """A real call was made over these tokens."""
-        if self.window(first_token, last_token) is None:
+        blocks = self._blocks(first_token, last_token)
+        if blocks is None:
             self._bounds.pop(request_id, None)
             return
         # Block k of size b holds positions k*b + 1 .. (k+1)*b - 1 strictly
         # inside; the margin must fit within them on both sides.
-        blocks = [((first_token - self.margin_tokens) // size, size) for size in self.block_sizes]
         self._bounds[request_id] = (
             max(k * b + 1 + self.margin_tokens for k, b in blocks),
             min((k + 1) * b - 1 - self.margin_tokens for k, b in blocks),
