@@ -96,6 +96,90 @@ def test_only_a_second_call_in_the_same_window_is_settled():
     assert not settled.is_settled("a", 104, 111)
 
 
+# ------------------------------------------------- which calls are skipped
+
+
+def _counted_calls(simulation: Simulation) -> dict[str, int]:
+    """Counts the scheduler's calls into the allocator (it is their only caller)."""
+    counts = {"allocate_slots": 0, "cache_blocks": 0}
+    kv_cache_manager = simulation.kv_cache_manager
+    for name in counts:
+        real = getattr(kv_cache_manager, name)
+
+        def counting(*args, _real=real, _name=name, **kwargs):
+            counts[_name] += 1
+            return _real(*args, **kwargs)
+
+        setattr(kv_cache_manager, name, counting)
+    return counts
+
+
+def _one_request(tmp_path: Path, prompt: int, output: int, *overrides: str) -> Simulation:
+    """One request, drafts never accepted (one token a step; each decode
+    step schedules 1 + K = 4 tokens with K = 3 lookahead slots)."""
+    workload = {
+        "trace": "synthetic",
+        "num_requests": 1,
+        "arrival": {"process": "constant", "rate_per_s": 1.0},
+        "prompt": {"distribution": "fixed", "tokens": prompt},
+        "output": {"distribution": "fixed", "tokens": output},
+    }
+    scenario = sim_helpers.scenario(
+        tmp_path,
+        overrides=["mtp.acceptance_rates=[0, 0, 0]", "simulation.sample_interval_s=null", *overrides],
+        workload=workload,
+    )
+    return Simulation(scenario, "off", scenario_workload(scenario))
+
+
+@pytest.mark.parametrize(("fast_path", "allocations", "cachings"), [(True, 75, 67), (False, 150, 149)])
+def test_the_calls_skipped_across_a_block_boundary(tmp_path, fast_path, allocations, cachings):
+    """A 3,120-token prompt, 150 outputs: the admission, then decode steps at
+    computed c = 3,120 .. 3,268 (149), each over positions c .. c + 7 (4
+    tokens, 3 lookahead); margin 32, blocks of 3,200.
+    Allocations: the admission; c = 3,120 (first, settles c + 7 <= 3,167);
+    c = 3,121 .. 3,160 skipped (40); c = 3,161 .. 3,232 real (their widened
+    span touches 3,200); c = 3,233 real (settles from 3,201 + 32); c =
+    3,234 .. 3,268 skipped (35): 1 + 1 + 72 + 1 = 75 real, 150 without.
+    Caching after each sampled step (not the last, which finishes), at
+    computed 3,120 .. 3,268 (149): 3,120 real, 3,121 .. 3,167 skipped (47),
+    3,168 .. 3,233 real (66), 3,234 .. 3,268 skipped (35): 67 real."""
+    simulation = _one_request(tmp_path, 3120, 150, f"simulation.fast_path={str(fast_path).lower()}")
+    counts = _counted_calls(simulation)
+    simulation.run()
+    assert counts == {"allocate_slots": allocations, "cache_blocks": cachings}
+
+
+def test_prefill_chunks_are_never_skipped(tmp_path):
+    """A 1,002-token prompt in 100-token chunks (the token budget), 5
+    outputs. Allocations: the admission (100), chunks at computed 100 ..
+    900 (9), the 2-token chunk at 1,000 (two short of the end: still a
+    prefill), then decode steps at 1,002 (first: real) and 1,003 .. 1,005
+    (skipped): 12 real. Caching: after the prefill (1,002, real) and after
+    decode steps to 1,003 .. 1,005 (skipped): 1 real."""
+    simulation = _one_request(tmp_path, 1002, 5, "scheduler.max_num_batched_tokens=100")
+    counts = _counted_calls(simulation)
+    simulation.run()
+    assert counts == {"allocate_slots": 12, "cache_blocks": 1}
+
+
+def test_requests_of_one_output_length_share_their_sampling_params(tmp_path):
+    """Built once per output length (vLLM's Request only reads it), with EOS
+    ignored: a trace replay forces the output length."""
+    simulation = _one_request(tmp_path, 500, 5)
+    scheduler = simulation.scheduler
+    specs = [
+        type("Spec", (), {"request_id": rid, "arrival_s": 0.0, "prompt_len": 10, "output_len": n})
+        for rid, n in (("a", 7), ("b", 7), ("c", 8))
+    ]
+    for spec in specs:
+        spec.prompt_token_ids = lambda: list(range(10))
+    a, b, c = (scheduler._materialize(spec) for spec in specs)
+    assert a.sampling_params is b.sampling_params and a.sampling_params is not c.sampling_params
+    assert a.sampling_params.ignore_eos and c.sampling_params.ignore_eos
+    assert (a.max_tokens, c.max_tokens) == (7, 8)
+
+
 # ------------------------------------------------------- skipped calls
 
 

@@ -449,22 +449,27 @@ class Scheduler:
         )
 
     def _append_output(self, request: Request, sampled: list[int]) -> tuple[int, bool]:
-        """Append tokens one at a time, stopping as vLLM's ``check_stop`` says.
+        """Append the step's tokens, stopping as vLLM's ``check_stop`` says.
         kvsim's requests stop by length only (``ignore_eos``, no stop ids,
         output ids far from any EOS), so when the length limits lie past
         every token but the last, none but the last can stop the request:
-        they go in at once and ``check_stop`` judges the last."""
+        they go in at once and ``check_stop`` judges the last. (The
+        ``max_model_len`` limit never binds within a step: the scheduler
+        leaves a step's tokens room below it.)"""
         room = min(
             request.max_tokens - request.num_output_tokens, self.config.max_model_len - request.num_tokens
         )
         if len(sampled) <= room:
             request.append_output_token_ids(sampled)
             return len(sampled), check_stop(request, self.config.max_model_len)
-        for count, token in enumerate(sampled, start=1):
+        # The stop falls within the step: find it token by token, as vLLM does.
+        count = 0
+        for token in sampled:
             request.append_output_token_ids(token)
+            count += 1
             if check_stop(request, self.config.max_model_len):
-                return count, True
-        return len(sampled), False
+                break
+        return count, True
 
     def _after_sampling(self, request: Request) -> None:
         """Cache the blocks the accepted tokens filled, then take the
