@@ -37,6 +37,7 @@ tests/test_fast_path.py::test_block_sizes_must_be_positive \
 tests/test_fast_path.py::test_forgetting_a_request_never_recorded_is_harmless \
 tests/test_fast_path.py::test_the_calls_skipped_across_a_block_boundary \
 tests/test_fast_path.py::test_prefill_chunks_are_never_skipped \
+tests/test_fast_path.py::test_a_stop_within_a_step_counts_the_tokens_up_to_it \
 tests/test_fast_path.py::test_requests_of_one_output_length_share_their_sampling_params \
 tests/test_fast_path.py::test_every_skipped_call_changes_nothing[heavy-preemption--off] \
 tests/test_fast_path.py::test_every_skipped_call_changes_nothing[decode-across-boundaries--off]"

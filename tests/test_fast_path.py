@@ -163,6 +163,19 @@ def test_prefill_chunks_are_never_skipped(tmp_path):
     assert counts == {"allocate_slots": 12, "cache_blocks": 1}
 
 
+@pytest.mark.parametrize(("output", "generated"), [(3, [1, 2]), (5, [1, 4]), (6, [1, 4, 1])])
+def test_a_stop_within_a_step_counts_the_tokens_up_to_it(tmp_path, output, generated):
+    """Every draft accepted: the prefill samples 1 token, each decode step 4
+    (1 + K). With 3 outputs the second step's stop falls on its 2nd token
+    (2 counted, 2 dropped); with 5 on its last (4, appended at once); with 6
+    a third step samples 4 and stops at its 1st."""
+    simulation = _one_request(tmp_path, 500, output, "mtp.acceptance_rates=[1, 1, 1]")
+    recording = simulation.run()
+    assert recording.steps.to_dict()["num_generation_tokens"] == generated
+    (request,) = recording.requests.values()
+    assert request["generated_tokens"] == output
+
+
 def test_requests_of_one_output_length_share_their_sampling_params(tmp_path):
     """Built once per output length (vLLM's Request only reads it), with EOS
     ignored: a trace replay forces the output length."""
