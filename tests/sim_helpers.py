@@ -35,6 +35,51 @@ POOL_BINDS = {
 }
 
 
+# A step-time model whose step duration is hand-computable (the engine
+# timeline's derivation, tests/test_engine_timeline.py): TP = PP = 1, no
+# weights, attention or state bytes, 2 FLOPs per 0.5 active parameters per
+# token over 1,000 FLOP/s, so step_s = 0.2 + num_scheduled_tokens / 1000.
+HAND_STEP_TIME = {
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "step_overhead_s": 0.2,
+    "gpu_peak_flops": 1000.0,
+    "compute_efficiency": 1.0,
+    "active_params_per_token": 0.5,
+    "dense_params": 0,
+    "num_moe_layers": 0,
+    "num_attention_layers": 0,
+    "num_gdn_layers": 0,
+    "ple_state_bytes": 0,
+    "interconnect_bandwidth_bytes_per_s": 1e30,
+    "pp_send_latency_s": 0,
+    "allreduce_latency_s": 0,
+    "hidden_size": 1,
+    "activation_bytes": 1,
+}
+
+
+class RecordingBar:
+    """A stand-in for tqdm that keeps its arguments and updates (a test
+    resets ``made`` and monkeypatches the module's ``tqdm`` with it)."""
+
+    made: list[RecordingBar] = []
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs, self.n, self.updates = kwargs, 0.0, []
+        RecordingBar.made.append(self)
+
+    def __enter__(self) -> RecordingBar:
+        return self
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+    def update(self, amount: float) -> None:
+        self.updates.append(amount)
+        self.n += amount
+
+
 def write_scenario(tmp_path: Path, name: str = "test", **sections: Any) -> Path:
     data: dict[str, Any] = {"name": name, "seed": 0, "model": str(DEFAULT_MODEL), **sections}
     path = tmp_path / f"{name}.yaml"

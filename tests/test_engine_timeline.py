@@ -30,6 +30,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from sim_helpers import HAND_STEP_TIME, RecordingBar
 
 import sim.engine
 from sim.analysis.frames import frames
@@ -39,25 +40,7 @@ from sim.scenario import Scenario, load_scenario
 from sim.step_time import StepTimeModel
 from sim.workloads.spec import FreshIds, RequestSpec, Workload
 
-STEP_OVERHEAD_S = 0.2
-HAND_STEP_TIME = {
-    "tensor_parallel_size": 1,
-    "pipeline_parallel_size": 1,
-    "step_overhead_s": STEP_OVERHEAD_S,
-    "gpu_peak_flops": 1000.0,
-    "compute_efficiency": 1.0,
-    "active_params_per_token": 0.5,
-    "dense_params": 0,
-    "num_moe_layers": 0,
-    "num_attention_layers": 0,
-    "num_gdn_layers": 0,
-    "ple_state_bytes": 0,
-    "interconnect_bandwidth_bytes_per_s": 1e30,
-    "pp_send_latency_s": 0,
-    "allreduce_latency_s": 0,
-    "hidden_size": 1,
-    "activation_bytes": 1,
-}
+STEP_OVERHEAD_S = HAND_STEP_TIME["step_overhead_s"]
 # Ties at one instant, in causal order: a step ends and its tokens land, then
 # arrivals are handled, then the engine admits and starts the next step.
 _KIND_ORDER = {"step end": 0, "first token": 1, "finish": 2, "arrive": 3, "admit": 4, "step start": 5}
@@ -436,26 +419,6 @@ def test_a_caller_may_advance_the_clock_itself(hand_scenario):
     assert recording.num_rejected == 1 and not recording.stalled
 
 
-class _RecordingBar:
-    """A stand-in for tqdm that keeps its arguments and updates."""
-
-    made: list[_RecordingBar] = []
-
-    def __init__(self, **kwargs):
-        self.kwargs, self.n, self.updates = kwargs, 0.0, []
-        _RecordingBar.made.append(self)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def update(self, amount):
-        self.updates.append(amount)
-        self.n += amount
-
-
 @pytest.mark.parametrize("progress", [True, False, None], ids=["asked", "not-asked", "default"])
 def test_the_progress_bar_counts_requests_done(hand_scenario, monkeypatch, progress):
     """The bar (stderr only, off unless asked, shown after 3 s of wall time,
@@ -464,17 +427,17 @@ def test_the_progress_bar_counts_requests_done(hand_scenario, monkeypatch, progr
     step 3, at 2.112: one update of 2, and it reads 2 of 2. Labelled with
     the scenario and the layout. The default is off, for ``simulate`` and
     ``Simulation`` alike."""
-    monkeypatch.setattr(sim.engine, "tqdm", _RecordingBar)
-    _RecordingBar.made = []
+    monkeypatch.setattr(sim.engine, "tqdm", RecordingBar)
+    RecordingBar.made = []
     workload = _workload(("r0", 0.0, 1000, 3), ("r1", 0.25, 500, 2))
     if progress is None:
         Simulation(hand_scenario, "off", workload).run()
         simulate(hand_scenario, "off", workload)
     else:
         simulate(hand_scenario, "off", workload, progress=progress)
-    bar = _RecordingBar.made[-1]
-    assert len(_RecordingBar.made) == (1 if progress is not None else 2)
-    assert all(made.kwargs["disable"] is (not progress) for made in _RecordingBar.made)
+    bar = RecordingBar.made[-1]
+    assert len(RecordingBar.made) == (1 if progress is not None else 2)
+    assert all(made.kwargs["disable"] is (not progress) for made in RecordingBar.made)
     assert bar.kwargs == {
         "total": 2,
         "unit": "req",
@@ -493,12 +456,12 @@ def test_the_progress_bar_counts_rejections_and_stops_short_at_a_horizon(
     done, +1. r1 (1.0, 1,000 tokens, 2 outputs) is prefilled 1.0 -> 2.2 and
     would finish at 2.404, past the 2.3 horizon; r2 arrives at 10.0, after
     it. The bar reads 1 of 3."""
-    monkeypatch.setattr(sim.engine, "tqdm", _RecordingBar)
-    _RecordingBar.made = []
+    monkeypatch.setattr(sim.engine, "tqdm", RecordingBar)
+    RecordingBar.made = []
     stopped = load_scenario(str(hand_scenario_file), ["simulation.max_time_s=2.3"])
     workload = _workload(("r0", 0.0, 262_144, 1), ("r1", 1.0, 1000, 2), ("r2", 10.0, 300, 1))
     simulate(stopped, "on", workload, progress=True)
-    (bar,) = _RecordingBar.made
+    (bar,) = RecordingBar.made
     assert (bar.kwargs["total"], bar.kwargs["desc"], bar.updates) == (3, "timeline [on]", [1])
 
 

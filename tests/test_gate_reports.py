@@ -21,30 +21,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from sim_helpers import HAND_STEP_TIME, RecordingBar
 
 from sim.analysis import gates
 from sim.analysis.gates import GateReport, load_gates, run_gates, select, write_report
 from sim.config import ConfigError
 from sim.paths import DEFAULT_MODEL
 
-HAND_STEP_TIME = {
-    "tensor_parallel_size": 1,
-    "pipeline_parallel_size": 1,
-    "step_overhead_s": 0.2,
-    "gpu_peak_flops": 1000.0,
-    "compute_efficiency": 1.0,
-    "active_params_per_token": 0.5,
-    "dense_params": 0,
-    "num_moe_layers": 0,
-    "num_attention_layers": 0,
-    "num_gdn_layers": 0,
-    "ple_state_bytes": 0,
-    "interconnect_bandwidth_bytes_per_s": 1e30,
-    "pp_send_latency_s": 0,
-    "allreduce_latency_s": 0,
-    "hidden_size": 1,
-    "activation_bytes": 1,
-}
 TINY = {
     "name": "tiny",
     "seed": 0,
@@ -300,23 +283,6 @@ def test_a_gate_names_a_shipped_scenario_or_a_file_beside_it(tmp_path: Path) -> 
         gates.gate_scenario(path, "g", broken)
 
 
-class _RecordingBar:
-    made: list[_RecordingBar] = []
-
-    def __init__(self, **kwargs):
-        self.kwargs, self.n = kwargs, 0
-        _RecordingBar.made.append(self)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def update(self, amount):
-        self.n += amount
-
-
 @pytest.mark.parametrize(("progress", "disable"), [(None, None), (True, False), (False, True)])
 def test_the_gate_runs_share_one_runner_and_count_on_one_bar(
     tmp_path: Path, monkeypatch, progress, disable
@@ -332,12 +298,12 @@ def test_the_gate_runs_share_one_runner_and_count_on_one_bar(
         return real(kind, 1)
 
     monkeypatch.setattr(gates, "open_runner", recording_runner)
-    monkeypatch.setattr(gates, "tqdm", _RecordingBar)
-    _RecordingBar.made = []
+    monkeypatch.setattr(gates, "tqdm", RecordingBar)
+    RecordingBar.made = []
     path = write_gates(tmp_path)
     run_gates(path, workers=8, progress=progress)
     run_gates(path)
     assert opened == [("local", 2), ("local", 1)]
-    bar = _RecordingBar.made[0]
+    bar = RecordingBar.made[0]
     assert bar.kwargs == {"total": 2, "unit": "run", "desc": "gates", "disable": disable} and bar.n == 2
-    assert _RecordingBar.made[1].kwargs["disable"] is None
+    assert RecordingBar.made[1].kwargs["disable"] is None
