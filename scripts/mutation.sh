@@ -57,10 +57,15 @@ declare -A MODULES=(
   [scheduler]="sim/sched/scheduler.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_engine_timeline.py tests/test_conformance.py::test_every_step_is_identical $FAST_PATH_TESTS"
   [settled]="sim/sched/settled.py|$FAST_PATH_TESTS"
   [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py"
+  # The rest of sim/sched/: the engine core's step, the scheduler's output
+  # records (what the step-time model reads), the stats records and columns.
+  [engine_core]="sim/sched/engine_core.py|tests/test_scheduler.py tests/test_engine_timeline.py"
+  [output]="sim/sched/output.py|tests/test_step_time.py tests/test_scheduler_rules.py tests/test_engine_timeline.py"
+  [stats]="sim/sched/stats.py|tests/test_engine_stats.py tests/test_metrics.py tests/test_engine_timeline.py"
   # tests/test_simulation.py pins the engine too but takes seconds a test.
   [engine]="sim/engine.py|tests/test_engine_timeline.py"
 )
-ORDER=(engine scheduler settled gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager)
+ORDER=(engine scheduler settled engine_core output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager)
 
 toml_list() { printf '"%s", ' "$@" | sed 's/, $//'; }
 
