@@ -516,7 +516,18 @@ def test_sweep_resume_reruns_a_run_file_without_summary_and_says_so(
     assert len(pd.read_parquet(out / "sweep.parquet")) == 1
 
 
-def test_ctrl_c_during_a_pool_start_is_raised_after_it() -> None:
+@pytest.fixture
+def python_ctrl_c():
+    """Python's own Ctrl-C handling (its handler, SIGINT unblocked), whatever
+    earlier tests in this process left; restored afterwards."""
+    previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    yield
+    signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+    signal.signal(signal.SIGINT, previous_handler)
+
+
+def test_ctrl_c_during_a_pool_start_is_raised_after_it(python_ctrl_c) -> None:
     """The driver gets Ctrl-C once the pool exists (and can be terminated);
     processes started meanwhile inherit SIGINT blocked. Control: outside the
     block the same Ctrl-C interrupts at once."""
@@ -537,6 +548,7 @@ def test_ctrl_c_during_a_pool_start_is_raised_after_it() -> None:
         assert child_blocks_sigint()
     assert steps == ["pool started"]
     assert not child_blocks_sigint()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
     with pytest.raises(KeyboardInterrupt):
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.2)
