@@ -15,8 +15,12 @@ from __future__ import annotations
 import multiprocessing
 import resource
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # What a measurement runs: kvsim's simulation (fast path on or off) or
 # vLLM's own Scheduler driven by the conformance driver.
@@ -101,9 +105,7 @@ def _run_kvsim(scenario, layout: str, workload) -> tuple[float, int, float, floa
     from sim.engine import Simulation
 
     simulation = Simulation(scenario, layout, workload)  # type: ignore[arg-type]
-    begun, cpu_begun = time.perf_counter(), time.process_time()
-    recording = simulation.run()
-    wall_s, cpu_s = time.perf_counter() - begun, time.process_time() - cpu_begun
+    recording, wall_s, cpu_s = _timed(simulation.run)
     return recording.end_time_s, len(recording.steps), wall_s, cpu_s
 
 
@@ -114,11 +116,18 @@ def _run_vllm(scenario, layout: str, workload) -> tuple[float, int, float, float
 
     backend = vllm_backend(scenario, plan_for(scenario, layout))  # type: ignore[arg-type]
     step_time = StepTimeModel(scenario.step_time_config())
-    begun, cpu_begun = time.perf_counter(), time.process_time()
-    trajectory = drive(backend, workload.requests, step_time, scenario.simulation.max_time_s)
-    wall_s, cpu_s = time.perf_counter() - begun, time.process_time() - cpu_begun
+    trajectory, wall_s, cpu_s = _timed(
+        lambda: drive(backend, workload.requests, step_time, scenario.simulation.max_time_s)
+    )
     simulated_s = trajectory.times_s[-1] if trajectory.times_s else 0.0
     return simulated_s, len(trajectory.steps), wall_s, cpu_s
+
+
+def _timed(work: Callable[[], T]) -> tuple[T, float, float]:
+    """``work()``'s result, wall seconds and this process's CPU seconds."""
+    begun, cpu_begun = time.perf_counter(), time.process_time()
+    result = work()
+    return result, time.perf_counter() - begun, time.process_time() - cpu_begun
 
 
 def run_bench(
