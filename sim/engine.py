@@ -103,6 +103,7 @@ class Simulation:
         run's duration must not depend on the sampling interval."""
         if self._engine is None or self._engine.is_alive:  # stopped at the horizon
             self.recording.end_time_s = float(self.env.now)
+        self.core.flush()
         self.recording.num_rejected = self.scheduler.num_rejected
         return self.recording
 

@@ -9,6 +9,7 @@ seed), never computed with the code under test.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from test_scheduler import _Engine, _FixedDraws, _scheduler, _spec
 
@@ -183,7 +184,8 @@ def test_the_runner_samples_one_token_plus_the_accepted_drafts():
         num_spec_tokens=3,
         num_prompt_tokens_left=0,
     )
-    runner = ModelRunner(AcceptanceModel(conditional_rates=(0.8, 0.7, 0.6)), _FixedDraws(0.5, 0.69, 0.61))  # type: ignore[arg-type]
+    runner = ModelRunner(AcceptanceModel(conditional_rates=(0.8, 0.7, 0.6)), np.random.default_rng(0))
+    runner.uniforms = _FixedDraws(0.5, 0.69, 0.61)  # type: ignore[assignment]
     output = SchedulerOutput(step_index=1, scheduled=(chunk, decode, short))
     out = runner.execute(output, {"p": 150, "d": 101, "s": 101})
     assert out.sampled_token_ids == {"d": [OUTPUT_TOKEN_BASE + 101 + i for i in range(3)]}
@@ -208,7 +210,7 @@ def test_the_scheduler_keeps_exactly_the_accepted_drafts():
     scheduler = _scheduler()
     scheduler.add_request(_spec(0, 40))
     engine = _Engine(scheduler, rates=(0.8, 0.7, 0.6))
-    engine.model_runner.rng = _FixedDraws(*([0.5, 0.69, 0.61] * 3))  # type: ignore[assignment]
+    engine.model_runner.uniforms = _FixedDraws(*([0.5, 0.69, 0.61] * 3))  # type: ignore[assignment]
     engine.step()  # the prefill samples 1 token and draws nothing
     request = scheduler.requests["r000"]
     for _ in range(3):

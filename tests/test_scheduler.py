@@ -214,7 +214,7 @@ def test_one_step_accounts_every_request():
     accept all, it needs 1 token: finished with 5; generated 1."""
     scheduler = _scheduler(budget=512)
     engine = _Engine(scheduler)
-    engine.model_runner.rng = _FixedDraws(0.1, 0.1, 0.9, 0.1, 0.9, 0.5, 0.5, 0.5)  # type: ignore[assignment]
+    engine.model_runner.uniforms = _FixedDraws(0.1, 0.1, 0.9, 0.1, 0.9, 0.5, 0.5, 0.5)  # type: ignore[assignment]
     scheduler.add_request(_spec(0, 40, output=5))
     scheduler.add_request(_spec(1, 40, output=2))
     rows = []

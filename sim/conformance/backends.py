@@ -21,6 +21,7 @@ from sim.kv_cache_manager import (
     scheduler_kv_cache_config,
 )
 from sim.kv_cache_plan import KVCachePlan
+from sim.sched.engine_core import EngineCore, ScheduledStep
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import ScheduledRequest, SchedulerOutput
 from sim.sched.scheduler import DRAFT_TOKEN_ID, RequestSpec, Scheduler, SchedulerConfig
@@ -85,8 +86,10 @@ class KvsimBackend:
             mtp_hashing=config.mtp_hashing,
         )
         self.scheduler = Scheduler(config, self.kv_cache_manager)
-        self.runner = runner
-        self._token_counts: dict[str, int] = {}
+        # The engine's own step, so steady steps take the lane they take in
+        # a run (``sim/sched/steady.py``) and are compared too.
+        self.core = EngineCore(self.scheduler, runner)
+        self._scheduled: ScheduledStep | None = None
 
     def add_request(self, spec: RequestSpec) -> bool:
         return self.scheduler.add_request(spec)
@@ -95,16 +98,15 @@ class KvsimBackend:
         return self.scheduler.has_unfinished_requests()
 
     def schedule(self) -> SchedulerOutput:
-        output = self.scheduler.schedule()
-        self._token_counts = self.scheduler.token_counts()
-        return output
+        self._scheduled = self.core.schedule()
+        return self._scheduled.output
 
     def complete_in_flight_steps(self) -> bool:
         return self.scheduler.complete_in_flight_steps()
 
     def execute(self, output: SchedulerOutput) -> StepState:
-        sampled = self.runner.execute(output, self._token_counts)
-        outcome = self.scheduler.update_from_output(output, sampled)
+        assert self._scheduled is not None and self._scheduled.output is output, "execute the step scheduled"
+        outcome = self.core.complete(self._scheduled)
         return StepState(
             scheduled_tokens=_scheduled_tokens(output),
             admitted=output.new_request_ids,

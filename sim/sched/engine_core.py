@@ -4,7 +4,9 @@ Twin of ``vllm/v1/engine/core.py``'s ``EngineCore.step`` (0.33.0), reduced
 to the scheduler and the simulated model runner. The step is split where
 the model runs (``schedule`` / ``complete``) so the SimPy engine loop can
 let the step's duration pass in between; ``step`` does both at once for
-callers without a clock (the scheduler tests). Plain Python: no SimPy.
+callers without a clock (the scheduler tests). Steady decode steps take
+kvsim's fast lane (``steady.py``) when the fast path is on. Plain Python:
+no SimPy.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from sim.sched.model_runner import ModelRunner
 from sim.sched.output import SchedulerOutput, StepOutcome
 from sim.sched.scheduler import Scheduler
+from sim.sched.steady import SteadyDecode
 
 
 @dataclass(frozen=True)
@@ -23,20 +26,30 @@ class ScheduledStep:
 
     output: SchedulerOutput
     token_counts: dict[str, int]
+    # Scheduled by the steady lane, which completes it.
+    steady: bool = False
 
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, model_runner: ModelRunner) -> None:
         self.scheduler = scheduler
         self.model_runner = model_runner
+        self.steady = SteadyDecode(scheduler, model_runner) if scheduler.fast_path else None
 
     def schedule(self) -> ScheduledStep:
+        if self.steady is not None:
+            steady_output = self.steady.schedule()
+            if steady_output is not None:
+                return ScheduledStep(steady_output, {}, steady=True)
         output = self.scheduler.schedule()
         counts = {} if output.is_empty else self.scheduler.token_counts()
         return ScheduledStep(output, counts)
 
     def complete(self, step: ScheduledStep) -> StepOutcome:
         """The workers ran ``step``: apply what they sampled."""
+        if step.steady:
+            assert self.steady is not None
+            return self.steady.complete(step.output)
         sampled = self.model_runner.execute(step.output, step.token_counts)
         return self.scheduler.update_from_output(step.output, sampled)
 
@@ -49,3 +62,10 @@ class EngineCore:
             self.scheduler.complete_in_flight_steps()
             return scheduled.output, None
         return scheduled.output, self.complete(scheduled)
+
+    def flush(self) -> None:
+        """Hand a run of steady steps' tokens to the requests (the run ends
+        by itself at the next ordinary step; call this before reading the
+        requests between steps)."""
+        if self.steady is not None:
+            self.steady.flush()

@@ -6,6 +6,7 @@ place kvsim draws random numbers during a simulation.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -14,6 +15,12 @@ from sim.sched.output import ModelRunnerOutput, SchedulerOutput
 # Sampled output tokens are ids far from any prompt token: outputs then never
 # fake a prefix match with another request's prompt.
 OUTPUT_TOKEN_BASE = 1 << 50
+
+
+class Uniforms(Protocol):
+    """Uniform draws in [0, 1) (a numpy ``Generator`` is one)."""
+
+    def random(self) -> float: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,12 +44,13 @@ class AcceptanceModel:
             return self.conditional_rates[position]
         return self.conditional_rates[-1] if self.conditional_rates else 0.0
 
-    def sample(self, num_drafts: int, rng: np.random.Generator) -> int:
+    def sample(self, num_drafts: int, rng: Uniforms) -> int:
         """Accepted drafts out of ``num_drafts``."""
-        accepted = 0
-        while accepted < num_drafts and rng.random() < self.rate(accepted):
-            accepted += 1
-        return accepted
+        return accepted_drafts(self.rates(num_drafts), rng)
+
+    def rates(self, num_drafts: int) -> tuple[float, ...]:
+        """The rates of draft positions ``0 .. num_drafts - 1``."""
+        return tuple(self.rate(position) for position in range(num_drafts))
 
     def mean_accepted(self, num_drafts: int) -> float:
         """Expected accepted drafts: the sum of the prefix products."""
@@ -53,13 +61,57 @@ class AcceptanceModel:
         return round(total, 12)
 
 
+def accepted_drafts(rates: tuple[float, ...], rng: Uniforms) -> int:
+    """Drafts accepted when draft ``i`` passes with probability ``rates[i]``
+    given the drafts before it did; verification stops at the first reject."""
+    for position, rate in enumerate(rates):
+        if rng.random() >= rate:
+            return position
+    return len(rates)
+
+
+class UniformStream:
+    """The generator's uniforms, drawn a block at a time: the same numbers in
+    the same order as one ``rng.random()`` per draw (numpy fills a block
+    from the same stream), without a numpy call per draw."""
+
+    BLOCK = 4096
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.rng = rng
+        self._block: list[float] = []
+        self._next = 0
+
+    def random(self) -> float:
+        if self._next == len(self._block):
+            self._block = self.rng.random(self.BLOCK).tolist()
+            self._next = 0
+        value = self._block[self._next]
+        self._next += 1
+        return value
+
+
 class ModelRunner:
     """Executes a step: each request that reached the end of its known tokens
     samples one token plus its accepted drafts."""
 
     def __init__(self, acceptance: AcceptanceModel, rng: np.random.Generator) -> None:
         self.acceptance = acceptance
-        self.rng = rng
+        self.uniforms = UniformStream(rng)
+        # Each step draws with the same few rate tuples: build each once.
+        self._rates: dict[int, tuple[float, ...]] = {}
+
+    def num_accepted(self, num_drafts: int) -> int:
+        """One request's accepted drafts this step, from the runner's stream."""
+        rates = self._rates.get(num_drafts)
+        if rates is None:
+            rates = self._rates[num_drafts] = self.acceptance.rates(num_drafts)
+        return accepted_drafts(rates, self.uniforms)
+
+    @staticmethod
+    def sampled_token_ids(position: int, count: int) -> list[int]:
+        """The ids of ``count`` tokens sampled from ``position`` on."""
+        return list(range(OUTPUT_TOKEN_BASE + position, OUTPUT_TOKEN_BASE + position + count))
 
     def execute(self, output: SchedulerOutput, num_tokens: dict[str, int]) -> ModelRunnerOutput:
         """``num_tokens``: each scheduled request's token count (prompt plus
@@ -70,7 +122,6 @@ class ModelRunner:
             if reached < num_tokens[item.request_id]:
                 continue  # a prefill chunk short of the prompt's end
             # Placeholder drafts (uniform-decode padding) are never accepted.
-            accepted = 0 if item.is_padded else self.acceptance.sample(item.num_spec_tokens, self.rng)
-            position = num_tokens[item.request_id]
-            sampled[item.request_id] = [OUTPUT_TOKEN_BASE + position + i for i in range(accepted + 1)]
+            accepted = 0 if item.is_padded else self.num_accepted(item.num_spec_tokens)
+            sampled[item.request_id] = self.sampled_token_ids(num_tokens[item.request_id], accepted + 1)
         return ModelRunnerOutput(sampled_token_ids=sampled)

@@ -84,6 +84,16 @@ class SchedulerConfig:
             raise ValueError(f"max_concurrent_batches must be at least 1, got {self.max_concurrent_batches}")
 
 
+@dataclass(frozen=True)
+class _IdleWaiting:
+    """A waiting loop that admitted nobody: its head, inputs and the
+    allocator's version then."""
+
+    head: object
+    inputs: tuple
+    allocator_version: int
+
+
 @dataclass
 class _StepState:
     """What one ``schedule()`` call has decided so far."""
@@ -141,6 +151,14 @@ class Scheduler:
         self._num_arrived_since_schedule = 0
         self.num_evicted_blocks = 0
         self._params_by_output_len: dict[int, SamplingParams] = {}
+        # Counts the calls that may have changed the allocator's state, so a
+        # waiting loop's outcome can be known unchanged (``_idle_waiting``).
+        self.allocator_version = 0
+        self._idle_waiting: _IdleWaiting | None = None
+
+    @property
+    def fast_path(self) -> bool:
+        return self.settled_allocations is not None
 
     # ------------------------------------------------------------------ intake
     def add_request(self, spec: RequestSpec) -> bool:
@@ -239,6 +257,7 @@ class Scheduler:
         span = self._decode_span(request, num_new + lookahead)
         if settled is not None and span is not None and settled.is_settled(request.request_id, *span):
             return True
+        self.allocator_version += 1
         while self.kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is None:
             victim = self.running[-1]
             if not self._blocks_can_be_freed(victim):
@@ -262,6 +281,36 @@ class Scheduler:
         return request.num_computed_tokens, request.num_computed_tokens + num_tokens
 
     def _schedule_waiting(self, step: _StepState) -> None:
+        inputs = self._waiting_inputs(step.token_budget, step.running_scheduled, step.prefill_scheduled)
+        admitted = self._admit_waiting(step)
+        # A loop that admitted nobody changed nothing (a failed admission
+        # allocates nothing): with the same inputs, head and allocator
+        # state, it admits nobody again.
+        self._idle_waiting = None
+        if not admitted and self.waiting:
+            self._idle_waiting = _IdleWaiting(self.waiting[0], inputs, self.allocator_version)
+
+    def _waiting_inputs(self, token_budget: int, running_scheduled: bool, prefill_scheduled: bool) -> tuple:
+        """What the waiting loop reads besides its head and the allocator."""
+        return (token_budget, len(self.running), len(self.waiting), running_scheduled, prefill_scheduled)
+
+    def waiting_admits_nobody(self, token_budget: int) -> bool:
+        """Whether this step's waiting loop would admit nobody, when its
+        running loop schedules only decodes and leaves ``token_budget``: the
+        loop does not start, or it is the loop remembered to have admitted
+        nobody, with the same inputs, head and allocator state."""
+        if not self.waiting or token_budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            return True
+        idle = self._idle_waiting
+        return (
+            idle is not None
+            and idle.head is self.waiting[0]
+            and idle.allocator_version == self.allocator_version
+            and idle.inputs == self._waiting_inputs(token_budget, True, False)
+        )
+
+    def _admit_waiting(self, step: _StepState) -> bool:
+        admitted = False
         while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._peek_waiting()
             blocks, num_hit, boundary = self.kv_cache_manager.get_computed_blocks(request)
@@ -289,9 +338,12 @@ class Scheduler:
             if allocated is None:
                 break  # head-of-line blocking: never try the requests behind it
             self.kv_cache_manager.record_prefix_cache_stats(request, num_hit)
+            self.allocator_version += 1
             if padded:
                 step.padded_ids.add(request.request_id)
             self._admit(request, num_hit, num_new, step)
+            admitted = True
+        return admitted
 
     def _pads_to_uniform_decode(self, request: Request, num_new: int, num_hit: int, step: _StepState) -> bool:
         """vLLM pads an admitted request with one token left (a full prefix
@@ -384,6 +436,7 @@ class Scheduler:
         for settled in (self.settled_allocations, self.settled_caching):
             if settled is not None:
                 settled.forget(request.request_id)
+        self.allocator_version += 1
         if self._blocks_can_be_freed(request):
             self.kv_cache_manager.free(request)
             return
@@ -394,6 +447,7 @@ class Scheduler:
     def _drain_deferred_frees(self) -> None:
         while self.deferred_frees and self.deferred_frees[0][0] <= self.processed_step_seq:
             _, blocks = self.deferred_frees.popleft()
+            self.allocator_version += 1
             self.kv_cache_manager.block_pool.free_blocks(reversed(blocks))
 
     def _advance_processed(self, processed: int) -> bool:
@@ -433,13 +487,10 @@ class Scheduler:
                 accepted += num_accepted
             if request.num_output_tokens == 0:
                 first_token.append(request.request_id)
-            appended, stopped = self._append_output(request, sampled)
+            appended, stopped = self.take_sampled(request, sampled)
             generated += appended
             if stopped:
-                self._finish(request)
                 finished[request.request_id] = request.num_output_tokens
-            else:
-                self._after_sampling(request)
         return StepOutcome(
             finished=finished,
             first_token_request_ids=tuple(first_token),
@@ -447,6 +498,17 @@ class Scheduler:
             num_draft_tokens=drafts,
             num_accepted_tokens=accepted,
         )
+
+    def take_sampled(self, request: Request, sampled: list[int]) -> tuple[int, bool]:
+        """Append a step's sampled tokens to ``request`` and finish it if
+        they stop it, else cache its blocks and queue its drafts. Returns
+        the tokens appended and whether it stopped."""
+        appended, stopped = self._append_output(request, sampled)
+        if stopped:
+            self._finish(request)
+        else:
+            self._after_sampling(request)
+        return appended, stopped
 
     def _append_output(self, request: Request, sampled: list[int]) -> tuple[int, bool]:
         """Append the step's tokens, stopping as vLLM's ``check_stop`` says.
@@ -483,6 +545,7 @@ class Scheduler:
         settled = self.settled_caching
         if settled is not None and settled.is_settled(request.request_id, computed, computed):
             return
+        self.allocator_version += 1
         self.kv_cache_manager.cache_blocks(request, computed)
         if settled is not None:
             settled.record(request.request_id, computed, computed)
@@ -492,6 +555,26 @@ class Scheduler:
         self._free_request_blocks(request)
         del self.requests[request.request_id]
         self.last_sched_seq.pop(request.request_id, None)
+
+    # ------------------------------------------------------------ steady steps
+    def start_steady_step(self, request_ids: list[str]) -> int:
+        """A steady step (``steady.py``) is scheduled: what ``schedule``
+        records that such a step changes (the new-step notice, the step's
+        sequence number, each request's last step). Returns its index."""
+        self._num_arrived_since_schedule = 0
+        self.kv_cache_manager.new_step_starts()
+        self.sched_step_seq += 1
+        seq = self.sched_step_seq
+        for request_id in request_ids:
+            self.last_sched_seq[request_id] = seq
+        self.step_index += 1
+        return self.step_index
+
+    def complete_steady_step(self) -> None:
+        """A steady step's output arrived: the fences up to it pass, as in
+        ``update_from_output`` (no blocks wait on them: the step is steady)."""
+        if self.config.defer_block_free:
+            self._advance_processed(self.sched_step_seq - (self.config.max_concurrent_batches - 1))
 
     # ------------------------------------------------------------------- state
     @property

@@ -60,6 +60,11 @@ class SettledSteps:
         bounds = self._bounds.get(request_id)
         return bounds is not None and bounds[0] <= first_token and last_token <= bounds[1]
 
+    def bounds(self, request_id: str) -> tuple[int, int] | None:
+        """The least first and greatest last token of a settled call (None:
+        the next call is real)."""
+        return self._bounds.get(request_id)
+
     def record(self, request_id: str, first_token: int, last_token: int) -> None:
         """A real call was made over these tokens."""
         blocks = self._blocks(first_token, last_token)

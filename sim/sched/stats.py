@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, is_dataclass
+from functools import cache
 from typing import Any
 
 
@@ -78,13 +79,20 @@ def flat_columns(record: Any) -> dict[str, Any]:
     {'num_draft_tokens': 3, 'num_accepted_tokens': 2}
     """
     values: dict[str, Any] = {}
-    for spec in fields(record):
-        value = getattr(record, spec.name)
-        if is_dataclass(value):
-            values.update(flat_columns(value))
+    for name in _field_names(type(record)) or ():
+        value = getattr(record, name)
+        if _field_names(type(value)) is None:
+            values[name] = value
         else:
-            values[spec.name] = value
+            values.update(flat_columns(value))
     return values
+
+
+@cache
+def _field_names(cls: type) -> tuple[str, ...] | None:
+    """A record type's field names (None: not a record); looked up once
+    per type, as a step's stats are flattened at every step."""
+    return tuple(spec.name for spec in fields(cls)) if is_dataclass(cls) else None
 
 
 class Columns:

@@ -1,0 +1,338 @@
+"""Steady decode steps (``sim/sched/steady.py``): the engine's fast lane
+through runs of alike decode steps gives the steps, frames and allocator
+states the ordinary path gives.
+
+Checks that do not read the lane's own reasoning: hand-counted lane steps of
+one request across a block boundary (from the settled windows' arithmetic,
+pinned in ``test_fast_path.py``); a lane that makes every call it skips
+(each request's allocation and caching, the waiting loop) and compares the
+whole allocator state; the frames with the fast path off; vLLM's own
+Scheduler through the conformance driver. Each has a failing control.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import sim_helpers
+from test_fast_path import (
+    CHECKED_CASES,
+    _frames,
+    _one_request,
+    _simulation,
+    allocator_state,
+)
+from test_scheduler import _scheduler, _spec
+
+from sim.analysis.runs import scenario_workload
+from sim.conformance.driver import run_conformance
+from sim.engine import Simulation
+from sim.paths import SCENARIOS_DIR
+from sim.scenario import load_scenario
+from sim.sched.engine_core import EngineCore
+from sim.sched.model_runner import UniformStream
+from sim.sched.scheduler import Scheduler, _StepState
+from sim.sched.steady import SteadyDecode
+
+# ------------------------------------------------------------ the draws
+
+
+def test_the_stream_gives_the_generators_own_draws_across_blocks():
+    """The runner draws from blocks; the numbers are those of one
+    ``random()`` call per draw, across block ends too."""
+    seed = np.random.SeedSequence([7, 1])
+    one_by_one = np.random.default_rng(seed)
+    stream = UniformStream(np.random.default_rng(seed))
+    count = 2 * UniformStream.BLOCK + 5
+    assert [stream.random() for _ in range(count)] == [one_by_one.random() for _ in range(count)]
+
+
+# ------------------------------------------------------ hand-counted lanes
+
+
+def _lane_steps(simulation: Simulation) -> tuple[list[bool], list]:
+    """Drive the engine core without a clock (every request queued at
+    once): which steps took the lane, and each step's outcome."""
+    for spec in simulation.workload.requests:
+        simulation.scheduler.add_request(spec)
+    steady, outcomes = [], []
+    for _ in range(10_000):
+        if not simulation.scheduler.has_unfinished_requests():
+            break
+        scheduled = simulation.core.schedule()
+        assert not scheduled.output.is_empty
+        outcomes.append(simulation.core.complete(scheduled))
+        steady.append(scheduled.steady)
+    return steady, outcomes
+
+
+def test_a_decode_across_a_block_boundary_runs_steady_inside_its_windows(tmp_path):
+    """A 3,120-token prompt, 150 outputs, one token a step (the counts of
+    ``test_the_calls_skipped_across_a_block_boundary``): the prefill and the
+    first decode (c = 3,120: its allocation is real) are ordinary; c = 3,121
+    .. 3,160 steady (40: the allocation window ends at 3,167 and a step's
+    span is c .. c + 7); c = 3,161 .. 3,233 ordinary (73: real calls, the
+    last one settling the next block); c = 3,234 .. 3,268 steady (35), the
+    last stopping the request inside the lane."""
+    steady, outcomes = _lane_steps(_one_request(tmp_path, 3120, 150))
+    assert steady == [False] * 2 + [True] * 40 + [False] * 73 + [True] * 35
+    assert sum(o.num_generated_tokens for o in outcomes) == 150
+    assert [dict(o.finished) for o in outcomes if o.finished] == [{"r000000": 150}]
+
+
+def test_every_draft_accepted_stops_inside_the_lane(tmp_path):
+    """100-token prompt, 150 outputs, 4 tokens a decode step: the prefill
+    samples 1, the first decode 4 (ordinary: its allocation is real), then
+    36 steady steps of 4 reach 149 and a 37th, steady too, stops at its first
+    token (the other 3 dropped)."""
+    steady, outcomes = _lane_steps(_one_request(tmp_path, 100, 150, "mtp.acceptance_rates=[1, 1, 1]"))
+    assert steady == [False, False] + [True] * 37
+    assert [o.num_generated_tokens for o in outcomes] == [1] + [4] * 37 + [1]
+    assert outcomes[-1].finished == {"r000000": 150}
+
+
+def test_a_lane_blind_to_the_allocation_window_runs_through_the_boundary(monkeypatch, tmp_path):
+    """Failing control for the hand count: a lane that takes a step's
+    allocation as settled whenever a window is known."""
+    monkeypatch.setattr(SteadyDecode, "_limit", _limit_without_allocation_window)
+    steady, _ = _lane_steps(_one_request(tmp_path, 3120, 150))
+    assert steady != [False] * 2 + [True] * 40 + [False] * 73 + [True] * 35
+
+
+def _limit_without_allocation_window(self: SteadyDecode, request) -> int | None:
+    caching = self.scheduler.settled_caching.bounds(request.request_id)
+    if request.num_computed_tokens != request.num_tokens - 1 or caching is None:
+        return None
+    return self.scheduler.config.max_model_len
+
+
+# ----------------------------------------------------- the waiting memo
+
+
+def test_the_waiting_memo_holds_only_for_the_same_inputs_and_allocator():
+    """Tiny model (32-token blocks): two 60-token prompts take 14 blocks
+    each of a 34-block pool in step 1 (with the shared ring page and the
+    null block, 4 are left); in step 2 each decode (4 tokens of a 512-token
+    budget) needs a third attention block (60 + 4 + K = 67 > 64 tokens), and
+    the third prompt (14 blocks) is refused with 2 free. Until the allocator
+    changes, a step that decodes both and leaves 504 tokens would refuse it
+    again; another budget or an allocator change (step 2's caching) voids
+    that."""
+    scheduler = _scheduler(num_blocks=34, budget=512)
+    engine = EngineCore(scheduler, _runner())
+    for index in range(3):
+        scheduler.add_request(_spec(index, 60))
+    engine.complete(engine.schedule())
+    step = engine.schedule()
+    assert [item.request_id for item in step.output.scheduled] == ["r000", "r001"]
+    assert scheduler.waiting_admits_nobody(504)
+    assert not scheduler.waiting_admits_nobody(503)
+    engine.complete(step)  # caches the decodes' blocks (32-token blocks never settle)
+    assert not scheduler.waiting_admits_nobody(504)
+
+
+def test_an_arrival_voids_the_waiting_memo():
+    scheduler = _scheduler(num_blocks=34, budget=512)
+    engine = EngineCore(scheduler, _runner())
+    for index in range(3):
+        scheduler.add_request(_spec(index, 60))
+    engine.complete(engine.schedule())
+    engine.schedule()
+    scheduler.add_request(_spec(3, 60))
+    assert not scheduler.waiting_admits_nobody(504)
+
+
+@pytest.mark.parametrize(("waiting", "seats", "budget"), [(0, 8, 504), (1, 2, 504), (1, 8, 0)])
+def test_a_waiting_loop_that_cannot_start_admits_nobody(waiting, seats, budget):
+    """No memo needed: nobody waits, no seat is free, or no budget is left."""
+    scheduler = _scheduler(num_blocks=34, budget=512, seqs=seats)
+    engine = EngineCore(scheduler, _runner())
+    for index in range(2 + waiting):
+        scheduler.add_request(_spec(index, 60))
+    engine.complete(engine.schedule())
+    assert scheduler.waiting_admits_nobody(budget)
+
+
+def _runner():
+    from sim.sched.model_runner import AcceptanceModel, ModelRunner
+
+    return ModelRunner(AcceptanceModel(conditional_rates=(0.8, 0.7, 0.6)), np.random.default_rng(0))
+
+
+# --------------------------------------- every skipped call, made anyway
+
+
+class CheckingSteady(SteadyDecode):
+    """Makes every call a steady step skips (each request's allocation, the
+    waiting loop, each request's caching) and checks it changed nothing."""
+
+    checked_steps = 0
+    checked_waiting = 0
+
+    def schedule(self):
+        output = super().schedule()
+        if output is not None:
+            self._check_scheduling()
+            self.checked_steps += 1
+        return output
+
+    def complete(self, output):
+        outcome = super().complete(output)
+        self._check_caching()
+        return outcome
+
+    def _check_scheduling(self) -> None:
+        scheduler, run = self.scheduler, self._run
+        kv = scheduler.kv_cache_manager
+        before = allocator_state(kv)
+        for index, request in enumerate(run.requests):
+            # The request as the scheduler's running loop sees it: before
+            # the step's tokens count as computed.
+            self._hand_over(run, index)
+            request.num_computed_tokens -= self.step_tokens
+            blocks = kv.allocate_slots(request, self.step_tokens, num_lookahead_tokens=self.num_spec)
+            request.num_computed_tokens += self.step_tokens
+            assert blocks is not None and not any(blocks.blocks), f"{request.request_id}: it allocates"
+        budget = scheduler.config.max_num_batched_tokens - len(run.requests) * self.step_tokens
+        if scheduler.waiting and len(scheduler.running) < scheduler.config.max_num_seqs:
+            step = _StepState(token_budget=budget, running_scheduled=True)
+            scheduler._schedule_waiting(step)
+            assert not step.new_ids and not step.resumed_ids, "a steady step's waiting loop admitted"
+            self.checked_waiting += 1
+        assert allocator_state(kv) == before, "a steady step's calls changed the allocator"
+
+    def _check_caching(self) -> None:
+        run = self._run
+        kv = self.scheduler.kv_cache_manager
+        before = allocator_state(kv)
+        for index, request in enumerate(run.requests):
+            if request.is_finished():
+                continue
+            self._hand_over(run, index)
+            kv.cache_blocks(request, request.num_computed_tokens)
+        assert allocator_state(kv) == before, "a steady step's caching changed the allocator"
+
+
+# Pool-bound with free seats: requests wait while steady steps run, so their
+# waiting loops are skipped (at 16 seats the seats bind first).
+POOL_BOUND = ["workload.max_requests=60"]
+STEADY_CASES = [*CHECKED_CASES, ("saturated-decode", POOL_BOUND)]
+
+
+def _checked(simulation: Simulation) -> CheckingSteady:
+    checking = CheckingSteady(simulation.scheduler, simulation.model_runner)
+    simulation.core.steady = checking
+    return checking
+
+
+@pytest.mark.parametrize("layout", ["off", "on"])
+@pytest.mark.parametrize(
+    ("name", "overrides"), STEADY_CASES, ids=lambda v: str(v).rsplit("/", 1)[-1].removesuffix(".yaml")
+)
+def test_every_call_a_steady_step_skips_changes_nothing(name, overrides, layout, tmp_path):
+    simulation = _simulation(name, overrides, layout, tmp_path)
+    checking = _checked(simulation)
+    simulation.run()
+    # Control: steady steps ran here (and skipped a waiting loop in the
+    # pool-bound case), so the check had work.
+    assert checking.checked_steps > 0
+    if overrides is POOL_BOUND:
+        assert checking.checked_waiting > 0
+
+
+def test_the_check_catches_a_steady_step_across_a_boundary(monkeypatch, tmp_path):
+    """Failing control: a lane blind to the allocation window runs steady
+    steps across block boundaries, and the check catches the allocation."""
+    monkeypatch.setattr(SteadyDecode, "_limit", _limit_without_allocation_window)
+    simulation = _simulation(*CHECKED_CASES[0], "off", tmp_path)
+    _checked(simulation)
+    with pytest.raises(AssertionError, match="it allocates|changed the allocator"):
+        simulation.run()
+
+
+def test_the_check_catches_a_waiting_loop_wrongly_skipped(monkeypatch, tmp_path):
+    """Failing control: a scheduler that says its waiting loop admits
+    nobody whatever changed; the check's waiting loop admits someone."""
+    monkeypatch.setattr(Scheduler, "waiting_admits_nobody", lambda self, budget: True)
+    simulation = _simulation(*STEADY_CASES[-1], "off", tmp_path)
+    _checked(simulation)
+    with pytest.raises(AssertionError, match="admitted|changed the allocator"):
+        simulation.run()
+
+
+# ------------------------------------------------------------- frames
+
+
+@pytest.mark.parametrize("hashing", ["eagle-drop", "lookahead"])
+@pytest.mark.parametrize("layout", ["off", "on"])
+def test_pool_bound_decode_gives_the_same_frames_in_the_lane(layout, hashing):
+    scenario = load_scenario("saturated-decode", [*POOL_BOUND, f"scheduler.mtp_hash_mode={hashing}"])
+    fast, step_by_step = _frames(scenario, layout, True), _frames(scenario, layout, False)
+    assert fast == step_by_step
+
+
+def test_a_lane_skipping_every_waiting_loop_changes_the_frames(monkeypatch):
+    """Failing control for the frames: skip the waiting loop in every steady
+    step, whatever changed."""
+    scenario = load_scenario("saturated-decode", POOL_BOUND)
+    step_by_step = _frames(scenario, "off", False)
+    monkeypatch.setattr(Scheduler, "waiting_admits_nobody", lambda self, budget: True)
+    assert _frames(scenario, "off", True)["steps"] != step_by_step["steps"]
+
+
+def test_a_lane_that_never_stops_a_request_changes_the_frames(monkeypatch):
+    """Failing control: take every request as unstoppable (its tokens kept
+    aside even in the step that should stop it: it runs past its output
+    length until an ordinary step stops it)."""
+    scenario = load_scenario("saturated-decode", POOL_BOUND)
+    step_by_step = _frames(scenario, "off", False)
+    monkeypatch.setattr(SteadyDecode, "_unstoppable", lambda self, request: 10**9)
+    assert _frames(scenario, "off", True)["requests"] != step_by_step["requests"]
+
+
+# ----------------------------------------------------------- the horizon
+
+
+def _running_at_horizon(tmp_path, fast_path: bool, flush: bool = True) -> list[tuple]:
+    scenario = sim_helpers.scenario(
+        tmp_path,
+        overrides=["simulation.max_time_s=8", f"simulation.fast_path={str(fast_path).lower()}"],
+        workload={
+            "trace": "synthetic",
+            "num_requests": 20,
+            "arrival": {"process": "poisson", "rate_per_s": 10.0},
+            "prompt": {"distribution": "fixed", "tokens": 500},
+            "output": {"distribution": "fixed", "tokens": 2000},
+        },
+    )
+    simulation = Simulation(scenario, "off", scenario_workload(scenario))
+    if not flush:
+        simulation.core.flush = lambda: None  # type: ignore[method-assign]
+    simulation.run()
+    return [(r.request_id, r.num_tokens, r.num_computed_tokens) for r in simulation.scheduler.running]
+
+
+def test_requests_stopped_by_the_horizon_hold_every_token_they_sampled(tmp_path):
+    """A run cut mid-decode: each running request's tokens are those of the
+    step-by-step run (the lane hands them over when the run ends)."""
+    step_by_step = _running_at_horizon(tmp_path, False)
+    assert step_by_step and _running_at_horizon(tmp_path, True) == step_by_step
+
+
+def test_without_the_hand_over_at_the_horizon_requests_lag(tmp_path):
+    """Failing control: skip the hand-over at the end of the run."""
+    assert _running_at_horizon(tmp_path, True, flush=False) != _running_at_horizon(tmp_path, False)
+
+
+# ----------------------------------------------------------- conformance
+
+
+def test_the_conformance_driver_compares_the_lanes_steps(monkeypatch):
+    """kvsim's side of ``kvsim conform`` steps through the engine core, so
+    vLLM's own Scheduler is compared with steady steps too."""
+    taken = []
+    complete = SteadyDecode.complete
+    monkeypatch.setattr(SteadyDecode, "complete", lambda self, out: taken.append(1) or complete(self, out))
+    scenario = load_scenario(str(SCENARIOS_DIR / "conformance" / "heavy-preemption.yaml"))
+    result = run_conformance(scenario, "off", scenario_workload(scenario).requests)
+    assert taken and result.comparison.identical_share == 1.0
