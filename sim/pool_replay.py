@@ -402,15 +402,15 @@ class PoolReplay:
         the engine calls them as before and the replay sees every step, free
         and prefix hit as it happens."""
         scheduler, manager = self.scheduler, self.manager
-        schedule, update = scheduler.schedule, scheduler.update_from_output
+        schedule, arrives = scheduler.schedule, scheduler.output_arrives
         complete = scheduler.complete_in_flight_steps
         free, pop = manager.free, manager.pop_blocks_for_free
         lookup = manager.get_computed_blocks
 
-        def schedule_step() -> Any:
+        def schedule_step(*args: Any, **kwargs: Any) -> Any:
             self.step = scheduler.step_index + 1
             self._timed(self._pass_fences)
-            output = schedule()
+            output = schedule(*args, **kwargs)
             if not output.is_empty:
                 self.issued += 1
                 for item in output.scheduled:
@@ -418,13 +418,14 @@ class PoolReplay:
                 self._timed(lambda: self._replay_step(output))
             return output
 
-        def update_from_output(output: Any, runner_output: Any) -> Any:
+        def output_arrives(output: Any) -> None:
+            # Every step's output passes here first (the steady lane's too).
             self.step = output.step_index
             if not output.is_empty:
                 self.processed = max(
                     self.processed, self.issued - (scheduler.config.max_concurrent_batches - 1)
                 )
-            return update(output, runner_output)
+            arrives(output)
 
         def complete_in_flight_steps() -> bool:
             self.processed = self.issued
@@ -446,7 +447,7 @@ class PoolReplay:
             return result
 
         scheduler.schedule = schedule_step  # type: ignore[method-assign]
-        scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
+        scheduler.output_arrives = output_arrives  # type: ignore[method-assign]
         scheduler.complete_in_flight_steps = complete_in_flight_steps  # type: ignore[method-assign]
         manager.free = free_request  # type: ignore[method-assign]
         manager.pop_blocks_for_free = pop_for_free  # type: ignore[method-assign]

@@ -189,22 +189,19 @@ def test_control_one_fewer_accepted_draft(monkeypatch):
     goes on accepted any) fails at that request's next step."""
     reference = _steps(_reference("prefix-hits", "off", "lookahead"))
     applied: list[tuple[int, str]] = []
-    original = Scheduler.update_from_output
+    original = Scheduler.apply_sampled
 
-    def one_fewer(self, output, runner_output):
-        self._steps_seen = getattr(self, "_steps_seen", 0) + (not output.is_empty)
-        if not applied:
-            for item in output.scheduled:
-                sampled = runner_output.sampled_token_ids.get(item.request_id, [])
-                request = self.requests.get(item.request_id)
-                left = request.max_tokens - request.num_output_tokens if request else 0
-                if item.num_spec_tokens and len(sampled) >= 2 and left > len(sampled) + 1:
-                    runner_output.sampled_token_ids[item.request_id] = sampled[:-1]
-                    applied.append((self._steps_seen, item.request_id))
-                    break
-        return original(self, output, runner_output)
+    def one_fewer(self, item, sampled, tally):
+        # kvsim's scheduler applies each request's output here (steady
+        # decodes, kept aside by the lane, are not dropped from).
+        request = self.requests.get(item.request_id)
+        left = request.max_tokens - request.num_output_tokens if request else 0
+        if not applied and item.num_spec_tokens and len(sampled) >= 2 and left > len(sampled) + 1:
+            sampled = sampled[:-1]
+            applied.append((self.sched_step_seq, item.request_id))
+        return original(self, item, sampled, tally)
 
-    monkeypatch.setattr(Scheduler, "update_from_output", one_fewer)
+    monkeypatch.setattr(Scheduler, "apply_sampled", one_fewer)
     comparison = _conform("prefix-hits", "off", "lookahead").comparison
     step, request_id = applied[0]
     expected = _first_step(

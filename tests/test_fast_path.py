@@ -22,6 +22,7 @@ from sim.analysis.runs import scenario_workload
 from sim.engine import Simulation
 from sim.paths import SCENARIOS_DIR
 from sim.scenario import load_scenario
+from sim.sched.engine_core import EngineCore
 from sim.sched.scheduler import Scheduler
 from sim.sched.settled import SettledSteps
 from sim.vllm_bridge import KVCacheBlock
@@ -259,6 +260,15 @@ class CallingScheduler(Scheduler):
         super()._cache_blocks(request)
 
 
+def _use(simulation: Simulation, checking: CallingScheduler) -> None:
+    """Step ``simulation`` through ``checking``, without the steady lane:
+    the lane would take most settled decodes past the scheduler's calls
+    (``tests/test_steady.py`` makes the lane's skipped calls itself)."""
+    simulation.scheduler = checking
+    simulation.core = EngineCore(checking, simulation.model_runner)
+    simulation.core.steady = None
+
+
 def _simulation(name: str, overrides: list[str], layout: str, tmp_path: Path) -> Simulation:
     if name == "decode-across-boundaries":
         scenario = sim_helpers.scenario(tmp_path, name, overrides, workload=DECODE_ACROSS_BOUNDARIES)
@@ -296,7 +306,7 @@ CHECKED_CASES = [
 def test_every_skipped_call_changes_nothing(name, overrides, layout, tmp_path):
     simulation = _simulation(name, overrides, layout, tmp_path)
     checking = CallingScheduler(simulation.scheduler.config, simulation.kv_cache_manager)
-    simulation.scheduler = simulation.core.scheduler = checking
+    _use(simulation, checking)
     simulation.run()
     # Control: the fast path did skip calls here, so the check had work.
     assert checking.checked_allocations > 0 and checking.checked_cachings > 0
@@ -316,7 +326,7 @@ def test_the_check_catches_a_call_skipped_across_a_boundary(monkeypatch, tmp_pat
     settle_every_call_after_the_first(monkeypatch)
     simulation = _simulation(*CHECKED_CASES[0], "off", tmp_path)
     checking = CallingScheduler(simulation.scheduler.config, simulation.kv_cache_manager)
-    simulation.scheduler = simulation.core.scheduler = checking
+    _use(simulation, checking)
     with pytest.raises(AssertionError, match="a settled call allocated|state changed|caching changed"):
         simulation.run()
 

@@ -1,13 +1,14 @@
-"""Steady decode steps (``sim/sched/steady.py``): the engine's fast lane
-through runs of alike decode steps gives the steps, frames and allocator
-states the ordinary path gives.
+"""Steady decodes (``sim/sched/steady.py``) and known-idle waiting loops:
+the fast path's lane gives the steps, frames and allocator states the
+ordinary path gives.
 
 Checks that do not read the lane's own reasoning: hand-counted lane steps of
 one request across a block boundary (from the settled windows' arithmetic,
-pinned in ``test_fast_path.py``); a lane that makes every call it skips
-(each request's allocation and caching, the waiting loop) and compares the
-whole allocator state; the frames with the fast path off; vLLM's own
-Scheduler through the conformance driver. Each has a failing control.
+pinned in ``test_fast_path.py``); a lane and a scheduler that make every
+call they skip (each steady request's allocation and caching, each waiting
+loop known to admit nobody) and compare the whole allocator state; the
+frames with the fast path off; vLLM's own Scheduler through the conformance
+driver. Each has a failing control.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from sim.engine import Simulation
 from sim.paths import SCENARIOS_DIR
 from sim.scenario import load_scenario
 from sim.sched.engine_core import EngineCore
-from sim.sched.model_runner import UniformStream
+from sim.sched.model_runner import AcceptanceModel, ModelRunner, UniformStream
 from sim.sched.scheduler import Scheduler, _StepState
 from sim.sched.steady import SteadyDecode
 
@@ -62,7 +63,7 @@ def _lane_steps(simulation: Simulation) -> tuple[list[bool], list]:
         scheduled = simulation.core.schedule()
         assert not scheduled.output.is_empty
         outcomes.append(simulation.core.complete(scheduled))
-        steady.append(scheduled.steady)
+        steady.append(scheduled.num_steady > 0)
     return steady, outcomes
 
 
@@ -91,6 +92,33 @@ def test_every_draft_accepted_stops_inside_the_lane(tmp_path):
     assert outcomes[-1].finished == {"r000000": 150}
 
 
+def test_a_steady_step_admits_an_arrival_after_its_decodes(tmp_path):
+    """r000000 (100-token prompt) decodes; steps 1-2 are ordinary, 3-4
+    steady. r001 (50 tokens) arrives: in step 5 the lane offers r000000's
+    1 + K = 4 tokens and the waiting loop admits r001 after them (its whole
+    prompt fits the 8,192-token budget), which samples its first token the
+    scheduler's way."""
+    simulation = _one_request(tmp_path, 100, 150)
+    scheduler, core = simulation.scheduler, simulation.core
+    scheduler.add_request(simulation.workload.requests[0])
+    steady = []
+    for _ in range(4):
+        step = core.schedule()
+        core.complete(step)
+        steady.append(step.num_steady)
+    assert steady == [0, 0, 1, 1]
+    scheduler.add_request(_spec(1, 50))
+    step = core.schedule()
+    assert step.num_steady == 1 and step.output.new_request_ids == ("r001",)
+    scheduled = [(i.request_id, i.num_scheduled_tokens) for i in step.output.scheduled]
+    assert scheduled == [("r000000", 4), ("r001", 50)]
+    outcome = core.complete(step)
+    assert outcome.first_token_request_ids == ("r001",) and outcome.num_generated_tokens == 2
+    # r000000 stays in the lane while r001's first decode allocates for real.
+    step = core.schedule()
+    assert step.num_steady == 1 and [i.request_id for i in step.output.scheduled] == ["r000000", "r001"]
+
+
 def test_a_lane_blind_to_the_allocation_window_runs_through_the_boundary(monkeypatch, tmp_path):
     """Failing control for the hand count: a lane that takes a step's
     allocation as settled whenever a window is known."""
@@ -115,9 +143,9 @@ def test_the_waiting_memo_holds_only_for_the_same_inputs_and_allocator():
     null block, 4 are left); in step 2 each decode (4 tokens of a 512-token
     budget) needs a third attention block (60 + 4 + K = 67 > 64 tokens), and
     the third prompt (14 blocks) is refused with 2 free. Until the allocator
-    changes, a step that decodes both and leaves 504 tokens would refuse it
-    again; another budget or an allocator change (step 2's caching) voids
-    that."""
+    changes, a waiting loop with the same inputs (504 tokens left, decodes
+    scheduled, no prefill) would refuse it again; other inputs or an
+    allocator change (step 2's caching) void that."""
     scheduler = _scheduler(num_blocks=34, budget=512)
     engine = EngineCore(scheduler, _runner())
     for index in range(3):
@@ -125,10 +153,11 @@ def test_the_waiting_memo_holds_only_for_the_same_inputs_and_allocator():
     engine.complete(engine.schedule())
     step = engine.schedule()
     assert [item.request_id for item in step.output.scheduled] == ["r000", "r001"]
-    assert scheduler.waiting_admits_nobody(504)
-    assert not scheduler.waiting_admits_nobody(503)
+    assert scheduler.waiting_known_idle(504, True, False)
+    assert not scheduler.waiting_known_idle(503, True, False)
+    assert not scheduler.waiting_known_idle(504, True, True)
     engine.complete(step)  # caches the decodes' blocks (32-token blocks never settle)
-    assert not scheduler.waiting_admits_nobody(504)
+    assert not scheduler.waiting_known_idle(504, True, False)
 
 
 def test_an_arrival_voids_the_waiting_memo():
@@ -139,23 +168,10 @@ def test_an_arrival_voids_the_waiting_memo():
     engine.complete(engine.schedule())
     engine.schedule()
     scheduler.add_request(_spec(3, 60))
-    assert not scheduler.waiting_admits_nobody(504)
+    assert not scheduler.waiting_known_idle(504, True, False)
 
 
-@pytest.mark.parametrize(("waiting", "seats", "budget"), [(0, 8, 504), (1, 2, 504), (1, 8, 0)])
-def test_a_waiting_loop_that_cannot_start_admits_nobody(waiting, seats, budget):
-    """No memo needed: nobody waits, no seat is free, or no budget is left."""
-    scheduler = _scheduler(num_blocks=34, budget=512, seqs=seats)
-    engine = EngineCore(scheduler, _runner())
-    for index in range(2 + waiting):
-        scheduler.add_request(_spec(index, 60))
-    engine.complete(engine.schedule())
-    assert scheduler.waiting_admits_nobody(budget)
-
-
-def _runner():
-    from sim.sched.model_runner import AcceptanceModel, ModelRunner
-
+def _runner() -> ModelRunner:
     return ModelRunner(AcceptanceModel(conditional_rates=(0.8, 0.7, 0.6)), np.random.default_rng(0))
 
 
@@ -163,54 +179,71 @@ def _runner():
 
 
 class CheckingSteady(SteadyDecode):
-    """Makes every call a steady step skips (each request's allocation, the
-    waiting loop, each request's caching) and checks it changed nothing."""
+    """Makes every call the lane skips (each steady request's allocation
+    and caching) and checks it changed nothing."""
 
     checked_steps = 0
-    checked_waiting = 0
 
     def schedule(self):
         output = super().schedule()
-        if output is not None:
-            self._check_scheduling()
+        if self._taken:
+            self._check_allocations()
             self.checked_steps += 1
         return output
 
     def complete(self, output):
+        taken = set(self._taken)
         outcome = super().complete(output)
-        self._check_caching()
+        self._check_caching(taken)
         return outcome
 
-    def _check_scheduling(self) -> None:
-        scheduler, run = self.scheduler, self._run
-        kv = scheduler.kv_cache_manager
+    def _check_allocations(self) -> None:
+        kv = self.scheduler.kv_cache_manager
         before = allocator_state(kv)
-        for index, request in enumerate(run.requests):
-            # The request as the scheduler's running loop sees it: before
-            # the step's tokens count as computed.
-            self._hand_over(run, index)
+        for request_id in self._taken:
+            kept = self._kept[request_id]
+            request = kept.request
+            # The request as the running loop sees it: its tokens taken, the
+            # step's not yet counted as computed.
+            self._hand_over(kept)
             request.num_computed_tokens -= self.step_tokens
             blocks = kv.allocate_slots(request, self.step_tokens, num_lookahead_tokens=self.num_spec)
             request.num_computed_tokens += self.step_tokens
-            assert blocks is not None and not any(blocks.blocks), f"{request.request_id}: it allocates"
-        budget = scheduler.config.max_num_batched_tokens - len(run.requests) * self.step_tokens
-        if scheduler.waiting and len(scheduler.running) < scheduler.config.max_num_seqs:
-            step = _StepState(token_budget=budget, running_scheduled=True)
-            scheduler._schedule_waiting(step)
-            assert not step.new_ids and not step.resumed_ids, "a steady step's waiting loop admitted"
-            self.checked_waiting += 1
-        assert allocator_state(kv) == before, "a steady step's calls changed the allocator"
+            assert blocks is not None and not any(blocks.blocks), f"{request_id}: it allocates"
+        assert allocator_state(kv) == before, "a steady decode's allocation changed the allocator"
 
-    def _check_caching(self) -> None:
-        run = self._run
+    def _check_caching(self, taken: set[str]) -> None:
         kv = self.scheduler.kv_cache_manager
         before = allocator_state(kv)
-        for index, request in enumerate(run.requests):
-            if request.is_finished():
-                continue
-            self._hand_over(run, index)
-            kv.cache_blocks(request, request.num_computed_tokens)
-        assert allocator_state(kv) == before, "a steady step's caching changed the allocator"
+        for request_id in taken:
+            kept = self._kept.get(request_id)
+            if kept is None:
+                continue  # it took its tokens the scheduler's way
+            self._hand_over(kept)
+            kv.cache_blocks(kept.request, kept.computed)
+        assert allocator_state(kv) == before, "a steady decode's caching changed the allocator"
+
+
+class MemoCheckingScheduler(Scheduler):
+    """Runs every waiting loop the fast path skips as known to admit nobody
+    and checks it admits nobody and changes nothing."""
+
+    checked_skips = 0
+
+    def _waiting_known_idle(self, step):
+        known = super()._waiting_known_idle(step)
+        if known:
+            before = allocator_state(self.kv_cache_manager)
+            probe = _StepState(
+                token_budget=step.token_budget,
+                running_scheduled=step.running_scheduled,
+                prefill_scheduled=step.prefill_scheduled,
+            )
+            self._schedule_waiting(probe)
+            assert not probe.new_ids and not probe.resumed_ids, "a skipped waiting loop admits"
+            assert allocator_state(self.kv_cache_manager) == before, "a skipped waiting loop changed it"
+            self.checked_skips += 1
+        return known
 
 
 # Pool-bound with free seats: requests wait while steady steps run, so their
@@ -219,10 +252,13 @@ POOL_BOUND = ["workload.max_requests=60"]
 STEADY_CASES = [*CHECKED_CASES, ("saturated-decode", POOL_BOUND)]
 
 
-def _checked(simulation: Simulation) -> CheckingSteady:
-    checking = CheckingSteady(simulation.scheduler, simulation.model_runner)
-    simulation.core.steady = checking
-    return checking
+def _checked(simulation: Simulation) -> tuple[MemoCheckingScheduler, CheckingSteady]:
+    """Step ``simulation`` through both checks."""
+    scheduler = MemoCheckingScheduler(simulation.scheduler.config, simulation.kv_cache_manager)
+    simulation.scheduler = scheduler
+    simulation.core = EngineCore(scheduler, simulation.model_runner)
+    lane = simulation.core.steady = CheckingSteady(scheduler, simulation.model_runner)
+    return scheduler, lane
 
 
 @pytest.mark.parametrize("layout", ["off", "on"])
@@ -231,13 +267,13 @@ def _checked(simulation: Simulation) -> CheckingSteady:
 )
 def test_every_call_a_steady_step_skips_changes_nothing(name, overrides, layout, tmp_path):
     simulation = _simulation(name, overrides, layout, tmp_path)
-    checking = _checked(simulation)
+    scheduler, lane = _checked(simulation)
     simulation.run()
-    # Control: steady steps ran here (and skipped a waiting loop in the
-    # pool-bound case), so the check had work.
-    assert checking.checked_steps > 0
+    # Control: steady decodes ran here (and known-idle waiting loops were
+    # skipped in the pool-bound case), so the checks had work.
+    assert lane.checked_steps > 0
     if overrides is POOL_BOUND:
-        assert checking.checked_waiting > 0
+        assert scheduler.checked_skips > 0
 
 
 def test_the_check_catches_a_steady_step_across_a_boundary(monkeypatch, tmp_path):
@@ -251,12 +287,12 @@ def test_the_check_catches_a_steady_step_across_a_boundary(monkeypatch, tmp_path
 
 
 def test_the_check_catches_a_waiting_loop_wrongly_skipped(monkeypatch, tmp_path):
-    """Failing control: a scheduler that says its waiting loop admits
-    nobody whatever changed; the check's waiting loop admits someone."""
-    monkeypatch.setattr(Scheduler, "waiting_admits_nobody", lambda self, budget: True)
+    """Failing control: a scheduler that takes every waiting loop as known
+    to admit nobody; the check's waiting loop admits someone."""
+    monkeypatch.setattr(Scheduler, "waiting_known_idle", lambda self, *inputs: bool(self.waiting))
     simulation = _simulation(*STEADY_CASES[-1], "off", tmp_path)
     _checked(simulation)
-    with pytest.raises(AssertionError, match="admitted|changed the allocator"):
+    with pytest.raises(AssertionError, match="admits|changed"):
         simulation.run()
 
 
@@ -272,11 +308,11 @@ def test_pool_bound_decode_gives_the_same_frames_in_the_lane(layout, hashing):
 
 
 def test_a_lane_skipping_every_waiting_loop_changes_the_frames(monkeypatch):
-    """Failing control for the frames: skip the waiting loop in every steady
-    step, whatever changed."""
+    """Failing control for the frames: take every waiting loop as known to
+    admit nobody, whatever changed."""
     scenario = load_scenario("saturated-decode", POOL_BOUND)
     step_by_step = _frames(scenario, "off", False)
-    monkeypatch.setattr(Scheduler, "waiting_admits_nobody", lambda self, budget: True)
+    monkeypatch.setattr(Scheduler, "waiting_known_idle", lambda self, *inputs: bool(self.waiting))
     assert _frames(scenario, "off", True)["steps"] != step_by_step["steps"]
 
 
@@ -331,8 +367,8 @@ def test_the_conformance_driver_compares_the_lanes_steps(monkeypatch):
     """kvsim's side of ``kvsim conform`` steps through the engine core, so
     vLLM's own Scheduler is compared with steady steps too."""
     taken = []
-    complete = SteadyDecode.complete
-    monkeypatch.setattr(SteadyDecode, "complete", lambda self, out: taken.append(1) or complete(self, out))
+    kept = SteadyDecode._complete_kept
+    monkeypatch.setattr(SteadyDecode, "_complete_kept", lambda self, *a: taken.append(1) or kept(self, *a))
     scenario = load_scenario(str(SCENARIOS_DIR / "conformance" / "heavy-preemption.yaml"))
     result = run_conformance(scenario, "off", scenario_workload(scenario).requests)
     assert taken and result.comparison.identical_share == 1.0

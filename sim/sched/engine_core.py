@@ -26,8 +26,10 @@ class ScheduledStep:
 
     output: SchedulerOutput
     token_counts: dict[str, int]
-    # Scheduled by the steady lane, which completes it.
-    steady: bool = False
+    # Scheduled through the steady lane, which completes it.
+    via_lane: bool = False
+    # The requests whose decodes the lane kept aside in it.
+    num_steady: int = 0
 
 
 class EngineCore:
@@ -38,16 +40,15 @@ class EngineCore:
 
     def schedule(self) -> ScheduledStep:
         if self.steady is not None:
-            steady_output = self.steady.schedule()
-            if steady_output is not None:
-                return ScheduledStep(steady_output, {}, steady=True)
+            output = self.steady.schedule()
+            return ScheduledStep(output, {}, via_lane=True, num_steady=self.steady.num_taken)
         output = self.scheduler.schedule()
         counts = {} if output.is_empty else self.scheduler.token_counts()
         return ScheduledStep(output, counts)
 
     def complete(self, step: ScheduledStep) -> StepOutcome:
         """The workers ran ``step``: apply what they sampled."""
-        if step.steady:
+        if step.via_lane:
             assert self.steady is not None
             return self.steady.complete(step.output)
         sampled = self.model_runner.execute(step.output, step.token_counts)
@@ -64,8 +65,7 @@ class EngineCore:
         return scheduled.output, self.complete(scheduled)
 
     def flush(self) -> None:
-        """Hand a run of steady steps' tokens to the requests (the run ends
-        by itself at the next ordinary step; call this before reading the
-        requests between steps)."""
+        """Hand the steady requests their tokens (call this before reading
+        the requests between steps)."""
         if self.steady is not None:
             self.steady.flush()

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import numpy as np
 
-from sim.sched.output import ModelRunnerOutput, SchedulerOutput
+from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 # Sampled output tokens are ids far from any prompt token: outputs then never
 # fake a prefix match with another request's prompt.
@@ -118,10 +118,17 @@ class ModelRunner:
         outputs, drafts excluded) when the step was scheduled."""
         sampled: dict[str, list[int]] = {}
         for item in output.scheduled:
-            reached = item.num_computed_tokens + item.num_scheduled_tokens - item.num_spec_tokens
-            if reached < num_tokens[item.request_id]:
-                continue  # a prefill chunk short of the prompt's end
-            # Placeholder drafts (uniform-decode padding) are never accepted.
-            accepted = 0 if item.is_padded else self.num_accepted(item.num_spec_tokens)
-            sampled[item.request_id] = self.sampled_token_ids(num_tokens[item.request_id], accepted + 1)
+            tokens = self.sample(item, num_tokens[item.request_id])
+            if tokens is not None:
+                sampled[item.request_id] = tokens
         return ModelRunnerOutput(sampled_token_ids=sampled)
+
+    def sample(self, item: ScheduledRequest, num_tokens: int) -> list[int] | None:
+        """One scheduled request's sampled tokens, given its token count when
+        scheduled; None for a prefill chunk short of the prompt's end."""
+        reached = item.num_computed_tokens + item.num_scheduled_tokens - item.num_spec_tokens
+        if reached < num_tokens:
+            return None
+        # Placeholder drafts (uniform-decode padding) are never accepted.
+        accepted = 0 if item.is_padded else self.num_accepted(item.num_spec_tokens)
+        return self.sampled_token_ids(num_tokens, accepted + 1)

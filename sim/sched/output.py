@@ -78,3 +78,23 @@ class StepOutcome:
     num_generated_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+
+
+@dataclass
+class StepTally:
+    """A step's outcome while its requests' outputs are applied, in order."""
+
+    finished: dict[str, int] = field(default_factory=dict)
+    first_token_request_ids: list[str] = field(default_factory=list)
+    num_generated_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def outcome(self) -> StepOutcome:
+        return StepOutcome(
+            finished=self.finished,
+            first_token_request_ids=tuple(self.first_token_request_ids),
+            num_generated_tokens=self.num_generated_tokens,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+        )

@@ -16,12 +16,13 @@ chase its tokens (prompt, outputs, drafts); rejected drafts roll them back.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from sim.kv_cache_manager import KVCacheManager, MTPHashing
 from sim.sched.model_runner import OUTPUT_TOKEN_BASE
-from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepOutcome
+from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepOutcome, StepTally
 from sim.sched.settled import SettledSteps
 from sim.sched.stats import PrefixCacheStats, SchedulerGauges, SchedulerStats, SpecDecodingStats
 from sim.vllm_bridge import (
@@ -85,6 +86,19 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SteadyItems:
+    """The steady lane's offer for a step (``sim/sched/steady.py``): a
+    decode for each of its requests, made without the allocator; the
+    scheduler fills ``taken`` with those its running loop schedules as they
+    are, and calls ``hand_over`` on any other of them before it treats that
+    request the ordinary way (the lane keeps their tokens aside)."""
+
+    items: dict[str, ScheduledRequest]
+    hand_over: Callable[[Request], None]
+    taken: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
 class _IdleWaiting:
     """A waiting loop that admitted nobody: its head, inputs and the
     allocator's version then."""
@@ -109,6 +123,8 @@ class _StepState:
     running_scheduled: bool = False
     prefill_scheduled: bool = False
     padded_ids: set[str] = field(default_factory=set)
+    # The steady lane's share of the step (``steady.py``), if any.
+    steady: SteadyItems | None = None
 
 
 class Scheduler:
@@ -204,12 +220,15 @@ class Scheduler:
         return request
 
     # ---------------------------------------------------------------- schedule
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, steady: SteadyItems | None = None) -> SchedulerOutput:
+        """``steady``: the steady lane's decodes for this step, which the
+        running loop schedules as they are where it would have scheduled
+        them unchanged (the fast path's lane)."""
         self._num_arrived_since_schedule = 0
         self.kv_cache_manager.new_step_starts()
-        step = _StepState(token_budget=self.config.max_num_batched_tokens)
+        step = _StepState(token_budget=self.config.max_num_batched_tokens, steady=steady)
         self._schedule_running(step)
-        if not step.preempted_ids:
+        if not step.preempted_ids and not self._waiting_known_idle(step):
             self._schedule_waiting(step)
         return self._finish_schedule(step)
 
@@ -236,6 +255,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and step.token_budget > 0:
             request = self.running[index]
+            if step.steady is not None and self._take_steady(request, step):
+                index += 1
+                continue
             num_new = request.num_tokens_with_spec - request.num_computed_tokens
             num_new = self._clip(request, num_new, step.token_budget)
             if num_new == 0:
@@ -247,6 +269,26 @@ class Scheduler:
             step.prefill_scheduled |= request.is_prefill_chunk
             self._record_scheduled(request, num_new, request.num_computed_tokens, step)
             index += 1
+
+    def _take_steady(self, request: Request, step: _StepState) -> bool:
+        """Schedule the lane's decode for ``request`` as it is, when the
+        running loop would: the budget holds it whole and no long-prefill
+        threshold clips it (its allocation is settled and the clip to
+        ``max_model_len`` leaves it whole: the lane's part). Otherwise the
+        lane hands the request back for the ordinary path."""
+        assert step.steady is not None
+        item = step.steady.items.get(request.request_id)
+        if item is None:
+            return False
+        num_new = item.num_scheduled_tokens
+        if step.token_budget < num_new or 0 < self._long_prefill_threshold() < num_new:
+            step.steady.hand_over(request)
+            return False
+        step.scheduled[request.request_id] = item
+        step.steady.taken.add(request.request_id)
+        step.token_budget -= num_new
+        step.running_scheduled = True
+        return True
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepState) -> bool:
         """Allocate, preempting the newest running request (vLLM's FCFS
@@ -263,6 +305,8 @@ class Scheduler:
             if not self._blocks_can_be_freed(victim):
                 return False
             self.running.pop()
+            if step.steady is not None and victim.request_id in step.steady.items:
+                step.steady.hand_over(victim)  # not reached yet this step: its tokens back first
             self._preempt(victim)
             step.preempted_ids.append(victim.request_id)
             if victim is request:
@@ -294,19 +338,23 @@ class Scheduler:
         """What the waiting loop reads besides its head and the allocator."""
         return (token_budget, len(self.running), len(self.waiting), running_scheduled, prefill_scheduled)
 
-    def waiting_admits_nobody(self, token_budget: int) -> bool:
-        """Whether this step's waiting loop would admit nobody, when its
-        running loop schedules only decodes and leaves ``token_budget``: the
-        loop does not start, or it is the loop remembered to have admitted
-        nobody, with the same inputs, head and allocator state."""
-        if not self.waiting or token_budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-            return True
+    def _waiting_known_idle(self, step: _StepState) -> bool:
+        """The fast path skips a waiting loop known to admit nobody."""
+        return self.fast_path and self.waiting_known_idle(
+            step.token_budget, step.running_scheduled, step.prefill_scheduled
+        )
+
+    def waiting_known_idle(self, token_budget: int, running_scheduled: bool, prefill_scheduled: bool) -> bool:
+        """Whether a waiting loop with these inputs is the one remembered to
+        have admitted nobody, with the same head and allocator state (then
+        it admits nobody again)."""
         idle = self._idle_waiting
         return (
             idle is not None
+            and bool(self.waiting)
             and idle.head is self.waiting[0]
             and idle.allocator_version == self.allocator_version
-            and idle.inputs == self._waiting_inputs(token_budget, True, False)
+            and idle.inputs == self._waiting_inputs(token_budget, running_scheduled, prefill_scheduled)
         )
 
     def _admit_waiting(self, step: _StepState) -> bool:
@@ -385,11 +433,14 @@ class Scheduler:
     def _finish_schedule(self, step: _StepState) -> SchedulerOutput:
         if step.scheduled:
             self.sched_step_seq += 1
+        taken = step.steady.taken if step.steady is not None else ()
         for request_id, item in step.scheduled.items():
+            self.last_sched_seq[request_id] = self.sched_step_seq
+            if request_id in taken:
+                continue  # the lane keeps its requests' computed tokens
             request = self.requests[request_id]
             request.num_computed_tokens += item.num_scheduled_tokens
             request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
-            self.last_sched_seq[request_id] = self.sched_step_seq
         queries, hits = self._take_prefix_cache_stats()
         evicted = sum(
             len(e.block_hashes) for e in self.kv_cache_manager.take_events() if isinstance(e, BlockRemoved)
@@ -470,34 +521,35 @@ class Scheduler:
         steps in flight, the output of this step arrives when the steps
         scheduled after it are still running: only the fences up to
         ``sched_step_seq - (batches - 1)`` have passed."""
+        self.output_arrives(output)
+        tally = StepTally()
+        for item in output.scheduled:
+            self.apply_sampled(item, runner_output.sampled_token_ids.get(item.request_id, []), tally)
+        return tally.outcome()
+
+    def output_arrives(self, output: SchedulerOutput) -> None:
+        """A step's output arrived: the fences up to it pass (first, before
+        any of its requests' outputs is applied)."""
         if self.config.defer_block_free and not output.is_empty:
             self._advance_processed(self.sched_step_seq - (self.config.max_concurrent_batches - 1))
-        finished: dict[str, int] = {}
-        first_token: list[str] = []
-        generated = drafts = accepted = 0
-        for item in output.scheduled:
-            request = self.requests.get(item.request_id)
-            sampled = runner_output.sampled_token_ids.get(item.request_id, [])
-            if request is None or request.is_finished() or not sampled:
-                continue
-            if item.num_spec_tokens:
-                num_accepted = len(sampled) - 1
-                request.num_computed_tokens -= item.num_spec_tokens - num_accepted
-                drafts += item.num_spec_tokens
-                accepted += num_accepted
-            if request.num_output_tokens == 0:
-                first_token.append(request.request_id)
-            appended, stopped = self.take_sampled(request, sampled)
-            generated += appended
-            if stopped:
-                finished[request.request_id] = request.num_output_tokens
-        return StepOutcome(
-            finished=finished,
-            first_token_request_ids=tuple(first_token),
-            num_generated_tokens=generated,
-            num_draft_tokens=drafts,
-            num_accepted_tokens=accepted,
-        )
+
+    def apply_sampled(self, item: ScheduledRequest, sampled: list[int], tally: StepTally) -> None:
+        """One scheduled request's sampled tokens: rejected drafts rolled
+        back, the tokens appended, the request finished or its blocks cached."""
+        request = self.requests.get(item.request_id)
+        if request is None or request.is_finished() or not sampled:
+            return
+        if item.num_spec_tokens:
+            num_accepted = len(sampled) - 1
+            request.num_computed_tokens -= item.num_spec_tokens - num_accepted
+            tally.num_draft_tokens += item.num_spec_tokens
+            tally.num_accepted_tokens += num_accepted
+        if request.num_output_tokens == 0:
+            tally.first_token_request_ids.append(request.request_id)
+        appended, stopped = self.take_sampled(request, sampled)
+        tally.num_generated_tokens += appended
+        if stopped:
+            tally.finished[request.request_id] = request.num_output_tokens
 
     def take_sampled(self, request: Request, sampled: list[int]) -> tuple[int, bool]:
         """Append a step's sampled tokens to ``request`` and finish it if
@@ -555,26 +607,6 @@ class Scheduler:
         self._free_request_blocks(request)
         del self.requests[request.request_id]
         self.last_sched_seq.pop(request.request_id, None)
-
-    # ------------------------------------------------------------ steady steps
-    def start_steady_step(self, request_ids: list[str]) -> int:
-        """A steady step (``steady.py``) is scheduled: what ``schedule``
-        records that such a step changes (the new-step notice, the step's
-        sequence number, each request's last step). Returns its index."""
-        self._num_arrived_since_schedule = 0
-        self.kv_cache_manager.new_step_starts()
-        self.sched_step_seq += 1
-        seq = self.sched_step_seq
-        for request_id in request_ids:
-            self.last_sched_seq[request_id] = seq
-        self.step_index += 1
-        return self.step_index
-
-    def complete_steady_step(self) -> None:
-        """A steady step's output arrived: the fences up to it pass, as in
-        ``update_from_output`` (no blocks wait on them: the step is steady)."""
-        if self.config.defer_block_free:
-            self._advance_processed(self.sched_step_seq - (self.config.max_concurrent_batches - 1))
 
     # ------------------------------------------------------------------- state
     @property

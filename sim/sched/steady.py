@@ -1,37 +1,39 @@
-"""Steady decode steps: the engine's fast lane through runs of alike steps.
+"""Steady decodes: the engine's fast lane for requests whose steps are alike.
 
-No twin in vLLM (its engine runs every step the same way); this is kvsim's
-second fast path, on top of the settled allocator calls (``settled.py``). In
-a long or pool-bound decode most steps change nothing but token counts:
-every running request decodes ``1 + K`` tokens inside blocks whose allocator
-calls are settled, and the waiting loop admits nobody. Such a step is
-*steady*. The lane schedules it as ``Scheduler.schedule`` would (the same
-``SchedulerOutput``), draws the same acceptances from the runner's stream in
-the same order, and keeps each request's new tokens aside until the run of
-steady steps ends; then one append per request gives the ``Request`` it
-would have had (the sampled ids are consecutive positions). A request that
-this step's tokens may stop is handed its tokens at once and takes them the
-scheduler's way (``Scheduler.take_sampled``: it may finish, and the run
-ends with the step).
+No twin in vLLM (its engine runs every request through every step the same
+way); this is kvsim's second fast path, on top of the settled allocator
+calls (``settled.py``). In a long or pool-bound decode most requests' steps
+change nothing but token counts: the request decodes ``1 + K`` tokens
+inside blocks whose allocator calls are settled, and the step cannot stop
+it. Such a request is *steady*. The lane offers the scheduler its decode
+(the ``ScheduledRequest`` the running loop would build) and the scheduler
+takes it as it is where its running loop would schedule it unchanged
+(``Scheduler.schedule(steady=...)``); the other requests, the waiting loop
+and preemptions go the ordinary way. When the step's output arrives the
+lane draws the same acceptances from the runner's stream, in the step's
+order, and keeps each steady request's new tokens aside; a request takes
+them (one append: the sampled ids are consecutive positions) when it
+leaves the lane, is preempted, may stop, or the run ends.
 
-A step is steady when, before it:
+A request is steady at a step's start when:
 
-- the fast path is on (fenced frees may wait: the step returns them, as
-  ``update_from_output`` does, and the next step sees it);
-- every running request decodes (it computed all its tokens but the last,
-  with K drafts queued), and even if it accepts every draft it stays inside
-  its settled allocation and caching windows and the ``max_model_len``
-  clip leaves it ``1 + K`` tokens;
-- the token budget holds every request's ``1 + K`` tokens and no
-  long-prefill threshold clips them;
-- the waiting loop admits nobody: it does not start, or it is the loop the
-  scheduler remembers admitting nobody with the same inputs, head and
-  allocator state (``Scheduler.waiting_admits_nobody``).
+- the fast path is on and it decodes: it computed all its tokens but the
+  last, with K drafts queued;
+- even if it accepts every draft, the step's positions stay inside its
+  settled allocation and caching windows (the calls the ordinary path would
+  make are settled, so they are skipped anyway), and the ``max_model_len``
+  clip leaves it ``1 + K`` tokens.
 
-The argument is checked: every gate scenario gives identical frames with the
-fast path off (``tests/test_fast_path.py``), the conformance driver steps
-kvsim through this lane against vLLM's own ``Scheduler``, and the tests in
-``tests/test_steady.py`` pin each condition with a failing control.
+The scheduler checks the rest where it schedules: the token budget left
+holds the ``1 + K`` tokens and no long-prefill threshold clips them. A
+request the step's tokens may stop (its length limits within reach) takes
+them the scheduler's way (``Scheduler.take_sampled``).
+
+The argument is checked: every gate scenario gives identical frames with
+the fast path off (``tests/test_fast_path.py``), the conformance driver
+steps kvsim through this lane against vLLM's own ``Scheduler``, and
+``tests/test_steady.py`` makes every call the lane skips and compares the
+whole allocator state, each with a failing control.
 """
 
 from __future__ import annotations
@@ -39,26 +41,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sim.sched.model_runner import ModelRunner
-from sim.sched.output import ScheduledRequest, SchedulerOutput, StepOutcome
-from sim.sched.scheduler import Scheduler
+from sim.sched.output import ScheduledRequest, SchedulerOutput, StepOutcome, StepTally
+from sim.sched.scheduler import Scheduler, SteadyItems
 from sim.vllm_bridge import Request
 
 
 @dataclass
-class _Run:
-    """A run of steady steps: the running requests (in order) and, per
-    request, its computed tokens and tokens as the scheduler would have
-    them, the most computed tokens it may have at a steady step's start
-    and the most with which the step cannot stop it, and its tokens when
-    the ``Request`` last took them."""
+class _Kept:
+    """A request in the lane: its computed tokens and tokens as the
+    scheduler would have them, its tokens when its ``Request`` last took
+    them, the most computed tokens it may have at a steady step's start, and
+    the most with which the step cannot stop it."""
 
-    requests: list[Request]
-    request_ids: list[str]
-    computed: list[int]
-    num_tokens: list[int]
-    limits: list[int]
-    unstoppable: list[int]
-    handed_over: list[int]
+    request: Request
+    computed: int
+    num_tokens: int
+    handed_over: int
+    limit: int
+    unstoppable: int
 
 
 class SteadyDecode:
@@ -67,129 +67,118 @@ class SteadyDecode:
         self.model_runner = model_runner
         self.num_spec = scheduler.config.num_speculative_tokens
         self.step_tokens = 1 + self.num_spec
-        self._run: _Run | None = None
-        # The request that kept the last run from starting: checked first,
-        # as it usually still does.
-        self._blocker: Request | None = None
+        self._kept: dict[str, _Kept] = {}
+        # The requests whose decodes the scheduler took in the step in flight.
+        self._taken: set[str] = set()
+
+    @property
+    def num_taken(self) -> int:
+        """Steady decodes in the step in flight."""
+        return len(self._taken)
 
     # ---------------------------------------------------------------- a step
-    def schedule(self) -> SchedulerOutput | None:
-        """The next step when it is steady; None (the run's tokens handed to
-        the requests) when it must be scheduled the ordinary way."""
-        run = self._run if self._run is not None else self._start_run()
-        if run is None or not self._waiting_admits_nobody(run):
-            self.flush()
-            return None
-        items = []
-        for request_id, computed, limit in zip(run.request_ids, run.computed, run.limits, strict=True):
-            if computed > limit:
-                self.flush()
-                return None
-            items.append(
-                ScheduledRequest(
-                    request_id=request_id,
-                    num_scheduled_tokens=self.step_tokens,
-                    num_computed_tokens=computed,
-                    num_spec_tokens=self.num_spec,
-                    num_prompt_tokens_left=0,
-                )
+    def schedule(self) -> SchedulerOutput:
+        """The scheduler's step, offered the steady requests' decodes."""
+        items: dict[str, ScheduledRequest] = {}
+        for request in self.scheduler.running:
+            kept = self._kept.get(request.request_id) or self._enter(request)
+            if kept is None:
+                continue
+            if kept.computed > kept.limit:
+                self._leave(request)
+                continue
+            items[request.request_id] = ScheduledRequest(
+                request_id=request.request_id,
+                num_scheduled_tokens=self.step_tokens,
+                num_computed_tokens=kept.computed,
+                num_spec_tokens=self.num_spec,
+                num_prompt_tokens_left=0,
             )
+        if not items:
+            self._taken = set()
+            return self.scheduler.schedule()
+        steady = SteadyItems(items=items, hand_over=self._leave)
+        output = self.scheduler.schedule(steady)
         # Scheduled tokens count as computed until the step's output says
         # which drafts were rejected (as in ``Scheduler.schedule``).
-        run.computed = [computed + self.step_tokens for computed in run.computed]
-        step_index = self.scheduler.start_steady_step(run.request_ids)
-        return SchedulerOutput(step_index=step_index, scheduled=tuple(items))
+        for request_id in steady.taken:
+            self._kept[request_id].computed += self.step_tokens
+        self._taken = steady.taken
+        return output
 
     def complete(self, output: SchedulerOutput) -> StepOutcome:
-        """The workers ran a steady step: each request keeps its bonus token
-        and accepted drafts (drawn in the step's order, as the runner does)."""
-        run = self._run
-        assert run is not None and len(output.scheduled) == len(run.computed), "a steady step of this run"
-        self.scheduler.complete_steady_step()
-        computed, num_tokens, unstoppable = run.computed, run.num_tokens, run.unstoppable
-        num_spec, started = self.num_spec, self.step_tokens
-        finished: dict[str, int] = {}
-        accepted = generated = 0
-        for index in range(len(computed)):
-            num_accepted = self.model_runner.num_accepted(num_spec)
-            accepted += num_accepted
-            if computed[index] - started <= unstoppable[index]:
-                computed[index] -= num_spec - num_accepted
-                num_tokens[index] += num_accepted + 1
-                generated += num_accepted + 1
+        """The workers ran the step: its requests' outputs in the step's
+        order, the steady ones kept aside, the others the scheduler's way."""
+        scheduler = self.scheduler
+        scheduler.output_arrives(output)
+        tally = StepTally()
+        for item in output.scheduled:
+            if item.request_id in self._taken:
+                self._complete_kept(self._kept[item.request_id], tally)
             else:
-                generated += self._take_at_once(run, index, num_accepted, finished)
-        return StepOutcome(
-            finished=finished,
-            num_generated_tokens=generated,
-            num_draft_tokens=self.num_spec * len(computed),
-            num_accepted_tokens=accepted,
-        )
+                request = scheduler.requests[item.request_id]
+                sampled = self.model_runner.sample(item, request.num_tokens)
+                scheduler.apply_sampled(item, sampled or [], tally)
+        self._taken = set()
+        return tally.outcome()
 
-    def _take_at_once(self, run: _Run, index: int, num_accepted: int, finished: dict[str, int]) -> int:
-        """A request the step's tokens may stop takes them now, as
-        ``update_from_output`` gives them (the rejected drafts rolled back
-        first). Returns the tokens it appended."""
-        self._hand_over(run, index)
-        request = run.requests[index]
-        request.num_computed_tokens -= self.num_spec - num_accepted
+    def _complete_kept(self, kept: _Kept, tally: StepTally) -> None:
+        num_spec = self.num_spec
+        num_accepted = self.model_runner.num_accepted(num_spec)
+        if num_spec:
+            tally.num_draft_tokens += num_spec
+            tally.num_accepted_tokens += num_accepted
+        if kept.computed - self.step_tokens <= kept.unstoppable:
+            kept.computed -= num_spec - num_accepted
+            kept.num_tokens += num_accepted + 1
+            tally.num_generated_tokens += num_accepted + 1
+            return
+        # The step may stop it: it takes its tokens now, the scheduler's way.
+        request = kept.request
+        self._leave(request)
+        request.num_computed_tokens -= num_spec - num_accepted
         sampled = self.model_runner.sampled_token_ids(request.num_tokens, num_accepted + 1)
         appended, stopped = self.scheduler.take_sampled(request, sampled)
+        tally.num_generated_tokens += appended
         if stopped:
-            finished[request.request_id] = request.num_output_tokens
-        run.computed[index] = request.num_computed_tokens
-        run.num_tokens[index] = run.handed_over[index] = request.num_tokens
-        return appended
+            tally.finished[request.request_id] = request.num_output_tokens
 
     def flush(self) -> None:
-        """End the run: every request takes the tokens it sampled in it."""
-        run, self._run = self._run, None
-        if run is not None:
-            for index in range(len(run.requests)):
-                self._hand_over(run, index)
+        """Every request in the lane takes its tokens and leaves it."""
+        for kept in list(self._kept.values()):
+            self._leave(kept.request)
 
-    def _hand_over(self, run: _Run, index: int) -> None:
-        """One request takes its computed tokens as they stand and the
+    # ------------------------------------------------------- entry and exit
+    def _leave(self, request: Request) -> None:
+        """``request`` takes its tokens and leaves the lane."""
+        kept = self._kept.pop(request.request_id, None)
+        if kept is not None:
+            self._hand_over(kept)
+
+    def _hand_over(self, kept: _Kept) -> None:
+        """The request takes its computed tokens as they stand and the
         tokens it sampled since it last took them."""
-        request, num_tokens, handed_over = run.requests[index], run.num_tokens[index], run.handed_over[index]
-        request.num_computed_tokens = run.computed[index]
-        if num_tokens > handed_over:
-            sampled = self.model_runner.sampled_token_ids(handed_over, num_tokens - handed_over)
-            request.append_output_token_ids(sampled)
-            run.handed_over[index] = num_tokens
+        request = kept.request
+        request.num_computed_tokens = kept.computed
+        new_tokens = kept.num_tokens - kept.handed_over
+        if new_tokens:
+            request.append_output_token_ids(self.model_runner.sampled_token_ids(kept.handed_over, new_tokens))
+            kept.handed_over = kept.num_tokens
 
-    # ------------------------------------------------------------ conditions
-    def _start_run(self) -> _Run | None:
-        scheduler = self.scheduler
-        running = scheduler.running
-        if not scheduler.fast_path or not running:
+    def _enter(self, request: Request) -> _Kept | None:
+        limit = self._limit(request)
+        if limit is None:
             return None
-        if len(running) * self.step_tokens > scheduler.config.max_num_batched_tokens:
-            return None
-        if 0 < scheduler.config.long_prefill_token_threshold < self.step_tokens:
-            return None
-        blocker = self._blocker
-        if blocker is not None and self._limit(blocker) is None and any(r is blocker for r in running):
-            return None
-        limits = []
-        for request in running:
-            limit = self._limit(request)
-            if limit is None:
-                self._blocker = request
-                return None
-            limits.append(limit)
-        self._blocker = None
-        num_tokens = [r.num_tokens for r in running]
-        self._run = _Run(
-            requests=list(running),
-            request_ids=[r.request_id for r in running],
-            computed=[r.num_computed_tokens for r in running],
-            num_tokens=num_tokens,
-            limits=limits,
-            unstoppable=[self._unstoppable(r) for r in running],
-            handed_over=list(num_tokens),
+        kept = _Kept(
+            request=request,
+            computed=request.num_computed_tokens,
+            num_tokens=request.num_tokens,
+            handed_over=request.num_tokens,
+            limit=limit,
+            unstoppable=self._unstoppable(request),
         )
-        return self._run
+        self._kept[request.request_id] = kept
+        return kept
 
     def _limit(self, request: Request) -> int | None:
         """The most computed tokens ``request`` may have at a steady step's
@@ -199,7 +188,8 @@ class SteadyDecode:
         if computed != request.num_tokens - 1 or len(request.spec_token_ids) != num_spec:
             return None
         settled = self.scheduler.settled_allocations
-        assert settled is not None, "steady steps need the fast path"
+        if settled is None:
+            return None  # the fast path is off
         bounds = settled.bounds(request.request_id)
         # The step allocates for positions computed .. computed + 1 + 2K.
         if bounds is None or bounds[0] > computed:
@@ -213,7 +203,7 @@ class SteadyDecode:
                 return None
             limit = min(limit, bounds[1] - (1 + num_spec))
         # The max_model_len clip leaves 1 + K tokens (the split leaves a
-        # decode's alone, and the budget is checked for the whole batch).
+        # decode's alone; the scheduler checks the budget and threshold).
         limit = min(limit, self.scheduler.config.max_model_len - num_spec - 2)
         return limit if computed <= limit else None
 
@@ -226,10 +216,3 @@ class SteadyDecode:
             request.max_tokens + request.num_prompt_tokens - num_spec - 3,
             self.scheduler.config.max_model_len - num_spec - 3,
         )
-
-    def _waiting_admits_nobody(self, run: _Run) -> bool:
-        scheduler = self.scheduler
-        if len(scheduler.running) != len(run.computed):
-            return False
-        budget_left = scheduler.config.max_num_batched_tokens - len(run.computed) * self.step_tokens
-        return scheduler.waiting_admits_nobody(budget_left)
