@@ -54,18 +54,21 @@ declare -A MODULES=(
   # against vLLM's own Scheduler, 12 short runs, about 6 s) runs last:
   # mutmut runs the fastest tests first.
   [kv_cache_manager]="sim/kv_cache_manager.py|tests/test_mtp_hashing.py tests/test_allocator.py tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_conformance.py::test_every_step_is_identical"
-  [scheduler]="sim/sched/scheduler.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_engine_timeline.py tests/test_conformance.py::test_every_step_is_identical $FAST_PATH_TESTS"
+  [scheduler]="sim/sched/scheduler.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_engine_timeline.py tests/test_steady.py tests/test_conformance.py::test_every_step_is_identical $FAST_PATH_TESTS"
   [settled]="sim/sched/settled.py|$FAST_PATH_TESTS"
-  [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py"
+  # The steady lane: its hand counts, its checks that make every skipped
+  # call, the frames against step by step, the horizon and conformance.
+  [steady]="sim/sched/steady.py|tests/test_steady.py tests/test_fast_path.py::test_the_calls_skipped_across_a_block_boundary tests/test_fast_path.py::test_a_stop_within_a_step_counts_the_tokens_up_to_it"
+  [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_steady.py::test_the_stream_gives_the_generators_own_draws_across_blocks"
   # The rest of sim/sched/: the engine core's step, the scheduler's output
   # records (what the step-time model reads), the stats records and columns.
-  [engine_core]="sim/sched/engine_core.py|tests/test_scheduler.py tests/test_engine_timeline.py"
+  [engine_core]="sim/sched/engine_core.py|tests/test_scheduler.py tests/test_engine_timeline.py tests/test_steady.py"
   [output]="sim/sched/output.py|tests/test_step_time.py tests/test_scheduler_rules.py tests/test_engine_timeline.py"
   [stats]="sim/sched/stats.py|tests/test_engine_stats.py tests/test_metrics.py tests/test_engine_timeline.py"
   # tests/test_simulation.py pins the engine too but takes seconds a test.
   [engine]="sim/engine.py|tests/test_engine_timeline.py"
 )
-ORDER=(engine scheduler settled engine_core output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager)
+ORDER=(engine scheduler settled steady engine_core output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager)
 
 toml_list() { printf '"%s", ' "$@" | sed 's/, $//'; }
 

@@ -96,11 +96,13 @@ class StepTimeModel:
         if output.is_empty:
             return 0.0
         pp = self.config.pipeline_parallel_size
-        batch = _totals(
-            output.scheduled, self.config.qsa_topk_tokens, 1 / self.config.compressed_tokens_per_state
-        )
         micro_batches = min(pp, len(output.scheduled))
-        micro = _MicroBatch(**{k: v / micro_batches for k, v in batch.__dict__.items()})
+        micro = _micro_batch(
+            output.scheduled,
+            self.config.qsa_topk_tokens,
+            1 / self.config.compressed_tokens_per_state,
+            micro_batches,
+        )
         return self.config.step_overhead_s + pp * self.stage_s(micro)
 
     def stage_s(self, micro: _MicroBatch) -> float:
@@ -153,7 +155,10 @@ class StepTimeModel:
         return allreduce + send
 
 
-def _totals(scheduled: tuple[ScheduledRequest, ...], topk: int, states_per_token: float) -> _MicroBatch:
+def _micro_batch(
+    scheduled: tuple[ScheduledRequest, ...], topk: int, states_per_token: float, micro_batches: int
+) -> _MicroBatch:
+    """One of ``micro_batches`` equal shares of the step's totals."""
     tokens = decode_requests = context = topk_tokens = pairs = 0.0
     for item in scheduled:
         tokens += item.num_scheduled_tokens
@@ -168,10 +173,10 @@ def _totals(scheduled: tuple[ScheduledRequest, ...], topk: int, states_per_token
             keys = item.num_computed_tokens + (n + 1) / 2
             pairs += n * (min(keys, topk) + keys * states_per_token)
     return _MicroBatch(
-        num_tokens=tokens,
-        num_decode_requests=decode_requests,
-        decode_context_tokens=context,
-        decode_topk_tokens=topk_tokens,
-        prefill_attention_pairs=pairs,
-        num_requests=float(len(scheduled)),
+        num_tokens=tokens / micro_batches,
+        num_decode_requests=decode_requests / micro_batches,
+        decode_context_tokens=context / micro_batches,
+        decode_topk_tokens=topk_tokens / micro_batches,
+        prefill_attention_pairs=pairs / micro_batches,
+        num_requests=float(len(scheduled)) / micro_batches,
     )

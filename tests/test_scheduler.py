@@ -10,7 +10,7 @@ from allocator_driver import K, tiny_plan
 from sim.allocator_invariants import check_allocator
 from sim.kv_cache_manager import build_kv_cache_manager
 from sim.sched.engine_core import EngineCore
-from sim.sched.model_runner import AcceptanceModel, ModelRunner
+from sim.sched.model_runner import AcceptanceModel, ModelRunner, accepted_drafts
 from sim.sched.scheduler import Scheduler, SchedulerConfig
 from sim.vllm_bridge import RequestStatus
 from sim.workloads import RequestSpec
@@ -60,6 +60,9 @@ class _FixedDraws:
 
     def random(self) -> float:
         return self.draws.pop(0)
+
+    def accepted_drafts(self, rates: tuple[float, ...]) -> int:
+        return accepted_drafts(rates, self)
 
 
 class _Engine(EngineCore):

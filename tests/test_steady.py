@@ -31,7 +31,7 @@ from sim.engine import Simulation
 from sim.paths import SCENARIOS_DIR
 from sim.scenario import load_scenario
 from sim.sched.engine_core import EngineCore
-from sim.sched.model_runner import AcceptanceModel, ModelRunner, UniformStream
+from sim.sched.model_runner import AcceptanceModel, ModelRunner, UniformStream, accepted_drafts
 from sim.sched.scheduler import Scheduler, _StepState
 from sim.sched.steady import SteadyDecode
 
@@ -46,6 +46,18 @@ def test_the_stream_gives_the_generators_own_draws_across_blocks():
     stream = UniformStream(np.random.default_rng(seed))
     count = 2 * UniformStream.BLOCK + 5
     assert [stream.random() for _ in range(count)] == [one_by_one.random() for _ in range(count)]
+
+
+@pytest.mark.parametrize("rates", [(0.8, 0.7, 0.6), (1.0, 1.0, 1.0), (0.0,), (0.5, 0.9)])
+def test_the_streams_acceptance_draws_are_the_rules(rates):
+    """The runner's per-decode draw (``UniformStream.accepted_drafts``)
+    accepts what ``accepted_drafts`` does on the same numbers, leaving the
+    stream at the same place, across block ends."""
+    fast = UniformStream(np.random.default_rng(3))
+    rule = UniformStream(np.random.default_rng(3))
+    for _ in range(UniformStream.BLOCK):
+        assert fast.accepted_drafts(rates) == accepted_drafts(rates, rule)
+    assert fast.random() == rule.random()
 
 
 # ------------------------------------------------------ hand-counted lanes

@@ -84,11 +84,30 @@ class UniformStream:
 
     def random(self) -> float:
         if self._next == len(self._block):
-            self._block = self.rng.random(self.BLOCK).tolist()
-            self._next = 0
+            self._refill()
         value = self._block[self._next]
         self._next += 1
         return value
+
+    def accepted_drafts(self, rates: tuple[float, ...]) -> int:
+        """``accepted_drafts(rates, self)``, the same draws, without a call
+        per draw (it runs for every decode of every step)."""
+        block, index = self._block, self._next
+        for position, rate in enumerate(rates):
+            if index == len(block):
+                block, index = self._refill(), 0
+            value = block[index]
+            index += 1
+            if value >= rate:
+                self._next = index
+                return position
+        self._next = index
+        return len(rates)
+
+    def _refill(self) -> list[float]:
+        self._block = self.rng.random(self.BLOCK).tolist()
+        self._next = 0
+        return self._block
 
 
 class ModelRunner:
@@ -106,7 +125,7 @@ class ModelRunner:
         rates = self._rates.get(num_drafts)
         if rates is None:
             rates = self._rates[num_drafts] = self.acceptance.rates(num_drafts)
-        return accepted_drafts(rates, self.uniforms)
+        return self.uniforms.accepted_drafts(rates)
 
     @staticmethod
     def sampled_token_ids(position: int, count: int) -> list[int]:

@@ -6,6 +6,7 @@ workers hand back: plain objects, vLLM's vocabulary (``SchedulerOutput``,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,11 +44,12 @@ class SchedulerOutput:
     num_evicted_blocks: int = 0
     new_ring_block_ids: tuple[int, ...] = ()
 
-    @property
+    # Cached: the stats and the step-time model read them once a step each.
+    @cached_property
     def total_num_scheduled_tokens(self) -> int:
         return sum(r.num_scheduled_tokens for r in self.scheduled)
 
-    @property
+    @cached_property
     def num_prefill_tokens(self) -> int:
         return sum(r.num_prompt_tokens_left for r in self.scheduled)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from sim.kv_cache_manager import KVCacheManager, MTPHashing
@@ -281,7 +281,8 @@ class Scheduler:
         if item is None:
             return False
         num_new = item.num_scheduled_tokens
-        if step.token_budget < num_new or 0 < self._long_prefill_threshold() < num_new:
+        clipped = 0 < self.config.long_prefill_token_threshold < num_new and self._long_prefill_threshold()
+        if step.token_budget < num_new or clipped:
             step.steady.hand_over(request)
             return False
         step.scheduled[request.request_id] = item
@@ -624,25 +625,20 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     # ------------------------------------------------------------------- stats
-    def make_gauges(self) -> SchedulerGauges:
-        """The gauges now (the one builder for step records and samples)."""
+    def make_gauges(self, *, exclude_arrived: bool = False) -> SchedulerGauges:
+        """The gauges now (the one builder for step records and samples).
+        ``exclude_arrived``: vLLM's engine core adds arrivals between steps,
+        so its ``make_stats`` counts the waiting queue without the requests
+        that arrived while the step ran (kvsim adds them as they arrive)."""
         kv = self.kv_cache_manager
+        arrived = self._num_arrived_since_schedule if exclude_arrived else 0
         return SchedulerGauges(
             num_requests_running=self.num_running,
-            num_requests_waiting=self.num_waiting,
+            num_requests_waiting=self.num_waiting - arrived,
             num_free_blocks=kv.num_free_blocks,
             num_deferred_blocks=self.num_deferred_blocks(),
             kv_cache_usage_perc=kv.usage,
             num_retained_checkpoints=kv.num_retained_checkpoints(),
-        )
-
-    def _gauges_at_make_stats(self) -> SchedulerGauges:
-        """vLLM's engine core adds arrivals between steps, so its ``make_stats``
-        counts the waiting queue without the requests that arrived while the
-        step ran (kvsim adds them as they arrive)."""
-        gauges = self.make_gauges()
-        return replace(
-            gauges, num_requests_waiting=gauges.num_requests_waiting - self._num_arrived_since_schedule
         )
 
     def make_stats(self, output: SchedulerOutput, outcome: StepOutcome) -> SchedulerStats:
@@ -658,7 +654,7 @@ class Scheduler:
             num_preemptions=len(output.preempted_request_ids),
             num_finished=len(outcome.finished),
             num_generation_tokens=outcome.num_generated_tokens,
-            gauges=self._gauges_at_make_stats(),
+            gauges=self.make_gauges(exclude_arrived=True),
             prefix_cache_stats=PrefixCacheStats(
                 prefix_cache_queries_tokens=output.prefix_cache_queries,
                 prefix_cache_hits_tokens=output.prefix_cache_hits,
