@@ -42,6 +42,20 @@ tests/test_fast_path.py::test_requests_of_one_output_length_share_their_sampling
 tests/test_fast_path.py::test_every_skipped_call_changes_nothing[heavy-preemption--off] \
 tests/test_fast_path.py::test_every_skipped_call_changes_nothing[decode-across-boundaries--off]"
 
+STEADY_TESTS="tests/test_steady.py::test_a_decode_across_a_block_boundary_runs_steady_inside_its_windows \
+tests/test_steady.py::test_every_draft_accepted_stops_inside_the_lane \
+tests/test_steady.py::test_a_steady_step_admits_an_arrival_after_its_decodes \
+tests/test_steady.py::test_the_max_model_len_clip_ends_the_lane \
+tests/test_steady.py::test_a_step_that_reaches_max_model_len_stops_the_request_in_the_lane \
+tests/test_steady.py::test_a_steady_decode_runs_beside_an_earlier_prefill \
+tests/test_steady.py::test_a_clipped_budget_hands_a_steady_decode_back \
+tests/test_steady.py::test_every_call_a_steady_step_skips_changes_nothing[decode-across-boundaries-['deployment.max_num_seqs=16']-off] \
+tests/test_steady.py::test_every_call_a_steady_step_skips_changes_nothing[heavy-preemption-[]-off] \
+tests/test_steady.py::test_every_call_a_steady_step_skips_changes_nothing[saturated-decode-['workload.max_requests=60']-off] \
+tests/test_steady.py::test_pool_bound_decode_gives_the_same_frames_in_the_lane[off-eagle-drop] \
+tests/test_steady.py::test_requests_stopped_by_the_horizon_hold_every_token_they_sampled \
+tests/test_steady.py::test_the_conformance_driver_compares_the_lanes_steps"
+
 declare -A MODULES=(
   [allocator_invariants]="sim/allocator_invariants.py|tests/test_allocator_invariant_rules.py tests/test_allocator_properties.py"
   [step_time]="sim/step_time.py|tests/test_step_time.py tests/test_engine_timeline.py"
@@ -57,8 +71,9 @@ declare -A MODULES=(
   [scheduler]="sim/sched/scheduler.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_engine_timeline.py tests/test_steady.py tests/test_conformance.py::test_every_step_is_identical $FAST_PATH_TESTS"
   [settled]="sim/sched/settled.py|$FAST_PATH_TESTS"
   # The steady lane: its hand counts, its checks that make every skipped
-  # call, the frames against step by step, the horizon and conformance.
-  [steady]="sim/sched/steady.py|tests/test_steady.py tests/test_fast_path.py::test_the_calls_skipped_across_a_block_boundary tests/test_fast_path.py::test_a_stop_within_a_step_counts_the_tokens_up_to_it"
+  # call (three shapes), the frames against step by step, the horizon and
+  # conformance: about 5 s, not the 13 s of the whole file.
+  [steady]="sim/sched/steady.py|$STEADY_TESTS"
   [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_steady.py::test_the_stream_gives_the_generators_own_draws_across_blocks"
   # The rest of sim/sched/: the engine core's step, the scheduler's output
   # records (what the step-time model reads), the stats records and columns.

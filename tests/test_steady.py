@@ -131,6 +131,83 @@ def test_a_steady_step_admits_an_arrival_after_its_decodes(tmp_path):
     assert step.num_steady == 1 and [i.request_id for i in step.output.scheduled] == ["r000000", "r001"]
 
 
+def test_the_max_model_len_clip_ends_the_lane(tmp_path):
+    """max_model_len 300, a 100-token prompt, one token a step: the lane
+    runs c = 101 .. 295 (195 steps: at 295 the clip, 300 - 295 - 1 = 4,
+    still leaves 1 + K; the step there may reach the limit, so the request
+    takes its token the scheduler's way); at c = 296, 297, 298 the clip
+    leaves 3, 2, 1 tokens (ordinary), and the last reaches 300 tokens."""
+    simulation = _one_request(tmp_path, 100, 1000, "deployment.max_model_len=300")
+    steady, outcomes = _lane_steps(simulation)
+    assert steady == [False, False] + [True] * 195 + [False] * 3
+    assert sum(o.num_generated_tokens for o in outcomes) == 200
+    assert outcomes[-1].finished == {"r000000": 200}
+
+
+def test_a_step_that_reaches_max_model_len_stops_the_request_in_the_lane(tmp_path):
+    """max_model_len 300, a 99-token prompt, every draft accepted (4 tokens
+    a decode step): steady from c = 103 by fours to 291 (48 steps, each
+    unable to stop it), then c = 295, where 4 more tokens reach 300: the
+    request takes them the scheduler's way and stops, 201 tokens out."""
+    simulation = _one_request(
+        tmp_path, 99, 1000, "deployment.max_model_len=300", "mtp.acceptance_rates=[1, 1, 1]"
+    )
+    steady, outcomes = _lane_steps(simulation)
+    assert steady == [False, False] + [True] * 49
+    assert [o.num_generated_tokens for o in outcomes] == [1] + [4] * 50
+    assert outcomes[-1].finished == {"r000000": 201}
+
+
+def test_a_steady_decode_runs_beside_an_earlier_prefill(tmp_path):
+    """r000's 30,000-token prompt takes several chunks; r001 (50 tokens) is
+    admitted after its first chunk and decodes while the chunks go on: in
+    those steps the ordinary prefill comes first in the running loop and
+    the steady decode after it."""
+    simulation = _one_request(tmp_path, 100, 10)  # its workload unused
+    simulation.scheduler.add_request(_spec(0, 30000, output=100))
+    simulation.scheduler.add_request(_spec(1, 50, output=100))
+    mixed = []
+    for _ in range(20):
+        step = simulation.core.schedule()
+        simulation.core.complete(step)
+        shares = {
+            i.request_id: (i.num_prompt_tokens_left, i.num_scheduled_tokens) for i in step.output.scheduled
+        }
+        if len(shares) == 2 and shares["r000"][0] > 0 and step.num_steady == 1:
+            mixed.append(shares["r001"])
+    assert mixed and set(mixed) == {(0, 4)}
+
+
+def test_a_clipped_budget_hands_a_steady_decode_back(tmp_path):
+    """A 6-token budget and two decoding requests: the first takes its
+    1 + K = 4 steady tokens, the second gets the 2 left, the ordinary way
+    (the lane hands it back); every step's output and outcome equal those
+    of the step-by-step run."""
+    overrides = ["scheduler.max_num_batched_tokens=6"]
+    fast = _steps_of(tmp_path, overrides, fast_path=True)
+    step_by_step = _steps_of(tmp_path, overrides, fast_path=False)
+    assert [(output, outcome) for output, outcome, _ in fast] == [(o, oc) for o, oc, _ in step_by_step]
+    shares = [[i.num_scheduled_tokens for i in output.scheduled] for output, _, steady in fast if steady]
+    assert [4, 2] in shares
+
+
+def _steps_of(tmp_path, overrides: list[str], *, fast_path: bool) -> list[tuple]:
+    """Two 40-token prompts decoding 30 tokens each (one token a step),
+    driven without a clock: every step's output, its outcome, and whether
+    the lane took a decode in it."""
+    simulation = _one_request(tmp_path, 100, 10, *overrides, f"simulation.fast_path={str(fast_path).lower()}")
+    for index in range(2):
+        simulation.scheduler.add_request(_spec(index, 40, output=30))
+    steps = []
+    for _ in range(500):
+        if not simulation.scheduler.has_unfinished_requests():
+            break
+        scheduled = simulation.core.schedule()
+        outcome = simulation.core.complete(scheduled)
+        steps.append((scheduled.output, outcome, scheduled.num_steady > 0))
+    return steps
+
+
 def test_a_lane_blind_to_the_allocation_window_runs_through_the_boundary(monkeypatch, tmp_path):
     """Failing control for the hand count: a lane that takes a step's
     allocation as settled whenever a window is known."""

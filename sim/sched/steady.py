@@ -150,10 +150,8 @@ class SteadyDecode:
 
     # ------------------------------------------------------- entry and exit
     def _leave(self, request: Request) -> None:
-        """``request`` takes its tokens and leaves the lane."""
-        kept = self._kept.pop(request.request_id, None)
-        if kept is not None:
-            self._hand_over(kept)
+        """``request`` (in the lane) takes its tokens and leaves it."""
+        self._hand_over(self._kept.pop(request.request_id))
 
     def _hand_over(self, kept: _Kept) -> None:
         """The request takes its computed tokens as they stand and the
