@@ -49,6 +49,7 @@ tests/test_steady.py::test_the_max_model_len_clip_ends_the_lane \
 tests/test_steady.py::test_a_step_that_reaches_max_model_len_stops_the_request_in_the_lane \
 tests/test_steady.py::test_a_steady_decode_runs_beside_an_earlier_prefill \
 tests/test_steady.py::test_a_clipped_budget_hands_a_steady_decode_back \
+tests/test_steady.py::test_a_long_prefill_threshold_below_a_decode_hands_it_back \
 tests/test_steady.py::test_every_call_a_steady_step_skips_changes_nothing[decode-across-boundaries-['deployment.max_num_seqs=16']-off] \
 tests/test_steady.py::test_every_call_a_steady_step_skips_changes_nothing[heavy-preemption-[]-off] \
 tests/test_steady.py::test_every_call_a_steady_step_skips_changes_nothing[saturated-decode-['workload.max_requests=60']-off] \
@@ -74,7 +75,7 @@ declare -A MODULES=(
   # call (three shapes), the frames against step by step, the horizon and
   # conformance: about 5 s, not the 13 s of the whole file.
   [steady]="sim/sched/steady.py|$STEADY_TESTS"
-  [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_steady.py::test_the_stream_gives_the_generators_own_draws_across_blocks"
+  [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_steady.py::test_the_stream_gives_the_generators_own_draws_across_blocks tests/test_steady.py::test_the_streams_acceptance_draws_are_the_rules"
   # The rest of sim/sched/: the engine core's step, the scheduler's output
   # records (what the step-time model reads), the stats records and columns.
   [engine_core]="sim/sched/engine_core.py|tests/test_scheduler.py tests/test_engine_timeline.py tests/test_steady.py"

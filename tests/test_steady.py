@@ -191,6 +191,18 @@ def test_a_clipped_budget_hands_a_steady_decode_back(tmp_path):
     assert [4, 2] in shares
 
 
+def test_a_long_prefill_threshold_below_a_decode_hands_it_back(tmp_path):
+    """long_prefill_token_threshold 1 clips every request's step to one
+    token while both run: no decode is taken as it is, and every step's
+    output and outcome equal the step-by-step run's."""
+    overrides = ["scheduler.long_prefill_token_threshold=1"]
+    fast = _steps_of(tmp_path, overrides, fast_path=True)
+    step_by_step = _steps_of(tmp_path, overrides, fast_path=False)
+    assert [(output, outcome) for output, outcome, _ in fast] == [(o, oc) for o, oc, _ in step_by_step]
+    both_running = [steady for output, _, steady in fast if len(output.scheduled) == 2]
+    assert both_running and not any(both_running)
+
+
 def _steps_of(tmp_path, overrides: list[str], *, fast_path: bool) -> list[tuple]:
     """Two 40-token prompts decoding 30 tokens each (one token a step),
     driven without a clock: every step's output, its outcome, and whether

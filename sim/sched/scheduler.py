@@ -300,7 +300,7 @@ class Scheduler:
         span = self._decode_span(request, num_new + lookahead)
         if settled is not None and span is not None and settled.is_settled(request.request_id, *span):
             return True
-        self.allocator_version += 1
+        self._allocator_changes()
         while self.kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is None:
             victim = self.running[-1]
             if not self._blocks_can_be_freed(victim):
@@ -334,6 +334,11 @@ class Scheduler:
         self._idle_waiting = None
         if not admitted and self.waiting:
             self._idle_waiting = _IdleWaiting(self.waiting[0], inputs, self.allocator_version)
+
+    def _allocator_changes(self) -> None:
+        """A real call may change the allocator: every remembered waiting
+        loop is void (versions only grow, so none can match again)."""
+        self.allocator_version += 1
 
     def _waiting_inputs(self, token_budget: int, running_scheduled: bool, prefill_scheduled: bool) -> tuple:
         """What the waiting loop reads besides its head and the allocator."""
@@ -387,7 +392,7 @@ class Scheduler:
             if allocated is None:
                 break  # head-of-line blocking: never try the requests behind it
             self.kv_cache_manager.record_prefix_cache_stats(request, num_hit)
-            self.allocator_version += 1
+            self._allocator_changes()
             if padded:
                 step.padded_ids.add(request.request_id)
             self._admit(request, num_hit, num_new, step)
@@ -488,7 +493,7 @@ class Scheduler:
         for settled in (self.settled_allocations, self.settled_caching):
             if settled is not None:
                 settled.forget(request.request_id)
-        self.allocator_version += 1
+        self._allocator_changes()
         if self._blocks_can_be_freed(request):
             self.kv_cache_manager.free(request)
             return
@@ -499,7 +504,7 @@ class Scheduler:
     def _drain_deferred_frees(self) -> None:
         while self.deferred_frees and self.deferred_frees[0][0] <= self.processed_step_seq:
             _, blocks = self.deferred_frees.popleft()
-            self.allocator_version += 1
+            self._allocator_changes()
             self.kv_cache_manager.block_pool.free_blocks(reversed(blocks))
 
     def _advance_processed(self, processed: int) -> bool:
@@ -598,7 +603,7 @@ class Scheduler:
         settled = self.settled_caching
         if settled is not None and settled.is_settled(request.request_id, computed, computed):
             return
-        self.allocator_version += 1
+        self._allocator_changes()
         self.kv_cache_manager.cache_blocks(request, computed)
         if settled is not None:
             settled.record(request.request_id, computed, computed)
