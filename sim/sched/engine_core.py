@@ -26,9 +26,7 @@ class ScheduledStep:
 
     output: SchedulerOutput
     token_counts: dict[str, int]
-    # Scheduled through the steady lane, which completes it.
-    via_lane: bool = False
-    # The requests whose decodes the lane kept aside in it.
+    # The requests whose decodes the steady lane kept aside in it.
     num_steady: int = 0
 
 
@@ -41,15 +39,14 @@ class EngineCore:
     def schedule(self) -> ScheduledStep:
         if self.steady is not None:
             output = self.steady.schedule()
-            return ScheduledStep(output, {}, via_lane=True, num_steady=self.steady.num_taken)
+            return ScheduledStep(output, {}, num_steady=self.steady.num_taken)
         output = self.scheduler.schedule()
         counts = {} if output.is_empty else self.scheduler.token_counts()
         return ScheduledStep(output, counts)
 
     def complete(self, step: ScheduledStep) -> StepOutcome:
         """The workers ran ``step``: apply what they sampled."""
-        if step.via_lane:
-            assert self.steady is not None
+        if self.steady is not None:  # it scheduled every step, so it completes them
             return self.steady.complete(step.output)
         sampled = self.model_runner.execute(step.output, step.token_counts)
         return self.scheduler.update_from_output(step.output, sampled)

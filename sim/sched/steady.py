@@ -119,7 +119,6 @@ class SteadyDecode:
                 request = scheduler.requests[item.request_id]
                 sampled = self.model_runner.sample(item, request.num_tokens)
                 scheduler.apply_sampled(item, sampled or [], tally)
-        self._taken = set()
         return tally.outcome()
 
     def _complete_kept(self, kept: _Kept, tally: StepTally) -> None:
