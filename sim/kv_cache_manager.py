@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 from sim.config import MTP_HASH_MODES, MTPHashMode
@@ -110,9 +111,14 @@ class KVCacheManager(_VllmKVCacheManager):
     def managers(self) -> tuple[SingleTypeKVCacheManager, ...]:
         return self.coordinator.single_type_managers
 
-    @property
-    def ring_managers(self) -> list[RingCircularBufferManager]:
-        return [m for m in self.managers if isinstance(m, RingCircularBufferManager)]
+    # The managers are fixed at construction; the gauges read these every step.
+    @cached_property
+    def ring_managers(self) -> tuple[RingCircularBufferManager, ...]:
+        return tuple(m for m in self.managers if isinstance(m, RingCircularBufferManager))
+
+    @cached_property
+    def _retaining_managers(self) -> tuple[RetainingMambaManager, ...]:
+        return tuple(m for m in self.managers if isinstance(m, RetainingMambaManager))
 
     @property
     def ring_slot_pools(self) -> list[RingSlotPool]:
@@ -130,7 +136,7 @@ class KVCacheManager(_VllmKVCacheManager):
         return self.block_pool.get_num_free_blocks()
 
     def num_retained_checkpoints(self) -> int:
-        return sum(len(m.retained_blocks()) for m in self.managers if isinstance(m, RetainingMambaManager))
+        return sum(m.num_retained_checkpoints() for m in self._retaining_managers)
 
 
 def _scheduler_group(group: KVCacheGroupSpec, retain_mamba_checkpoint: bool) -> KVCacheGroupSpec:

@@ -191,6 +191,9 @@ class RetainingMambaManager(MambaManager):
     def retained_blocks(self) -> list[KVCacheBlock]:
         return list(self._retained_checkpoints.values())
 
+    def num_retained_checkpoints(self) -> int:
+        return len(self._retained_checkpoints)
+
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:

@@ -161,16 +161,18 @@ def _micro_batch(
     """One of ``micro_batches`` equal shares of the step's totals."""
     tokens = decode_requests = context = topk_tokens = pairs = 0.0
     for item in scheduled:
-        tokens += item.num_scheduled_tokens
-        if item.is_decode:
+        n = item.num_scheduled_tokens
+        computed = item.num_computed_tokens
+        tokens += n
+        # ``is_decode`` read inline: this runs for every request of every step.
+        if item.num_prompt_tokens_left == 0:
             decode_requests += 1
-            context += item.num_computed_tokens * item.num_scheduled_tokens
-            topk_tokens += min(item.num_computed_tokens, topk) * item.num_scheduled_tokens
+            context += computed * n
+            topk_tokens += (computed if computed < topk else topk) * n
         else:
-            n = item.num_scheduled_tokens
             # QSA: each query attends to its top-k keys of the causal context,
             # and the indexer scores every compressed key of that context.
-            keys = item.num_computed_tokens + (n + 1) / 2
+            keys = computed + (n + 1) / 2
             pairs += n * (min(keys, topk) + keys * states_per_token)
     return _MicroBatch(
         num_tokens=tokens / micro_batches,

@@ -5,7 +5,9 @@ place kvsim draws random numbers during a simulation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import numpy as np
@@ -122,10 +124,18 @@ class ModelRunner:
 
     def num_accepted(self, num_drafts: int) -> int:
         """One request's accepted drafts this step, from the runner's stream."""
+        return self.uniforms.accepted_drafts(self._rates_of(num_drafts))
+
+    def acceptance_draws(self, num_drafts: int) -> Callable[[], int]:
+        """``num_accepted(num_drafts)`` as a call without arguments, for a
+        loop over a step's requests (the same draws from the same stream)."""
+        return partial(self.uniforms.accepted_drafts, self._rates_of(num_drafts))
+
+    def _rates_of(self, num_drafts: int) -> tuple[float, ...]:
         rates = self._rates.get(num_drafts)
         if rates is None:
             rates = self._rates[num_drafts] = self.acceptance.rates(num_drafts)
-        return self.uniforms.accepted_drafts(rates)
+        return rates
 
     @staticmethod
     def sampled_token_ids(position: int, count: int) -> list[int]:

@@ -6,12 +6,13 @@ workers hand back: plain objects, vLLM's vocabulary (``SchedulerOutput``,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ScheduledRequest:
-    """One request's share of a step."""
+class ScheduledRequest(NamedTuple):
+    """One request's share of a step. A named tuple, not a frozen dataclass:
+    one is built per request per step, and a frozen dataclass sets each
+    field through ``object.__setattr__`` (twice the cost)."""
 
     request_id: str
     num_scheduled_tokens: int  # query tokens this step, drafts included
@@ -44,14 +45,18 @@ class SchedulerOutput:
     num_evicted_blocks: int = 0
     new_ring_block_ids: tuple[int, ...] = ()
 
-    # Cached: the stats and the step-time model read them once a step each.
-    @cached_property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(r.num_scheduled_tokens for r in self.scheduled)
+    # Derived from ``scheduled`` once (the stats and the step-time model read
+    # them every step; a cached_property takes a lock on Python 3.11).
+    total_num_scheduled_tokens: int = field(init=False, compare=False, repr=False)
+    num_prefill_tokens: int = field(init=False, compare=False, repr=False)
 
-    @cached_property
-    def num_prefill_tokens(self) -> int:
-        return sum(r.num_prompt_tokens_left for r in self.scheduled)
+    def __post_init__(self) -> None:
+        total = prefill = 0
+        for item in self.scheduled:
+            total += item.num_scheduled_tokens
+            prefill += item.num_prompt_tokens_left
+        object.__setattr__(self, "total_num_scheduled_tokens", total)
+        object.__setattr__(self, "num_prefill_tokens", prefill)
 
     @property
     def num_decode_tokens(self) -> int:

@@ -254,10 +254,11 @@ class Scheduler:
     def _schedule_running(self, step: _StepState) -> None:
         index = 0
         while index < len(self.running) and step.token_budget > 0:
+            if step.steady is not None:
+                index = self._take_steady(index, step)
+                if index == len(self.running) or step.token_budget <= 0:
+                    break
             request = self.running[index]
-            if step.steady is not None and self._take_steady(request, step):
-                index += 1
-                continue
             num_new = request.num_tokens_with_spec - request.num_computed_tokens
             num_new = self._clip(request, num_new, step.token_budget)
             if num_new == 0:
@@ -270,26 +271,37 @@ class Scheduler:
             self._record_scheduled(request, num_new, request.num_computed_tokens, step)
             index += 1
 
-    def _take_steady(self, request: Request, step: _StepState) -> bool:
-        """Schedule the lane's decode for ``request`` as it is, when the
-        running loop would: the budget holds it whole and no long-prefill
-        threshold clips it (its allocation is settled and the clip to
-        ``max_model_len`` leaves it whole: the lane's part). Otherwise the
-        lane hands the request back for the ordinary path."""
-        assert step.steady is not None
-        item = step.steady.items.get(request.request_id)
-        if item is None:
-            return False
-        num_new = item.num_scheduled_tokens
-        clipped = 0 < self.config.long_prefill_token_threshold < num_new and self._long_prefill_threshold()
-        if step.token_budget < num_new or clipped:
-            step.steady.hand_over(request)
-            return False
-        step.scheduled[request.request_id] = item
-        step.steady.taken.add(request.request_id)
-        step.token_budget -= num_new
-        step.running_scheduled = True
-        return True
+    def _take_steady(self, index: int, step: _StepState) -> int:
+        """Schedule the lane's decodes for the running requests from
+        ``index`` on, each as it is, while the running loop would: the
+        budget holds it whole and no long-prefill threshold clips it (its
+        allocation is settled and the clip to ``max_model_len`` leaves it
+        whole: the lane's part). Stops at the first request the lane did not
+        offer, or hands that one back for the ordinary path. Returns the
+        index of the first request not taken. (A run at a time: it runs for
+        every request of every step.)"""
+        steady = step.steady
+        assert steady is not None
+        running, items, scheduled, taken = self.running, steady.items, step.scheduled, steady.taken
+        # The running loop preempts nobody here, so the threshold holds throughout.
+        threshold = self.config.long_prefill_token_threshold and self._long_prefill_threshold()
+        start = index
+        while index < len(running) and step.token_budget > 0:
+            request_id = running[index].request_id
+            item = items.get(request_id)
+            if item is None:
+                break
+            num_new = item.num_scheduled_tokens
+            if step.token_budget < num_new or 0 < threshold < num_new:
+                steady.hand_over(running[index])
+                break
+            scheduled[request_id] = item
+            taken.add(request_id)
+            step.token_budget -= num_new
+            index += 1
+        if index > start:
+            step.running_scheduled = True
+        return index
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepState) -> bool:
         """Allocate, preempting the newest running request (vLLM's FCFS

@@ -16,10 +16,11 @@ but not registered (or the other way round) fails at the first step.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, is_dataclass
 from functools import cache
-from typing import Any
+from operator import attrgetter
+from typing import Any, get_type_hints
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,21 +79,34 @@ def flat_columns(record: Any) -> dict[str, Any]:
     >>> flat_columns(SpecDecodingStats(num_draft_tokens=3, num_accepted_tokens=2))
     {'num_draft_tokens': 3, 'num_accepted_tokens': 2}
     """
-    values: dict[str, Any] = {}
-    for name in _field_names(type(record)) or ():
-        value = getattr(record, name)
-        if _field_names(type(value)) is None:
-            values[name] = value
-        else:
-            values.update(flat_columns(value))
-    return values
+    names, read = _flattener(type(record))
+    return dict(zip(names, read(record), strict=True))
 
 
 @cache
-def _field_names(cls: type) -> tuple[str, ...] | None:
-    """A record type's field names (None: not a record); looked up once
-    per type, as a step's stats are flattened at every step."""
-    return tuple(spec.name for spec in fields(cls)) if is_dataclass(cls) else None
+def _flattener(cls: type) -> tuple[tuple[str, ...], Callable[[Any], tuple]]:
+    """A record type's leaf names and one getter reading them all (dotted
+    paths through nested records): built once per type, as a step's stats
+    are flattened at every step. A field is nested when its declared type is
+    a record."""
+    paths = _leaf_paths(cls, "")
+    getter = attrgetter(*paths)
+    read = getter if len(paths) > 1 else lambda record: (getter(record),)
+    return tuple(path.rpartition(".")[2] for path in paths), read
+
+
+def _leaf_paths(cls: type, prefix: str) -> list[str]:
+    if not is_dataclass(cls):
+        raise TypeError(f"{cls.__name__} is not a record")
+    hints = get_type_hints(cls)
+    paths: list[str] = []
+    for name in (spec.name for spec in fields(cls)):
+        declared = hints[name]
+        if is_dataclass(declared):
+            paths.extend(_leaf_paths(declared, f"{prefix}{name}."))
+        else:
+            paths.append(prefix + name)
+    return paths
 
 
 class Columns:

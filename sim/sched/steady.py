@@ -80,20 +80,16 @@ class SteadyDecode:
     def schedule(self) -> SchedulerOutput:
         """The scheduler's step, offered the steady requests' decodes."""
         items: dict[str, ScheduledRequest] = {}
+        kept_by_id, step_tokens, num_spec = self._kept, self.step_tokens, self.num_spec
         for request in self.scheduler.running:
-            kept = self._kept.get(request.request_id) or self._enter(request)
+            request_id = request.request_id
+            kept = kept_by_id.get(request_id) or self._enter(request)
             if kept is None:
                 continue
             if kept.computed > kept.limit:
                 self._leave(request)
                 continue
-            items[request.request_id] = ScheduledRequest(
-                request_id=request.request_id,
-                num_scheduled_tokens=self.step_tokens,
-                num_computed_tokens=kept.computed,
-                num_spec_tokens=self.num_spec,
-                num_prompt_tokens_left=0,
-            )
+            items[request_id] = ScheduledRequest(request_id, step_tokens, kept.computed, num_spec, 0)
         if not items:
             self._taken = set()
             return self.scheduler.schedule()
@@ -102,40 +98,45 @@ class SteadyDecode:
         # Scheduled tokens count as computed until the step's output says
         # which drafts were rejected (as in ``Scheduler.schedule``).
         for request_id in steady.taken:
-            self._kept[request_id].computed += self.step_tokens
+            kept_by_id[request_id].computed += step_tokens
         self._taken = steady.taken
         return output
 
     def complete(self, output: SchedulerOutput) -> StepOutcome:
         """The workers ran the step: its requests' outputs in the step's
-        order, the steady ones kept aside, the others the scheduler's way."""
+        order, the steady ones kept aside, the others the scheduler's way.
+        (One loop with the common case inline: it runs for every request of
+        every step.)"""
         scheduler = self.scheduler
         scheduler.output_arrives(output)
         tally = StepTally()
+        taken, kept_by_id = self._taken, self._kept
+        num_spec, step_tokens = self.num_spec, self.step_tokens
+        draw = self.model_runner.acceptance_draws(num_spec)
         for item in output.scheduled:
-            if item.request_id in self._taken:
-                self._complete_kept(self._kept[item.request_id], tally)
-            else:
+            if item.request_id not in taken:
                 request = scheduler.requests[item.request_id]
                 sampled = self.model_runner.sample(item, request.num_tokens)
                 scheduler.apply_sampled(item, sampled or [], tally)
+                continue
+            kept = kept_by_id[item.request_id]
+            num_accepted = draw()
+            if num_spec:
+                tally.num_draft_tokens += num_spec
+                tally.num_accepted_tokens += num_accepted
+            if kept.computed - step_tokens <= kept.unstoppable:
+                kept.computed -= num_spec - num_accepted
+                kept.num_tokens += num_accepted + 1
+                tally.num_generated_tokens += num_accepted + 1
+            else:
+                self._take_at_once(kept.request, num_accepted, tally)
         return tally.outcome()
 
-    def _complete_kept(self, kept: _Kept, tally: StepTally) -> None:
-        num_spec = self.num_spec
-        num_accepted = self.model_runner.num_accepted(num_spec)
-        if num_spec:
-            tally.num_draft_tokens += num_spec
-            tally.num_accepted_tokens += num_accepted
-        if kept.computed - self.step_tokens <= kept.unstoppable:
-            kept.computed -= num_spec - num_accepted
-            kept.num_tokens += num_accepted + 1
-            tally.num_generated_tokens += num_accepted + 1
-            return
-        # The step may stop it: it takes its tokens now, the scheduler's way.
-        request = kept.request
+    def _take_at_once(self, request: Request, num_accepted: int, tally: StepTally) -> None:
+        """The step may stop ``request``: it leaves the lane and takes the
+        step's tokens the scheduler's way."""
         self._leave(request)
-        request.num_computed_tokens -= num_spec - num_accepted
+        request.num_computed_tokens -= self.num_spec - num_accepted
         sampled = self.model_runner.sampled_token_ids(request.num_tokens, num_accepted + 1)
         appended, stopped = self.scheduler.take_sampled(request, sampled)
         tally.num_generated_tokens += appended
