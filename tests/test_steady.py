@@ -145,6 +145,38 @@ def test_a_steady_step_admits_an_arrival_after_its_decodes(tmp_path):
     assert step.num_steady == 1 and [i.request_id for i in step.output.scheduled] == ["r000000", "r001"]
 
 
+def _steady_then_arrival(tmp_path, prompt: int, num_steady_steps: int):
+    """r000000 (100-token prompt) runs ``num_steady_steps`` steps, then
+    r001 (``prompt`` tokens) arrives: the next step."""
+    simulation = _one_request(tmp_path, 100, 150)
+    scheduler, core = simulation.scheduler, simulation.core
+    scheduler.add_request(simulation.workload.requests[0])
+    for _ in range(num_steady_steps):
+        core.complete(core.schedule())
+    scheduler.add_request(_spec(1, prompt))
+    return core.schedule()
+
+
+def test_a_one_token_admission_beside_steady_decodes_is_padded_to_a_uniform_decode(tmp_path):
+    """r001's prompt is one token (no prefix hit, one token left). In a step
+    whose only running decode is steady (r000000, step 5 as above), vLLM
+    pads the admission to 1 + K = 4 rows (a running request was scheduled,
+    no prefill was): r001 gets 4 tokens, marked padded."""
+    step = _steady_then_arrival(tmp_path, 1, 4)
+    assert step.num_steady == 1
+    shares = [(i.request_id, i.num_scheduled_tokens, i.is_padded) for i in step.output.scheduled]
+    assert shares == [("r000000", 4, False), ("r001", 4, True)]
+
+
+def test_a_one_token_admission_with_nothing_else_scheduled_is_not_padded(tmp_path):
+    """Control: r000000 finished (150 outputs, one token a step: 150
+    steps), r001 arrives to an idle engine; with no running request
+    scheduled and no prefix hit, its one token goes alone, unpadded."""
+    step = _steady_then_arrival(tmp_path, 1, 150)
+    shares = [(i.request_id, i.num_scheduled_tokens, i.is_padded) for i in step.output.scheduled]
+    assert shares == [("r001", 1, False)]
+
+
 def test_the_max_model_len_clip_ends_the_lane(tmp_path):
     """max_model_len 300, a 100-token prompt, one token a step: the lane
     runs c = 101 .. 295 (195 steps: at 295 the clip, 300 - 295 - 1 = 4,

@@ -28,6 +28,14 @@ def register(subparsers: Any) -> None:
         "prints how many times fewer CPU microseconds per step kvsim takes than each",
     )
     parser.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        metavar="N",
+        help="runs of each measurement, each in a fresh process, in turn with the others; the figures "
+        "are the run with the least CPU time (default 3)",
+    )
+    parser.add_argument(
         "--out",
         metavar="FILE",
         help="where the figures go as JSON, to compare commits (default results/bench/SCENARIO.json)",
@@ -47,7 +55,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     against = tuple(name for name in args.against.split(",") if name)
     if not set(against) <= set(BACKENDS) - {"kvsim"}:
         raise CLIError(f"--against {args.against!r}: expected a comma-separated subset of step-by-step,vllm")
-    figures = run_bench(args.scenario, args.set, layouts, against)
+    if args.repeat < 1:
+        raise CLIError(f"--repeat {args.repeat}: expected at least 1")
+    figures = run_bench(args.scenario, args.set, layouts, against, args.repeat)
     print(format_bench(args.scenario, figures))
     out = Path(args.out) if args.out else Path("results") / "bench" / f"{scenario.name}.json"
     record = {
