@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from sim.sched.engine_core import EngineCore
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import SchedulerOutput, StepOutcome
 from sim.sched.scheduler import Scheduler, SchedulerConfig
-from sim.sched.stats import Columns, SchedulerGauges, flat_columns
+from sim.sched.stats import Columns, SchedulerGauges, flat_columns, flat_row
 from sim.step_time import StepTimeModel
 from sim.workloads import RequestSpec, Workload
 
@@ -217,8 +218,8 @@ class Simulation:
         for request_id, num_output_tokens in outcome.finished.items():
             requests[request_id]["finished_s"] = now
             requests[request_id]["generated_tokens"] = num_output_tokens
-        stats = flat_columns(self.scheduler.make_stats(output, outcome))
-        self.recording.steps.append({"time_s": now, "step_time_s": step_s, **stats})
+        names, values = flat_row(self.scheduler.make_stats(output, outcome))
+        self.recording.steps.append_values(_with_clock(names), (now, step_s, *values))
         if self.scenario.simulation.check_invariants:
             check_allocator(self.kv_cache_manager, self.scheduler.deferred_blocks())
         self._advance_bar(len(outcome.finished))
@@ -249,6 +250,13 @@ class Simulation:
             ("num_generation_total_tokens", outcome.num_generated_tokens),
         ):
             self.totals[key] += value
+
+
+@cache
+def _with_clock(names: tuple[str, ...]) -> tuple[str, ...]:
+    """A step row's names: the clock's, then the scheduler's stats' (one
+    tuple per stats shape, so the step columns check it once)."""
+    return ("time_s", "step_time_s", *names)
 
 
 def scheduler_config(scenario: Scenario, model: ModelConfig, plan: KVCachePlan) -> SchedulerConfig:

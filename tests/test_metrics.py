@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from dataclasses import fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import get_type_hints
 
@@ -21,8 +21,8 @@ from sim.analysis import frames, gates
 from sim.engine import Simulation, allocator_options, scheduler_config
 from sim.metrics import FRAMES
 from sim.scenario import AllocatorSection, SchedulerSection
-from sim.sched.scheduler import SchedulerConfig
-from sim.sched.stats import Columns, SchedulerGauges, SchedulerStats, flat_columns
+from sim.sched.scheduler import Scheduler, SchedulerConfig
+from sim.sched.stats import Columns, SchedulerGauges, SchedulerStats
 
 TINY = {
     "trace": "synthetic",
@@ -64,12 +64,18 @@ def test_every_frame_column_is_registered_and_produced(tiny_frames) -> None:
 def test_an_unregistered_step_field_fails_at_the_first_step(tmp_path, monkeypatch) -> None:
     """CONTROL for the typed record: a field the scheduler adds without
     registering it cannot reach a frame silently."""
-    real = flat_columns
 
-    def with_extra(record):
-        return {**real(record), "num_mystery_blocks": 0}
+    @dataclass(frozen=True, kw_only=True, slots=True)
+    class MysteryStats(SchedulerStats):
+        num_mystery_blocks: int = 0
 
-    monkeypatch.setattr("sim.engine.flat_columns", with_extra)
+    real = Scheduler.make_stats
+
+    def with_extra(self, output, outcome):
+        stats = real(self, output, outcome)
+        return MysteryStats(**{name: getattr(stats, name) for name in SchedulerStats.__dataclass_fields__})
+
+    monkeypatch.setattr(Scheduler, "make_stats", with_extra)
     with pytest.raises(KeyError, match="unregistered \\['num_mystery_blocks'\\]"):
         run(tmp_path, workload=TINY, layouts=["off"])
 
@@ -89,6 +95,20 @@ def test_the_step_record_is_the_scheduler_stats_plus_the_clock() -> None:
     assert set(metrics.SAMPLE_RECORD) - {"time_s", *metrics.SAMPLED_TOTALS} <= set(
         _leaf_fields(SchedulerGauges)
     )
+
+
+def test_columns_place_values_by_their_names_in_any_order() -> None:
+    """Rows given as names and values: each value lands in its own column
+    whichever order the names come in (a new order is a new mapping), and a
+    name given twice is refused."""
+    store = Columns(("a", "b"))
+    store.append_values(("a", "b"), (1, 2))
+    store.append_values(("b", "a"), (3, 4))
+    store.append_values(("a", "b"), (5, 6))
+    assert store.to_dict() == {"a": [1, 4, 5], "b": [2, 3, 6]}
+    with pytest.raises(KeyError, match="row does not match"):
+        store.append_values(("a", "a", "b"), (7, 8, 9))
+    assert len(store) == 3
 
 
 def test_columns_refuse_a_row_of_another_shape() -> None:

@@ -79,8 +79,14 @@ def flat_columns(record: Any) -> dict[str, Any]:
     >>> flat_columns(SpecDecodingStats(num_draft_tokens=3, num_accepted_tokens=2))
     {'num_draft_tokens': 3, 'num_accepted_tokens': 2}
     """
+    return dict(zip(*flat_row(record), strict=True))
+
+
+def flat_row(record: Any) -> tuple[tuple[str, ...], tuple]:
+    """A record's leaf names (one tuple per record type: the same object
+    every time) and its leaf values in that order."""
     names, read = _flattener(type(record))
-    return dict(zip(names, read(record), strict=True))
+    return names, read(record)
 
 
 @cache
@@ -114,18 +120,32 @@ class Columns:
 
     def __init__(self, names: Sequence[str]) -> None:
         self._columns: dict[str, list[Any]] = {name: [] for name in names}
+        # The last row shape appended and its columns in that order: a
+        # record's rows share one names tuple, checked once.
+        self._last_names: tuple[str, ...] | None = None
+        self._last_targets: list[list[Any]] = []
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self._columns)
 
     def append(self, row: Mapping[str, Any]) -> None:
-        if row.keys() != self._columns.keys():
-            extra = sorted(set(row) - set(self._columns))
-            missing = sorted(set(self._columns) - set(row))
+        self.append_values(tuple(row), tuple(row.values()))
+
+    def append_values(self, names: tuple[str, ...], values: Sequence[Any]) -> None:
+        """A row as its column names and its values in the same order."""
+        if names is not self._last_names:
+            self._last_targets = self._targets(names)
+            self._last_names = names
+        for target, value in zip(self._last_targets, values, strict=True):
+            target.append(value)
+
+    def _targets(self, names: tuple[str, ...]) -> list[list[Any]]:
+        if len(set(names)) != len(names) or set(names) != self._columns.keys():
+            extra = sorted(set(names) - set(self._columns))
+            missing = sorted(set(self._columns) - set(names))
             raise KeyError(f"row does not match the columns: unregistered {extra}, missing {missing}")
-        for name, value in row.items():
-            self._columns[name].append(value)
+        return [self._columns[name] for name in names]
 
     def __len__(self) -> int:
         return len(next(iter(self._columns.values()), []))

@@ -113,6 +113,7 @@ class SteadyDecode:
         taken, kept_by_id = self._taken, self._kept
         num_spec, step_tokens = self.num_spec, self.step_tokens
         draw = self.model_runner.acceptance_draws(num_spec)
+        num_kept = num_accepted_kept = 0  # the kept requests' share of the tally
         for item in output.scheduled:
             if item.request_id not in taken:
                 request = scheduler.requests[item.request_id]
@@ -121,15 +122,17 @@ class SteadyDecode:
                 continue
             kept = kept_by_id[item.request_id]
             num_accepted = draw()
-            if num_spec:
-                tally.num_draft_tokens += num_spec
-                tally.num_accepted_tokens += num_accepted
+            num_kept += 1
+            num_accepted_kept += num_accepted
             if kept.computed - step_tokens <= kept.unstoppable:
                 kept.computed -= num_spec - num_accepted
                 kept.num_tokens += num_accepted + 1
                 tally.num_generated_tokens += num_accepted + 1
             else:
                 self._take_at_once(kept.request, num_accepted, tally)
+        if num_spec:
+            tally.num_draft_tokens += num_kept * num_spec
+            tally.num_accepted_tokens += num_accepted_kept
         return tally.outcome()
 
     def _take_at_once(self, request: Request, num_accepted: int, tally: StepTally) -> None:
