@@ -15,6 +15,9 @@
 # KVSIM_MUTATION_CHILDREN caps the parallel mutant runs (mutmut's
 # --max-children; default: every core), e.g. 1 on a shared machine:
 #   nice -n 19 env KVSIM_MUTATION_CHILDREN=1 scripts/mutation.sh scheduler
+# KVSIM_MUTANTS restricts a run to mutmut's mutant names matching its
+# space-separated globs (e.g. the functions a change touched):
+#   KVSIM_MUTANTS='*_take_steady__* *_schedule_running__*' scripts/mutation.sh scheduler
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -24,6 +27,7 @@ children=()
 if [[ -n "${KVSIM_MUTATION_CHILDREN:-}" ]]; then
   children=(--max-children "$KVSIM_MUTATION_CHILDREN")
 fi
+read -r -a only_mutants <<<"${KVSIM_MUTANTS:-}"
 
 # module -> "source file|test files" (the tests that pin that module's rules).
 # The fast path's unit tests and one case that makes every skipped call
@@ -45,6 +49,8 @@ tests/test_fast_path.py::test_every_skipped_call_changes_nothing[decode-across-b
 STEADY_TESTS="tests/test_steady.py::test_a_decode_across_a_block_boundary_runs_steady_inside_its_windows \
 tests/test_steady.py::test_every_draft_accepted_stops_inside_the_lane \
 tests/test_steady.py::test_a_steady_step_admits_an_arrival_after_its_decodes \
+tests/test_steady.py::test_a_one_token_admission_beside_steady_decodes_is_padded_to_a_uniform_decode \
+tests/test_steady.py::test_a_one_token_admission_with_nothing_else_scheduled_is_not_padded \
 tests/test_steady.py::test_the_max_model_len_clip_ends_the_lane \
 tests/test_steady.py::test_a_step_that_reaches_max_model_len_stops_the_request_in_the_lane \
 tests/test_steady.py::test_a_steady_decode_runs_beside_an_earlier_prefill \
@@ -75,7 +81,7 @@ declare -A MODULES=(
   # call (three shapes), the frames against step by step, the horizon and
   # conformance: about 5 s, not the 13 s of the whole file.
   [steady]="sim/sched/steady.py|$STEADY_TESTS"
-  [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_steady.py::test_the_stream_gives_the_generators_own_draws_across_blocks tests/test_steady.py::test_the_streams_acceptance_draws_are_the_rules"
+  [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_steady.py::test_the_stream_gives_the_generators_own_draws_across_blocks tests/test_steady.py::test_the_streams_acceptance_draws_are_the_rules tests/test_steady.py::test_a_runners_acceptance_draws_are_its_per_request_draws"
   # The rest of sim/sched/: the engine core's step, the scheduler's output
   # records (what the step-time model reads), the stats records and columns.
   [engine_core]="sim/sched/engine_core.py|tests/test_scheduler.py tests/test_engine_timeline.py tests/test_steady.py"
@@ -108,7 +114,7 @@ pytest_add_cli_args = ["-p", "no:cacheprovider", "-x"]
 also_copy = ["tests", "scenarios", "README.md"]
 TOML
   echo "== $name: $source against $tests"
-  (cd "$copy" && "$venv/bin/mutmut" run "${children[@]}" >run.log 2>&1 || true
+  (cd "$copy" && "$venv/bin/mutmut" run "${children[@]}" "${only_mutants[@]}" >run.log 2>&1 || true
    "$venv/bin/mutmut" results --all true >results.txt 2>&1 || true
    summarise "$name" results.txt)
 }

@@ -27,7 +27,7 @@ class ScheduledRequest(NamedTuple):
         return self.num_prompt_tokens_left == 0
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SchedulerOutput:
     """One step: who runs, with how many tokens, and what the step changed."""
 
@@ -87,7 +87,7 @@ class StepOutcome:
     num_accepted_tokens: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class StepTally:
     """A step's outcome while its requests' outputs are applied, in order."""
 

@@ -108,7 +108,7 @@ class _IdleWaiting:
     allocator_version: int
 
 
-@dataclass
+@dataclass(slots=True)
 class _StepState:
     """What one ``schedule()`` call has decided so far."""
 

@@ -46,7 +46,7 @@ from sim.sched.scheduler import Scheduler, SteadyItems
 from sim.vllm_bridge import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class _Kept:
     """A request in the lane: its computed tokens and tokens as the
     scheduler would have them, its tokens when its ``Request`` last took
