@@ -22,7 +22,7 @@ from sim.engine import Simulation, allocator_options, scheduler_config
 from sim.metrics import FRAMES
 from sim.scenario import AllocatorSection, SchedulerSection
 from sim.sched.scheduler import Scheduler, SchedulerConfig
-from sim.sched.stats import Columns, SchedulerGauges, SchedulerStats
+from sim.sched.stats import Columns, SchedulerGauges, SchedulerStats, flat_columns
 
 TINY = {
     "trace": "synthetic",
@@ -108,7 +108,14 @@ def test_columns_place_values_by_their_names_in_any_order() -> None:
     assert store.to_dict() == {"a": [1, 4, 5], "b": [2, 3, 6]}
     with pytest.raises(KeyError, match="row does not match"):
         store.append_values(("a", "a", "b"), (7, 8, 9))
-    assert len(store) == 3
+    with pytest.raises(ValueError, match="1 values for 2 columns"):  # refused whole: no ragged column
+        store.append_values(("a", "b"), (7,))
+    assert store.to_dict() == {"a": [1, 4, 5], "b": [2, 3, 6]}
+
+
+def test_only_records_flatten():
+    with pytest.raises(TypeError, match="int is not a record"):
+        flat_columns(3)
 
 
 def test_columns_refuse_a_row_of_another_shape() -> None:

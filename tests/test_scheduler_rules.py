@@ -24,6 +24,7 @@ from test_scheduler import _Engine, _scheduler, _spec
 from sim.config import DeploymentConfig, load_model
 from sim.kv_cache_manager import MTPHashing, build_kv_cache_manager
 from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
+from sim.sched.output import ScheduledRequest, SchedulerOutput
 from sim.sched.scheduler import Scheduler, SchedulerConfig
 
 # A 60-token prompt: 60 + K = 63 tokens span 2 attention blocks; 2 + 3 x 4 = 14
@@ -751,3 +752,19 @@ def test_the_drafters_re_prefillable_tokens_are_not_cached(prompt, hit):
     scheduler.add_request(_spec(1, 200, output=1, family=7))
     output, _ = engine.step()
     assert output.admitted_hits == {"r001": hit}
+
+
+def test_a_steps_token_sums_count_every_request():
+    """Two prefill chunks (100 and 30 prompt tokens) and a decode of 1 + K
+    = 4 (3 drafts): 134 scheduled tokens, 130 of them prefill, 4 decode."""
+    scheduled = (
+        ScheduledRequest("a", 100, 0, 0, 100),
+        ScheduledRequest("b", 30, 64, 0, 30),
+        ScheduledRequest("c", 4, 500, 3, 0),
+    )
+    output = SchedulerOutput(step_index=1, scheduled=scheduled)
+    assert (output.total_num_scheduled_tokens, output.num_prefill_tokens, output.num_decode_tokens) == (
+        134,
+        130,
+        4,
+    )

@@ -237,6 +237,19 @@ def test_a_clipped_budget_hands_a_steady_decode_back(tmp_path):
     assert [4, 2] in shares
 
 
+def test_a_budget_left_at_one_token_still_schedules_the_next_request(tmp_path):
+    """A 5-token budget and two decoding requests: the first takes its
+    1 + K = 4 steady tokens; the one token left goes to the second (handed
+    back by the lane, scheduled the ordinary way without drafts), as step
+    by step."""
+    overrides = ["scheduler.max_num_batched_tokens=5"]
+    fast = _steps_of(tmp_path, overrides, fast_path=True)
+    step_by_step = _steps_of(tmp_path, overrides, fast_path=False)
+    assert [(output, outcome) for output, outcome, _ in fast] == [(o, oc) for o, oc, _ in step_by_step]
+    shares = [[i.num_scheduled_tokens for i in output.scheduled] for output, _, steady in fast if steady]
+    assert [4, 1] in shares
+
+
 def test_a_long_prefill_threshold_below_a_decode_hands_it_back(tmp_path):
     """long_prefill_token_threshold 1 clips every request's step to one
     token while both run: no decode is taken as it is, and every step's

@@ -277,16 +277,17 @@ class Scheduler:
         budget holds it whole and no long-prefill threshold clips it (its
         allocation is settled and the clip to ``max_model_len`` leaves it
         whole: the lane's part). Stops at the first request the lane did not
-        offer, or hands that one back for the ordinary path. Returns the
-        index of the first request not taken. (A run at a time: it runs for
-        every request of every step.)"""
+        offer, or hands that one back for the ordinary path (also when no
+        budget is left: the running loop then stops, and an offered request
+        the ordinary path could reach is always handed back first). Returns
+        the index of the first request not taken. (A run at a time: it runs
+        for every request of every step.)"""
         steady = step.steady
         assert steady is not None
         running, items, scheduled, taken = self.running, steady.items, step.scheduled, steady.taken
         # The running loop preempts nobody here, so the threshold holds throughout.
         threshold = self.config.long_prefill_token_threshold and self._long_prefill_threshold()
-        start = index
-        while index < len(running) and step.token_budget > 0:
+        while index < len(running):
             request_id = running[index].request_id
             item = items.get(request_id)
             if item is None:
@@ -298,9 +299,8 @@ class Scheduler:
             scheduled[request_id] = item
             taken.add(request_id)
             step.token_budget -= num_new
-            index += 1
-        if index > start:
             step.running_scheduled = True
+            index += 1
         return index
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepState) -> bool:

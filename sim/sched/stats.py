@@ -137,6 +137,8 @@ class Columns:
         if names is not self._last_names:
             self._last_targets = self._targets(names)
             self._last_names = names
+        if len(values) != len(names):  # checked first: a ragged row would be half appended
+            raise ValueError(f"row of {len(values)} values for {len(names)} columns")
         for target, value in zip(self._last_targets, values, strict=True):
             target.append(value)
 
