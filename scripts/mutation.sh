@@ -55,7 +55,6 @@ tests/test_steady.py::test_the_max_model_len_clip_ends_the_lane \
 tests/test_steady.py::test_a_step_that_reaches_max_model_len_stops_the_request_in_the_lane \
 tests/test_steady.py::test_a_steady_decode_runs_beside_an_earlier_prefill \
 tests/test_steady.py::test_a_clipped_budget_hands_a_steady_decode_back \
-tests/test_steady.py::test_a_budget_left_at_one_token_still_schedules_the_next_request \
 tests/test_steady.py::test_a_long_prefill_threshold_below_a_decode_hands_it_back \
 tests/test_steady.py::test_every_call_a_steady_step_skips_changes_nothing[decode-across-boundaries-['deployment.max_num_seqs=16']-off] \
 tests/test_steady.py::test_every_call_a_steady_step_skips_changes_nothing[heavy-preemption-[]-off] \

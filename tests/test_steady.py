@@ -224,42 +224,33 @@ def test_a_steady_decode_runs_beside_an_earlier_prefill(tmp_path):
     assert mixed and set(mixed) == {(0, 4)}
 
 
-def test_a_clipped_budget_hands_a_steady_decode_back(tmp_path):
-    """A 6-token budget and two decoding requests: the first takes its
-    1 + K = 4 steady tokens, the second gets the 2 left, the ordinary way
-    (the lane hands it back); every step's output and outcome equal those
-    of the step-by-step run."""
-    overrides = ["scheduler.max_num_batched_tokens=6"]
-    fast = _steps_of(tmp_path, overrides, fast_path=True)
-    step_by_step = _steps_of(tmp_path, overrides, fast_path=False)
-    assert [(output, outcome) for output, outcome, _ in fast] == [(o, oc) for o, oc, _ in step_by_step]
+@pytest.mark.parametrize(("budget", "expected"), [(6, [4, 2]), (5, [4, 1])])
+def test_a_clipped_budget_hands_a_steady_decode_back(tmp_path, budget, expected):
+    """A 6- (5-) token budget and two decoding requests: the first takes its
+    1 + K = 4 steady tokens, the second gets the 2 (1) left, the ordinary
+    way (the lane hands it back; one token goes without drafts); every
+    step's output and outcome equal those of the step-by-step run."""
+    fast = _steps_as_step_by_step(tmp_path, [f"scheduler.max_num_batched_tokens={budget}"])
     shares = [[i.num_scheduled_tokens for i in output.scheduled] for output, _, steady in fast if steady]
-    assert [4, 2] in shares
-
-
-def test_a_budget_left_at_one_token_still_schedules_the_next_request(tmp_path):
-    """A 5-token budget and two decoding requests: the first takes its
-    1 + K = 4 steady tokens; the one token left goes to the second (handed
-    back by the lane, scheduled the ordinary way without drafts), as step
-    by step."""
-    overrides = ["scheduler.max_num_batched_tokens=5"]
-    fast = _steps_of(tmp_path, overrides, fast_path=True)
-    step_by_step = _steps_of(tmp_path, overrides, fast_path=False)
-    assert [(output, outcome) for output, outcome, _ in fast] == [(o, oc) for o, oc, _ in step_by_step]
-    shares = [[i.num_scheduled_tokens for i in output.scheduled] for output, _, steady in fast if steady]
-    assert [4, 1] in shares
+    assert expected in shares
 
 
 def test_a_long_prefill_threshold_below_a_decode_hands_it_back(tmp_path):
     """long_prefill_token_threshold 1 clips every request's step to one
     token while both run: no decode is taken as it is, and every step's
     output and outcome equal the step-by-step run's."""
-    overrides = ["scheduler.long_prefill_token_threshold=1"]
+    fast = _steps_as_step_by_step(tmp_path, ["scheduler.long_prefill_token_threshold=1"])
+    both_running = [steady for output, _, steady in fast if len(output.scheduled) == 2]
+    assert both_running and not any(both_running)
+
+
+def _steps_as_step_by_step(tmp_path, overrides: list[str]) -> list[tuple]:
+    """``_steps_of`` with the fast path, checked step for step (output and
+    outcome) against the run without it."""
     fast = _steps_of(tmp_path, overrides, fast_path=True)
     step_by_step = _steps_of(tmp_path, overrides, fast_path=False)
     assert [(output, outcome) for output, outcome, _ in fast] == [(o, oc) for o, oc, _ in step_by_step]
-    both_running = [steady for output, _, steady in fast if len(output.scheduled) == 2]
-    assert both_running and not any(both_running)
+    return fast
 
 
 def _steps_of(tmp_path, overrides: list[str], *, fast_path: bool) -> list[tuple]:
