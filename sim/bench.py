@@ -4,11 +4,12 @@ A benchmark, not a test: it prints figures (simulated seconds per wall
 second, engine steps per second, microseconds per step, peak memory) and
 asserts nothing. Each measurement runs in a fresh process so its peak
 memory is its own, ``repeats`` times in turn with the others; its figures
-are its least disturbed run's. Speed targets are ratios within one run (the machine's
-load cancels): against kvsim without its fast path (``step-by-step``), and
-against vLLM 0.33.0's own ``Scheduler`` stepping the same trace (``vllm``,
-the conformance backend, with fenced frees off as vLLM frees at once: a
-handful of steps differ from kvsim's fenced run, and the ratio is per step).
+are its least disturbed run's. Speed targets are ratios within one run
+(the machine's load cancels): against kvsim without its fast path
+(``step-by-step``), and against vLLM 0.33.0's own ``Scheduler`` stepping
+the same trace (``vllm``, the conformance backend, with fenced frees off as
+vLLM frees at once: a handful of steps differ from kvsim's fenced run, and
+the ratio is per step).
 """
 
 from __future__ import annotations
@@ -168,10 +169,10 @@ def _measure_in_fresh_process(
 
 def least_disturbed(runs: list[BenchFigures]) -> BenchFigures:
     """Of one measurement's runs, the one with the least CPU time (and the
-    highest peak memory of them all): the
-    work is the same in each (same scenario, same seed, same steps), so
-    the extra CPU time of the others is the machine's (another process
-    sharing the core's caches, frequency changes), as ``timeit`` reasons."""
+    highest peak memory of them all): the work is the same in each (same
+    scenario, same seed, same steps), so the extra CPU time of the others
+    is the machine's (another process sharing the core's caches, frequency
+    changes), as ``timeit`` reasons."""
     least = min(runs, key=lambda f: f.cpu_s)
     return replace(
         least,

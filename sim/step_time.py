@@ -164,11 +164,10 @@ def _micro_batch(
         n = item.num_scheduled_tokens
         computed = item.num_computed_tokens
         tokens += n
-        # ``is_decode`` read inline: this runs for every request of every step.
-        if item.num_prompt_tokens_left == 0:
+        if item.is_decode:
             decode_requests += 1
             context += computed * n
-            topk_tokens += (computed if computed < topk else topk) * n
+            topk_tokens += min(computed, topk) * n
         else:
             # QSA: each query attends to its top-k keys of the causal context,
             # and the indexer scores every compressed key of that context.
