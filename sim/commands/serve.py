@@ -4,6 +4,7 @@ simulator in (scaled) real time, on 127.0.0.1."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from typing import Any
 
@@ -13,7 +14,9 @@ from sim.scenario import add_override_argument
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "serve", help="serve /v1/completions and /metrics from the simulator in real time (127.0.0.1)"
+        "serve",
+        help="serve /v1/completions, /v1/chat/completions and /metrics from the simulator in real time "
+        "(127.0.0.1)",
     )
     add_scenario_argument(parser)
     add_override_argument(parser)
@@ -40,11 +43,9 @@ def boot_log_lines(plan: Any, max_model_len: int) -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
     from sim.commands.common import CLIError
     from sim.replay.live_engine import LiveEngine
-    from sim.replay.server import build_app
+    from sim.replay.server import build_app, serve
     from sim.scenario import load_scenario
 
     if not args.speed > 0:
@@ -60,13 +61,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"at speed {args.speed:g}x on http://{args.host}:{args.port}",
         flush=True,
     )
-    web.run_app(
-        build_app(engine),
-        host=args.host,
-        port=args.port,
-        print=lambda text: print(f"INFO kvsim serve: {text}", flush=True),
-        shutdown_timeout=5.0,
-        access_log=None,
+    asyncio.run(
+        serve(
+            build_app(engine),
+            args.host,
+            args.port,
+            lambda text: print(f"INFO kvsim serve: {text}", flush=True),
+        )
     )
     lag = (
         f"; the engine fell {engine.max_lag_s:.3f} simulated s behind at worst"

@@ -6,12 +6,18 @@ Virtual time is ``(wall - start) * speed`` seconds. A step that starts right
 after the previous one starts at that step's virtual end (not at the wall
 time the loop got round to it), so event-loop latency does not add up over a
 run; an idle engine starts its next step at the virtual time it woke.
+
+A request whose client goes away is aborted as vLLM's engine core aborts it
+(``abort``: ``Scheduler.finish_requests`` with ``FINISHED_ABORTED``), its
+blocks freed through the scheduler's own path. (The loop here is local to
+``kvsim serve``; a shared engine loop may later take its place.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +26,7 @@ from sim.engine import Simulation
 from sim.replay.metrics import ServerMetrics
 from sim.scenario import Layout, Scenario
 from sim.sched.output import ModelRunnerOutput, StepOutcome
+from sim.vllm_bridge import RequestStatus
 from sim.workloads import Workload
 
 # An idle engine re-checks for a stop this often (wall seconds): every wait is bounded.
@@ -62,6 +69,10 @@ class PromptTooLong(ValueError):
     """The engine rejects a prompt that leaves no room for an output token."""
 
 
+def log_to_stderr(line: str) -> None:
+    print(f"INFO kvsim serve: {line}", file=sys.stderr, flush=True)
+
+
 class LiveEngine:
     def __init__(
         self,
@@ -70,6 +81,7 @@ class LiveEngine:
         *,
         speed: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        log: Callable[[str], None] = log_to_stderr,
     ) -> None:
         if speed <= 0:
             raise ValueError(f"speed: expected > 0, got {speed}")
@@ -80,6 +92,7 @@ class LiveEngine:
         self.metrics = ServerMetrics(self.model_name, self.sim.plan)
         self.speed = speed
         self._clock = clock
+        self._log = log
         self._start_wall = clock()
         self._ids = itertools.count()
         self._streams: dict[str, _Stream] = {}
@@ -118,6 +131,27 @@ class LiveEngine:
         self._wakeup.set()
         return request_id, stream.queue
 
+    def abort(self, request_id: str, cause: str) -> bool:
+        """Abort a request whose client is gone (or whose wait ran out), as
+        vLLM's ``EngineCore.abort_requests`` does: finished with
+        ``FINISHED_ABORTED`` by the scheduler, which frees its blocks (fenced
+        while a step in flight may write them); counted in ``/metrics``; one
+        log line (vLLM's "Request ... aborted."). False when it had already
+        finished or been aborted."""
+        if self._streams.pop(request_id, None) is None:
+            return False
+        self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+        self.metrics.request_finished("abort")
+        self._log(f"Request {request_id} aborted ({cause}).")
+        self._publish_gauges()
+        self._wakeup.set()  # an idle engine lets the fences pass
+        return True
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests accepted and not yet finished or aborted."""
+        return len(self._streams)
+
     # ---------------------------------------------------------------- loop
     def stop(self) -> None:
         self._stopping = True
@@ -129,6 +163,10 @@ class LiveEngine:
         free_at_s = 0.0  # virtual time the last step ended
         while not self._stopping:
             if not self.scheduler.has_unfinished_requests():
+                # Idle: the steps in flight complete, so the blocks fenced
+                # behind them (the last finished or aborted requests') return.
+                if self.scheduler.complete_in_flight_steps():
+                    self._publish_gauges()
                 await self._idle()
                 continue
             started_s = max(free_at_s, self.now_s()) if self._was_idle else free_at_s
@@ -146,8 +184,9 @@ class LiveEngine:
             self.max_lag_s = max(self.max_lag_s, self.now_s() - free_at_s)
             runner_output = self.sim.model_runner.execute(output, token_counts)
             outcome = self.scheduler.update_from_output(output, runner_output)
+            prompt_tokens = self._prompt_tokens(outcome)  # before finished streams go
             self._deliver(runner_output, outcome)
-            self.metrics.record_step(output, outcome, self._prompt_tokens(outcome))
+            self.metrics.record_step(output, outcome, prompt_tokens)
             self._publish_gauges()
 
     async def _idle(self) -> None:
@@ -179,6 +218,7 @@ class LiveEngine:
             stream.queue.put_nowait(TokenDelta([t & _TOKEN_ID_MASK for t in sampled[:new]], finished))
             if finished:
                 del self._streams[request_id]
+                self.metrics.request_finished("length")
 
     def _num_output_tokens(self, request_id: str) -> int:
         request = self.scheduler.requests.get(request_id)

@@ -1,7 +1,8 @@
 """``/metrics`` both ways: what ``kvsim serve`` exposes (vLLM's names and
 types, ``vllm/v1/metrics/loggers.py`` 0.33.0: gauges for the scheduler state
 and KV usage, counters for preemptions, prefix-cache queries and hits,
-spec-decode drafts and accepted tokens, prompt and generation tokens, with
+spec-decode drafts and accepted tokens, prompt and generation tokens,
+finished requests by reason (``length``, and ``abort`` for a client gone), with
 ``model_name`` and ``engine`` labels), and what a replay scrapes from any
 server (prometheus-client's text parser).
 """
@@ -66,6 +67,17 @@ class ServerMetrics:
         self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        # vLLM's finished-request counter, one series per finish reason
+        # (kvsim's requests stop by length or are aborted).
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(*values, reason)
+        self._label_values = values
         info = Gauge(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
@@ -90,6 +102,9 @@ class ServerMetrics:
         self.accepted_tokens.inc(outcome.num_accepted_tokens)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(outcome.num_generated_tokens)
+
+    def request_finished(self, reason: str) -> None:
+        self.request_success.labels(*self._label_values, reason).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,177 +1,167 @@
-"""``kvsim serve``'s HTTP surface: vLLM's OpenAI-compatible endpoints over a
-``LiveEngine`` (aiohttp). Shapes follow vLLM 0.33.0's
-``entrypoints/openai/completion`` protocol: SSE chunks ``data: {...}`` with
-``choices[0].text`` / ``token_ids`` (``return_token_ids``), a usage chunk
-with ``stream_options.include_usage``, then ``data: [DONE]``; errors are
-``{"error": {"message", "type", "code"}}``.
+"""``kvsim serve``'s HTTP surface: vLLM's OpenAI-compatible endpoints
+(``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
+``/metrics``) over a ``LiveEngine`` (aiohttp). Shapes follow vLLM 0.33.0:
+SSE chunks ``data: {...}``, a usage chunk with
+``stream_options.include_usage``, then ``data: [DONE]``; requests are read
+and refused as vLLM refuses them (``openai_requests.py``).
 
-Text prompts are tokenised deterministically (one id per whitespace-separated
-word, from a hash of the word), so equal texts share prefix-cache blocks.
-Deliberate difference: a client that disconnects does not abort its request
-(the simulated scheduler has no abort); the request runs to its end unseen.
+A client that disconnects, or a request whose next tokens do not come
+within ``TOKEN_WAIT_S``, is aborted in the engine (``LiveEngine.abort``):
+one log line, no traceback. The server's bounds (body size, connections,
+requests in flight, idle connections) are in ``docs/serving.md`` with their
+reasons.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
+import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
 from sim.replay.live_engine import LiveEngine, PromptTooLong, TokenDelta
 from sim.replay.metrics import CONTENT_TYPE
+from sim.replay.openai_requests import (
+    MAX_BODY_BYTES,
+    Answer,
+    ClientMistake,
+    Kind,
+    ParsedRequest,
+    parse_request,
+    read_json,
+    tokenize_text,
+)
 
-# vLLM's default max_tokens for /v1/completions.
-DEFAULT_MAX_TOKENS = 16
-# Text prompts: word ids live below this (a small model vocabulary's size).
-TEXT_VOCAB_SIZE = 32_000
+__all__ = ["build_app", "start_server", "serve", "tokenize_text"]
+
 # A request waits at most this long (wall seconds) for its next tokens.
 TOKEN_WAIT_S = 600.0
-
-# A max_model_len prompt as JSON token ids (aiohttp's default is 1 MiB).
-MAX_BODY_BYTES = 64 << 20
+# How often a request waiting for tokens checks that its client is still there.
+DISCONNECT_POLL_S = 0.25
+# Requests past this many in flight are refused (429) instead of queued.
+MAX_REQUESTS_IN_FLIGHT = 1024
+# Connections past this many are closed at once.
+MAX_CONNECTIONS = 1024
+# A connection with no request for this long is closed (aiohttp's keep-alive
+# timeout, which also runs from the moment a connection opens).
+IDLE_CONNECTION_S = 30.0
 
 ENGINE_KEY = web.AppKey("engine", LiveEngine)
 
 
-def tokenize_text(text: str) -> list[int]:
-    """One id per word, from the word's BLAKE2 hash (stable across runs).
+class Bounds:
+    """Requests in flight, and the connection cap once ``guard`` has the server."""
 
-    >>> ids = tokenize_text("the cat the")
-    >>> len(ids), ids[0] == ids[2], ids[0] == ids[1]
-    (3, True, False)
-    """
-    return [
-        int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "big") % TEXT_VOCAB_SIZE
-        for word in text.split()
-    ]
+    def __init__(
+        self, max_in_flight: int = MAX_REQUESTS_IN_FLIGHT, max_connections: int = MAX_CONNECTIONS
+    ) -> None:
+        self.max_in_flight, self.max_connections = max_in_flight, max_connections
+        self.in_flight = 0
+        self.num_refused_connections = 0
 
+    def guard(self, server: web.Server) -> None:
+        """Close connections past the cap as they open (aiohttp has no cap)."""
+        made = server.connection_made
 
-class BadRequest(ValueError):
-    pass
-
-
-def _error(status: int, message: str) -> web.Response:
-    kind = "BadRequestError" if status == 400 else "NotFoundError" if status == 404 else "InternalServerError"
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return web.json_response(body, status=status)
-
-
-def _prompt_ids(body: dict[str, Any]) -> list[int]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list | str):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        ids = tokenize_text(prompt)
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = list(prompt)
-    else:
-        raise BadRequest("prompt: expected one string or one list of token ids")
-    if not ids:
-        raise BadRequest("prompt: empty")
-    if min(ids) < 0:
-        raise BadRequest("prompt: token ids must be >= 0")
-    return ids
-
-
-def _max_tokens(body: dict[str, Any]) -> int:
-    value = body.get("max_tokens", DEFAULT_MAX_TOKENS)
-    if value is None:
-        value = DEFAULT_MAX_TOKENS
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise BadRequest(f"max_tokens: expected a positive integer, got {value!r}")
-    min_tokens = body.get("min_tokens", 0)
-    if not isinstance(min_tokens, int) or min_tokens < 0 or min_tokens > value:
-        raise BadRequest(f"min_tokens: expected 0..max_tokens, got {min_tokens!r}")
-    return value
-
-
-class Completion:
-    """One request's answer, built as its tokens arrive."""
-
-    def __init__(self, engine: LiveEngine, body: dict[str, Any]) -> None:
-        self.engine = engine
-        self.prompt_ids = _prompt_ids(body)
-        self.max_tokens = _max_tokens(body)
-        model = body.get("model")
-        if model not in (None, engine.model_name):
-            raise LookupError(f"The model `{model}` does not exist.")
-        self.return_token_ids = bool(body.get("return_token_ids"))
-        options = body.get("stream_options") or {}
-        self.include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
-        self.created = int(time.time())
-        self.request_id = ""
-        self.num_tokens = 0
-
-    def start(self) -> asyncio.Queue[TokenDelta]:
-        self.request_id, queue = self.engine.add_request(self.prompt_ids, self.max_tokens)
-        return queue
-
-    async def deltas(self, queue: asyncio.Queue[TokenDelta]) -> AsyncIterator[TokenDelta]:
-        while True:
-            delta = await asyncio.wait_for(queue.get(), TOKEN_WAIT_S)
-            self.num_tokens += len(delta.token_ids)
-            yield delta
-            if delta.finished:
+        def connection_made(handler: Any, transport: asyncio.Transport) -> None:
+            if len(server.connections) >= self.max_connections:
+                self.num_refused_connections += 1
+                transport.close()
                 return
+            made(handler, transport)
 
-    def choice(self, token_ids: list[int], finished: bool) -> dict[str, Any]:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "text": "".join(f" t{t}" for t in token_ids),
-            "logprobs": None,
-            "finish_reason": "length" if finished else None,
-            "stop_reason": None,
-        }
-        if self.return_token_ids:
-            choice["token_ids"] = token_ids
-        return choice
+        server.connection_made = connection_made  # type: ignore[method-assign]
 
-    def envelope(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
-        return {
-            "id": self.request_id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.engine.model_name,
-            "choices": choices,
-            "usage": usage,
-        }
 
-    def usage(self) -> dict[str, int]:
-        prompt = len(self.prompt_ids)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": self.num_tokens,
-            "total_tokens": prompt + self.num_tokens,
-        }
+BOUNDS_KEY = web.AppKey("bounds", Bounds)
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return ClientMistake.of(status, message, kind).response()
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    engine = request.app[ENGINE_KEY]
+    return await _serve_request(request, "completion")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve_request(request, "chat")
+
+
+async def _serve_request(request: web.Request, kind: Kind) -> web.StreamResponse:
+    engine, bounds = request.app[ENGINE_KEY], request.app[BOUNDS_KEY]
+    if bounds.in_flight >= bounds.max_in_flight:
+        return _error(
+            429, f"more than {bounds.max_in_flight} requests in flight; retry later", "Too Many Requests"
+        )
+    bounds.in_flight += 1
     try:
-        body = await request.json()
-        if not isinstance(body, dict):
-            raise BadRequest("expected a JSON object")
-        completion = Completion(engine, body)
-        queue = completion.start()
-    except (BadRequest, PromptTooLong, json.JSONDecodeError) as error:
-        return _error(400, str(error))
-    except LookupError as error:
-        return _error(404, str(error))
-    if body.get("stream"):
-        return await _stream(request, completion, queue)
+        parsed = await parse_request(
+            await read_json(request), kind, engine.model_name, _max_model_len(engine)
+        )
+        request_id, queue = engine.add_request(parsed.prompt_ids, parsed.max_tokens)
+        answer = Answer(parsed, request_id, engine.model_name)
+        try:
+            return await (_stream if parsed.stream else _whole)(request, answer, queue)
+        except asyncio.CancelledError:  # aiohttp cancels the handler of a client gone
+            engine.abort(request_id, "client disconnected")
+            raise
+    except ClientMistake as mistake:
+        return mistake.response()
+    except PromptTooLong as error:  # the engine's own check (the parse catches it first)
+        return _error(400, str(error), "BadRequestError")
+    finally:
+        bounds.in_flight -= 1
+
+
+def _max_model_len(engine: LiveEngine) -> int:
+    return engine.scheduler.config.max_model_len
+
+
+async def _deltas(
+    request: web.Request, answer: Answer, queue: asyncio.Queue[TokenDelta]
+) -> AsyncIterator[TokenDelta]:
+    """The request's tokens as the engine makes them; a client gone (its
+    connection closing) or no tokens within ``TOKEN_WAIT_S`` aborts it."""
+    engine = request.app[ENGINE_KEY]
+    waited_s = 0.0
+    while True:
+        try:
+            delta = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+        except TimeoutError:
+            waited_s += DISCONNECT_POLL_S
+            if request.transport is None or request.transport.is_closing():
+                engine.abort(answer.request_id, "client disconnected")
+                raise ConnectionResetError("client disconnected") from None
+            if waited_s >= TOKEN_WAIT_S:
+                engine.abort(answer.request_id, f"no tokens for {TOKEN_WAIT_S:g} s")
+                raise ClientMistake.of(
+                    503, "the engine gave no tokens in time", "ServiceUnavailableError"
+                ) from None
+            continue
+        waited_s = 0.0
+        answer.num_tokens += len(delta.token_ids)
+        yield delta
+        if delta.finished:
+            return
+
+
+async def _whole(request: web.Request, answer: Answer, queue: asyncio.Queue[TokenDelta]) -> web.Response:
     token_ids: list[int] = []
-    async for delta in completion.deltas(queue):
-        token_ids += delta.token_ids
-    return web.json_response(completion.envelope([completion.choice(token_ids, True)], completion.usage()))
+    try:
+        async for delta in _deltas(request, answer, queue):
+            token_ids += delta.token_ids
+    except ConnectionError:  # aborted; nobody reads this answer
+        return web.Response(status=499)
+    return web.json_response(answer.envelope([answer.choice(token_ids, True)], answer.usage()))
 
 
 async def _stream(
-    request: web.Request, completion: Completion, queue: asyncio.Queue[TokenDelta]
+    request: web.Request, answer: Answer, queue: asyncio.Queue[TokenDelta]
 ) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
@@ -179,13 +169,31 @@ async def _stream(
     async def send(data: Any) -> None:
         await response.write(f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode())
 
-    async for delta in completion.deltas(queue):
-        await send(completion.envelope([completion.choice(delta.token_ids, delta.finished)], None))
-    if completion.include_usage:
-        await send(completion.envelope([], completion.usage()))
-    await send("[DONE]")
-    await response.write_eof()
+    try:
+        await _send_events(request, answer, queue, send)
+        await response.write_eof()
+    except ConnectionError:  # a write found the client gone: abort, quietly
+        request.app[ENGINE_KEY].abort(answer.request_id, "client disconnected")
     return response
+
+
+async def _send_events(
+    request: web.Request,
+    answer: Answer,
+    queue: asyncio.Queue[TokenDelta],
+    send: Callable[[Any], Awaitable[None]],
+) -> None:
+    parsed: ParsedRequest = answer.parsed
+    if parsed.kind == "chat":
+        await send(answer.first_chat_chunk())
+    try:
+        async for delta in _deltas(request, answer, queue):
+            await send(answer.envelope([answer.choice(delta.token_ids, delta.finished)], None))
+    except ClientMistake as mistake:  # headers are sent: the error goes as an event
+        await send(mistake.body)
+    if parsed.include_usage:
+        await send(answer.envelope([], answer.usage()))
+    await send("[DONE]")
 
 
 async def health(request: web.Request) -> web.Response:
@@ -200,7 +208,7 @@ async def models(request: web.Request) -> web.Response:
         "created": int(time.time()),
         "owned_by": "kvsim",
         "root": engine.model_name,
-        "max_model_len": engine.scheduler.config.max_model_len,
+        "max_model_len": _max_model_len(engine),
     }
     return web.json_response({"object": "list", "data": [card]})
 
@@ -210,10 +218,11 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-def build_app(engine: LiveEngine) -> web.Application:
+def build_app(engine: LiveEngine, bounds: Bounds | None = None) -> web.Application:
     """The application; the engine loop runs for as long as the app does."""
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
+    app[BOUNDS_KEY] = bounds or Bounds()
 
     async def engine_loop(app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(engine.run())
@@ -223,7 +232,41 @@ def build_app(engine: LiveEngine) -> web.Application:
 
     app.cleanup_ctx.append(engine_loop)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app
+
+
+async def start_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """The app listening on ``host:port`` with the server's bounds; returns
+    the runner (``cleanup()`` stops it) and the port bound."""
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,  # a client gone cancels its handler: the request is aborted
+        keepalive_timeout=IDLE_CONNECTION_S,
+        shutdown_timeout=5.0,
+        access_log=None,
+    )
+    await runner.setup()
+    assert runner.server is not None
+    app[BOUNDS_KEY].guard(runner.server)
+    await web.TCPSite(runner, host, port).start()
+    return runner, int(runner.addresses[0][1])
+
+
+async def serve(app: web.Application, host: str, port: int, announce: Callable[[str], None]) -> None:
+    """Serve until SIGINT or SIGTERM (``kvsim serve``)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    runner, bound = await start_server(app, host, port)
+    try:
+        announce(f"listening on http://{host}:{bound} (Ctrl-C to stop)")
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)

@@ -16,7 +16,7 @@ chase its tokens (prompt, outputs, drafts); rejected drafts roll them back.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -464,6 +464,10 @@ class Scheduler:
             len(e.block_hashes) for e in self.kv_cache_manager.take_events() if isinstance(e, BlockRemoved)
         )
         self.num_evicted_blocks += evicted
+        # vLLM's _get_new_block_ids_to_zero drains the full-attention
+        # managers' zeroing record every step (a Mamba model needs zeroing);
+        # kvsim has no workers to zero them, but the record must not grow.
+        self.kv_cache_manager.take_new_block_ids()
         self.step_index += 1
         return SchedulerOutput(
             step_index=self.step_index,
@@ -622,9 +626,57 @@ class Scheduler:
 
     def _finish(self, request: Request) -> None:
         self.running.remove(request)
+        self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
         self._free_request_blocks(request)
         del self.requests[request.request_id]
         self.last_sched_seq.pop(request.request_id, None)
+
+    # ------------------------------------------------------------------ aborts
+    def finish_requests(
+        self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
+    ) -> list[Request]:
+        """Finish requests from outside the scheduler (vLLM's
+        ``Scheduler.finish_requests``, which ``EngineCore.abort_requests``
+        calls with ``FINISHED_ABORTED`` when a client goes away): each
+        known, unfinished request leaves its queue, takes the status and
+        frees its blocks as a finished one does (fenced while a step in
+        flight may write them). ``None`` finishes every request. Returns the
+        requests finished; unknown or finished ids are skipped. Deliberate
+        differences: ids are taken in the order given, ``None`` in arrival
+        order (vLLM iterates a set, whose order varies between processes,
+        and the free order moves block ids); a waiting request kvsim has not
+        built yet (``_materialize``) is built first, so the caller gets a
+        ``Request`` as from vLLM."""
+        assert RequestStatus.is_finished(finished_status)
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        wanted = None if request_ids is None else dict.fromkeys(request_ids)
+        found = {
+            entry.request_id: entry
+            for entry in (*self.waiting, *self.running)
+            if wanted is None or entry.request_id in wanted
+        }
+        if not found:
+            return []
+        self._drop_from_queues(set(found))
+        order = sorted(found, key=lambda i: _arrival_s(found[i])) if wanted is None else wanted
+        finished = []
+        for request_id in (i for i in order if i in found):
+            entry = found[request_id]
+            request = entry if isinstance(entry, Request) else self._materialize(entry)
+            request.status = finished_status
+            self._free_request(request)
+            finished.append(request)
+        return finished
+
+    def _drop_from_queues(self, request_ids: set[str]) -> None:
+        """Both queues without ``request_ids``, kept in place and in order."""
+        kept = [entry for entry in self.waiting if entry.request_id not in request_ids]
+        self.waiting.clear()
+        self.waiting.extend(kept)
+        self.running[:] = [r for r in self.running if r.request_id not in request_ids]
 
     # ------------------------------------------------------------------- state
     @property
@@ -686,6 +738,10 @@ class Scheduler:
     def token_counts(self) -> dict[str, int]:
         """Each running request's tokens (prompt plus outputs, no drafts)."""
         return {r.request_id: r.num_tokens for r in self.running}
+
+
+def _arrival_s(entry: Request | RequestSpec) -> float:
+    return entry.arrival_time if isinstance(entry, Request) else entry.arrival_s
 
 
 def _settled_steps(config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> SettledSteps:
