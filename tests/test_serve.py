@@ -10,6 +10,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 from sim_helpers import scenario
@@ -159,6 +160,8 @@ def test_errors_as_vllm_answers_them(tmp_path):
             {"prompt": [1, 2], "model": "other"},
             {"prompt": {"bad": 1}},
             {"prompt": [1, 2], "max_tokens": 0},
+            {"prompt": [1, 2, 3], "max_tokens": 100_000_000_000},
+            {"prompt": [1, 2], "max_tokens": "many"},
         ):
             response = await client.post("/v1/completions", json=body)
             answers.append((response.status, (await response.json())["error"]["message"]))
@@ -167,8 +170,11 @@ def test_errors_as_vllm_answers_them(tmp_path):
         return answers
 
     answers = _serve(tmp_path, check)
-    assert [status for status, _ in answers] == [400, 404, 400, 400, 200]
+    assert [status for status, _ in answers] == [400, 404, 400, 400, 400, 400, 200]
     assert "maximum context length is 262144 tokens" in answers[0][1]
+    # vLLM's renderer: both numbers named.
+    assert answers[4][1].startswith("max_tokens=100000000000 cannot be greater than max_model_len=262144.")
+    assert answers[5][1].startswith("1 validation error:") and "body.max_tokens" in answers[5][1]
 
 
 def test_boot_log_lines_are_what_launch_parses(tmp_path):
@@ -243,3 +249,88 @@ def test_an_engine_too_slow_for_its_speed_reports_its_lag(tmp_path):
 
     assert _serve(tmp_path, check, speed=1e6) > 1.0
     assert _serve(tmp_path, check, speed=1.0) < 0.05
+
+
+def test_chat_completions_as_vllms_bench_client_reads_them(tmp_path):
+    """``vllm bench serve --endpoint /v1/chat/completions``'s own request
+    function (and its completions one) against the server: every token
+    arrives and the usage counts the prompt as the stated template does, by
+    hand: ChatML around each message, <|im_start|> role words <|im_end|>,
+    then <|im_start|> assistant: (1+1+2+1) + (1+1+3+1) + 2 = 13 tokens."""
+    from vllm.benchmarks.lib.endpoint_request_func import (
+        RequestFuncInput,
+        async_request_openai_chat_completions,
+        async_request_openai_completions,
+    )
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there world"}]
+
+    async def check(client: TestClient) -> tuple[Any, Any]:
+        base = str(client.make_url(""))
+        async with aiohttp.ClientSession() as session:
+            chat = await async_request_openai_chat_completions(
+                RequestFuncInput(
+                    prompt="",
+                    api_url=f"{base}/v1/chat/completions",
+                    prompt_len=0,
+                    output_len=7,
+                    model="flash-next",
+                    chat_messages=messages,
+                ),
+                session,
+            )
+            completions = [
+                await async_request_openai_completions(
+                    RequestFuncInput(
+                        prompt="the cat sat",
+                        api_url=f"{base}/v1/completions",
+                        prompt_len=3,
+                        output_len=5,
+                        model=model,
+                    ),
+                    session,
+                )
+                for model in ("flash-next", "other")
+            ]
+        return chat, completions
+
+    chat, (completion, unknown) = _serve(tmp_path, check)
+    assert chat.success, chat.error
+    assert chat.output_tokens == 7 and chat.prompt_len == 13 and len(chat.itl) >= 1
+    assert completion.success and completion.output_tokens == 5
+    # The model name is checked: an unknown one is vLLM's 404 (the control).
+    assert not unknown.success and unknown.error == "Not Found"
+
+
+def test_chat_chunks_and_answers_are_vllms_response_models(tmp_path):
+    """Each streamed chunk parses as vLLM's ``ChatCompletionStreamResponse``
+    (the first carries the role, the last the finish reason, then usage),
+    the whole answer as ``ChatCompletionResponse``."""
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionResponse,
+        ChatCompletionStreamResponse,
+    )
+
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 4}
+
+    async def check(client: TestClient) -> tuple[list[Any], Any, Any]:
+        payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        response = await client.post("/v1/chat/completions", json=payload)
+        lines = [raw.strip() for raw in (await response.read()).splitlines() if raw.strip()]
+        whole = await (await client.post("/v1/chat/completions", json=body)).json()
+        image = {
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+        }
+        refused = await client.post("/v1/chat/completions", json=image)
+        return lines, whole, (refused.status, await refused.json())
+
+    lines, whole, refused = _serve(tmp_path, check)
+    assert lines[-1] == b"data: [DONE]"
+    chunks = [ChatCompletionStreamResponse.model_validate_json(line[6:]) for line in lines[:-1]]
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert [c.choices[0].finish_reason for c in chunks[1:-1]][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert chunks[-1].usage.prompt_tokens == 1 + 1 + 1 + 1 + 2  # <|im_start|> user hi <|im_end|>, then 2
+    answer = ChatCompletionResponse.model_validate(whole)
+    assert answer.choices[0].message.role == "assistant" and answer.usage.completion_tokens == 4
+    assert refused[0] == 400 and "text parts only" in refused[1]["error"]["message"]
