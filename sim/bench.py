@@ -15,11 +15,13 @@ the ratio is per step).
 from __future__ import annotations
 
 import multiprocessing
+import os
 import resource
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -47,6 +49,11 @@ class BenchFigures:
     # CPU time, and cpu_s_max the most (how much the machine moved them).
     runs: int = 1
     cpu_s_max: float | None = None
+    # Resident memory when a tenth of the requests have arrived and at the
+    # end (kvsim backends): growth between them beyond the frames' rows is
+    # a leak (docs/performance.md).
+    rss_10pct_mib: float = float("nan")
+    rss_100pct_mib: float = float("nan")
 
     @property
     def us_per_step(self) -> float:
@@ -78,8 +85,11 @@ def _measure(scenario_name: str, overrides: list[str], layout: str, backend: str
     if backend != "kvsim":
         scenario = _compared_scenario(scenario, backend)
     workload = scenario_workload(scenario)
-    run = _run_vllm if backend == "vllm" else _run_kvsim
-    simulated_s, steps, wall_s, cpu_s = run(scenario, layout, workload)
+    rss_mib: list[float] = []
+    if backend == "vllm":
+        simulated_s, steps, wall_s, cpu_s = _run_vllm(scenario, layout, workload)
+    else:
+        simulated_s, steps, wall_s, cpu_s = _run_kvsim(scenario, layout, workload, rss_mib)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return asdict(
         BenchFigures(
@@ -92,6 +102,7 @@ def _measure(scenario_name: str, overrides: list[str], layout: str, backend: str
             requests=len(workload.requests),
             peak_rss_mib=peak_kib / 1024,
             cpu_s=cpu_s,
+            **dict(zip(("rss_10pct_mib", "rss_100pct_mib"), rss_mib, strict=False)),
         )
     )
 
@@ -107,12 +118,38 @@ def _compared_scenario(scenario, backend: str):  # noqa: ANN001, ANN202 (scenari
     return conformance_scenario(scenario)
 
 
-def _run_kvsim(scenario, layout: str, workload) -> tuple[float, int, float, float]:  # noqa: ANN001
+def _run_kvsim(scenario, layout: str, workload, rss_mib: list[float]) -> tuple[float, int, float, float]:  # noqa: ANN001
     from sim.engine import Simulation
 
     simulation = Simulation(scenario, layout, workload)  # type: ignore[arg-type]
-    recording, wall_s, cpu_s = _timed(simulation.run)
+    recording, wall_s, cpu_s = _timed(lambda: run_reading_rss(simulation, rss_mib))
     return recording.end_time_s, len(recording.steps), wall_s, cpu_s
+
+
+def run_reading_rss(simulation, rss_mib: list[float]):  # noqa: ANN001, ANN201 (engine types load late)
+    """``simulation`` to its end as ``Simulation.run`` takes it, pausing
+    once when a tenth of its requests have arrived to append the resident
+    memory to ``rss_mib``, and again at the end. (SimPy stops a run before
+    the events at its ``until``, so the pause changes nothing.)"""
+    simulation.start()
+    requests = simulation.workload.requests
+    horizon_s = simulation.scenario.simulation.max_time_s
+    tenth_s = requests[len(requests) // 10].arrival_s if requests else 0.0
+    if tenth_s > 0 and (horizon_s is None or tenth_s < horizon_s):
+        simulation.env.run(until=tenth_s)
+    rss_mib.append(current_rss_mib())
+    simulation.env.run(until=horizon_s)
+    rss_mib.append(current_rss_mib())
+    return simulation.finish()
+
+
+def current_rss_mib() -> float:
+    """This process's resident memory now (Linux's /proc; NaN elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _run_vllm(scenario, layout: str, workload) -> tuple[float, int, float, float]:  # noqa: ANN001
@@ -186,12 +223,14 @@ def format_bench(scenario_name: str, figures: list[BenchFigures]) -> str:
     header = (
         f"{'backend':<13}{'layout':<7}{'simulated s':>12}{'wall s':>9}{'sim s/wall s':>14}{'steps':>8}"
         f"{'steps/s':>9}{'us/step':>9}{'cpu s':>8}{'sim s/cpu s':>13}{'cpu us/step':>13}"
-        f"{'requests':>10}{'peak MiB':>10}{'import s':>10}{'runs':>6}{'max cpu s':>11}"
+        f"{'requests':>10}{'peak MiB':>10}{'RSS 10% MiB':>12}{'RSS 100% MiB':>13}{'import s':>10}{'runs':>6}"
+        f"{'max cpu s':>11}"
     )
     rows = [
         f"{f.backend:<13}{f.layout:<7}{f.simulated_s:>12.1f}{f.wall_s:>9.2f}{f.sim_s_per_wall_s:>14.1f}"
         f"{f.steps:>8}{f.steps_per_s:>9.0f}{f.us_per_step:>9.0f}{f.cpu_s:>8.1f}{f.sim_s_per_cpu_s:>13.1f}"
-        f"{f.cpu_us_per_step:>13.0f}{f.requests:>10}{f.peak_rss_mib:>10.0f}"
+        f"{f.cpu_us_per_step:>13.0f}{f.requests:>10}{f.peak_rss_mib:>10.0f}{f.rss_10pct_mib:>12.0f}"
+        f"{f.rss_100pct_mib:>13.0f}"
         f"{f.import_s:>10.1f}{f.runs:>6}{'-' if f.cpu_s_max is None else f'{f.cpu_s_max:.1f}':>11}"
         for f in figures
     ]

@@ -7,6 +7,7 @@ exact input the issue reports; the checks that matter have a failing control
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -454,6 +455,22 @@ def test_yaml_aliases_are_refused(tmp_path: Path) -> None:
         read_yaml(path)
 
 
+def _wait_for_pool_workers(pid: int, count: int, timeout_s: float = 120.0) -> None:
+    """Until the process's pool has ``count`` workers: with the forkserver
+    start method (Linux) they are the forkserver's children, so the
+    process's grandchildren. Bounded by ``timeout_s``."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    parent = psutil.Process(pid)
+    while True:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if sum(len(child.children()) for child in parent.children()) >= count:
+                return
+        assert parent.is_running() and time.monotonic() < deadline, "the pool's workers never started"
+        time.sleep(0.05)
+
+
 def test_gate_ctrl_c_with_workers_is_one_line(tmp_path: Path) -> None:
     """Ctrl-C (SIGINT to the foreground process group, as a terminal sends
     it) during ``gate --workers 2``: one line, exit 130, no child traceback."""
@@ -489,7 +506,7 @@ def test_gate_ctrl_c_with_workers_is_one_line(tmp_path: Path) -> None:
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
     )
     try:
-        time.sleep(4)  # the workers are starting (importing vLLM)
+        _wait_for_pool_workers(process.pid, 2)  # the readiness signal: the workers run
         os.killpg(process.pid, signal.SIGINT)
         _, err = process.communicate(timeout=60)
     finally:

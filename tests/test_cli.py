@@ -135,6 +135,32 @@ def test_bench_measures_a_run(tmp_path):
     assert abs(vllm.steps - figures.steps) <= figures.steps // 10
 
 
+def test_bench_reads_rss_at_a_tenth_of_the_arrivals_and_at_the_end(tmp_path, monkeypatch):
+    """The resident memory when a tenth of the requests have arrived and at
+    the end, each at most the peak; a run that takes 64 MiB more after the
+    first reading (the control, a deliberate leak) shows them at the end
+    and not at the tenth."""
+    from sim.bench import BenchFigures, _measure, format_bench
+    from sim.engine import Simulation
+
+    path = write_scenario(tmp_path, workload=TINY)
+    plain = BenchFigures(**_measure(str(path), [], "on"))
+    assert 0 < plain.rss_10pct_mib <= plain.rss_100pct_mib <= plain.peak_rss_mib + 1
+    assert "RSS 10% MiB" in format_bench("tiny", [plain])
+    held: list[bytes] = []
+    record_step = Simulation._record_step
+
+    def leaking(self, *args, **kwargs):
+        if not held:
+            held.append(b"\x01" * (64 << 20))  # written, so resident
+        return record_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Simulation, "_record_step", leaking)
+    leaky = BenchFigures(**_measure(str(path), [], "on"))
+    growth = leaky.rss_100pct_mib - leaky.rss_10pct_mib
+    assert growth - (plain.rss_100pct_mib - plain.rss_10pct_mib) > 60
+
+
 def test_bench_ratios_are_per_step_cpu_cost_within_one_run():
     """kvsim 1 CPU s over 1,000 steps (1,000 us a step); vLLM 6 CPU s over
     1,200 steps (5,000 us): 5x fewer. Wall time (a loaded machine: 3 s and
@@ -206,6 +232,8 @@ def test_bench_saves_its_figures_as_json(tmp_path, monkeypatch, capsys):
         requests=8,
         peak_rss_mib=300.0,
         cpu_s=3.5,
+        rss_10pct_mib=250.0,
+        rss_100pct_mib=280.0,
     )
     monkeypatch.setattr(sim.bench, "run_bench", lambda *args: [fixed])
     path = write_scenario(tmp_path, workload=TINY)
@@ -221,6 +249,8 @@ def test_bench_saves_its_figures_as_json(tmp_path, monkeypatch, capsys):
             "steps": 800,
             "requests": 8,
             "peak_rss_mib": 300.0,
+            "rss_10pct_mib": 250.0,
+            "rss_100pct_mib": 280.0,
             "backend": "kvsim",
             "cpu_s": 3.5,
             "runs": 1,
