@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -356,3 +357,80 @@ def test_a_replay_stopped_with_ctrl_c_leaves_no_running_request_and_its_blocks_f
     assert engine.num_unfinished == 0 and not engine.scheduler.has_unfinished_requests()
     assert engine.sim.kv_cache_manager.block_pool.get_usage() == 0
     assert allocator_problems(engine.sim.kv_cache_manager, engine.scheduler.deferred_blocks()) == []
+
+
+FUZZ_VALUES: list[Any] = [
+    None, True, -1, 0, 1, 3, 1e300, float("nan"), "x", "", [], {}, [[]], [-5], ["a", 1], {"a": [1]},
+    2**70, "9" * 50, [1, 2, 3], [{"role": "user"}], [{"role": "user", "content": [{"type": "x"}]}],
+    {"include_usage": "yes"}, [[1, 2], [3]],
+]  # fmt: skip
+FUZZ_FIELDS = (
+    "prompt", "messages", "max_tokens", "max_completion_tokens", "model", "stream", "stream_options", "n",
+    "temperature", "min_tokens", "return_token_ids", "top_p", "stop", "logprobs", "echo", "seed",
+)  # fmt: skip
+
+
+def _fuzzed_bodies(count: int, seed: int) -> list[tuple[str, bytes]]:
+    """Valid bodies with one to three fields set to values of odd types
+    (a seeded draw: the same bodies every run)."""
+    rng = random.Random(seed)
+    bodies = []
+    for index in range(count):
+        chat = index % 2 == 1
+        body: dict[str, Any] = {"max_tokens": 2}
+        body |= {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": [1, 2, 3]}
+        for name in rng.sample(FUZZ_FIELDS, rng.randint(1, 3)):
+            body[name] = rng.choice(FUZZ_VALUES)
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        bodies.append((path, json.dumps(body).encode()))
+    return bodies
+
+
+def test_fuzzed_fields_never_get_a_server_error(tmp_path, caplog):
+    """200 bodies with fields of odd types: each answered 200 or a 4xx with
+    vLLM's error body, no traceback logged, the server idle after."""
+    caplog.set_level(logging.DEBUG)
+
+    async def run(server: Served) -> list[str]:
+        problems = []
+        async with aiohttp.ClientSession() as session:
+            for path, raw in _fuzzed_bodies(200, seed=24):
+                async with session.post(f"{server.url}{path}", data=raw) as response:
+                    text = await response.text()
+                    ok = response.status == 200 or (400 <= response.status < 500 and '"error"' in text)
+                    if not ok:
+                        problems.append(f"{raw[:80]!r}: {response.status} {text[:200]}")
+            assert await wait_idle(session, server.url, 10.0) is not None
+        return problems
+
+    with served(tmp_path) as server:
+        problems = asyncio.run(asyncio.wait_for(run(server), 50))
+    assert problems == []
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+def test_a_request_given_no_tokens_in_time_is_aborted(tmp_path, monkeypatch):
+    """An engine far too slow (a step takes thousands of wall seconds at
+    speed 1e-4) and a token wait cut to 0.5 s: the request is aborted (one
+    log line, counted), the client gets vLLM's error body with 503, the
+    engine holds nothing after. The control: the same request on an engine
+    at normal speed finishes (200)."""
+    import sim.replay.server as server_module
+
+    monkeypatch.setattr(server_module, "TOKEN_WAIT_S", 0.5)
+
+    async def run(server: Served) -> tuple[int, dict[str, Any], dict[str, float] | None]:
+        async with aiohttp.ClientSession() as session:
+            payload = {"prompt": [1, 2, 3], "max_tokens": 2}
+            async with session.post(f"{server.url}/v1/completions", json=payload) as response:
+                status, body = response.status, await response.json()
+            return status, body, await wait_idle(session, server.url, 5.0)
+
+    with served(tmp_path, speed=1e-4) as server:
+        status, body, found = asyncio.run(asyncio.wait_for(run(server), 30))
+    assert status == 503 and body["error"]["code"] == 503
+    assert found is not None and found["vllm:request_success_total:abort"] == 1
+    assert server.log == ["Request cmpl-0 aborted (no tokens for 0.5 s)."]
+    with served(tmp_path) as server:
+        status, _, found = asyncio.run(asyncio.wait_for(run(server), 30))
+    assert status == 200 and found is not None and found["vllm:request_success_total:length"] == 1

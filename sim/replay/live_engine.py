@@ -98,6 +98,7 @@ class LiveEngine:
         self._streams: dict[str, _Stream] = {}
         self._wakeup = asyncio.Event()
         self._stopping = False
+        self._stopped = asyncio.Event()  # cuts a step's wait short at a stop
         self._was_idle = True
         self.max_lag_s = 0.0
         self._publish_gauges()
@@ -107,7 +108,12 @@ class LiveEngine:
         return (self._clock() - self._start_wall) * self.speed
 
     async def _sleep_until(self, virtual_s: float) -> None:
-        await asyncio.sleep(max(0.0, virtual_s / self.speed + self._start_wall - self._clock()))
+        """Until ``virtual_s``, or a stop (a slow engine's step may last hours)."""
+        wall_s = max(0.0, virtual_s / self.speed + self._start_wall - self._clock())
+        try:
+            await asyncio.wait_for(self._stopped.wait(), wall_s)
+        except TimeoutError:
+            pass
 
     # --------------------------------------------------------------- intake
     def add_request(self, token_ids: list[int], max_tokens: int) -> tuple[str, asyncio.Queue[TokenDelta]]:
@@ -155,6 +161,7 @@ class LiveEngine:
     # ---------------------------------------------------------------- loop
     def stop(self) -> None:
         self._stopping = True
+        self._stopped.set()
         self._wakeup.set()
 
     async def run(self) -> None:

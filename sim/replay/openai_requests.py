@@ -46,6 +46,10 @@ CHAT_TEMPLATE = (
     "the role and the content one token per whitespace-separated word"
 )
 
+# What vLLM's create_error_response answers 400 (its own client errors, and
+# the plain ValueError / TypeError / OverflowError that some checks raise).
+CLIENT_ERRORS = (VLLMClientError, ValueError, TypeError, OverflowError)
+
 # Bounds on a request body (docs/serving.md gives the reasons).
 MAX_BODY_BYTES = 16 << 20
 BODY_READ_S = 30.0
@@ -175,14 +179,14 @@ async def parse_request(body: Any, kind: Kind, model_name: str, max_model_len: i
     except ValidationError as error:
         errors = [{**e, "loc": ("body", *e["loc"])} for e in error.errors()]
         raise ClientMistake(*await validation_error_body(errors)) from None
-    except VLLMClientError as error:
+    except CLIENT_ERRORS as error:
         raise ClientMistake(*error_body(error)) from None
     if request.model and request.model != model_name:
         raise ClientMistake(*not_found_body(request.model, model_name))
     try:
         prompt_ids = _prompt_ids(request) if kind == "completion" else chat_token_ids(request.messages)
         max_tokens = max_tokens_for(request, max_model_len, prompt_ids)
-    except VLLMClientError as error:
+    except CLIENT_ERRORS as error:
         raise ClientMistake(*error_body(error)) from None
     options = request.stream_options
     return ParsedRequest(
