@@ -102,7 +102,8 @@ def _measure(scenario_name: str, overrides: list[str], layout: str, backend: str
             requests=len(workload.requests),
             peak_rss_mib=peak_kib / 1024,
             cpu_s=cpu_s,
-            **dict(zip(("rss_10pct_mib", "rss_100pct_mib"), rss_mib, strict=False)),
+            rss_10pct_mib=rss_mib[0] if rss_mib else float("nan"),
+            rss_100pct_mib=rss_mib[-1] if rss_mib else float("nan"),
         )
     )
 

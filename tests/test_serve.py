@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 from sim_helpers import scenario
@@ -334,3 +336,43 @@ def test_chat_chunks_and_answers_are_vllms_response_models(tmp_path):
     answer = ChatCompletionResponse.model_validate(whole)
     assert answer.choices[0].message.role == "assistant" and answer.usage.completion_tokens == 4
     assert refused[0] == 400 and "text parts only" in refused[1]["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "prompt_len", "expected"),
+    [
+        ({"max_tokens": 5}, 3, 5),  # fits: as asked
+        ({"max_tokens": 99}, 3, 97),  # 3 + 99 > 100: clamped to the room left (get_max_tokens)
+        ({}, 3, 16),  # completions' default
+        ({"max_tokens": 100}, 3, 97),  # equal to max_model_len: allowed, clamped
+        ({"max_tokens": 101}, 3, "max_tokens=101 cannot be greater than max_model_len=100"),
+        ({"max_tokens": 5}, 100, "plus the number of requested output tokens (at least 1)"),
+        ({"max_tokens": 5}, 101, "your prompt contains at least 101 input tokens"),
+        ({"max_tokens": 5}, 150, "your prompt contains 150 input tokens"),
+    ],
+)
+def test_output_budget_as_vllm_derives_it(body, prompt_len, expected):
+    """vLLM 0.33.0's rules on max_model_len 100, derived from its source:
+    ``TokenizeParams`` refuses ``max_tokens > max_model_len``, its length
+    check a prompt past it ("at least" when one over), the input processor
+    a prompt that leaves no room; ``get_max_tokens`` clamps the rest."""
+    from sim.vllm_bridge.openai import CompletionRequest, VLLMValidationError, max_tokens_for
+
+    request = CompletionRequest.model_validate({"prompt": [1], **body})
+    if isinstance(expected, int):
+        assert max_tokens_for(request, 100, list(range(prompt_len))) == expected
+    else:
+        with pytest.raises(VLLMValidationError, match=re.escape(expected)):
+            max_tokens_for(request, 100, list(range(prompt_len)))
+
+
+def test_chat_max_completion_tokens_comes_before_max_tokens():
+    from sim.vllm_bridge.openai import ChatCompletionRequest, max_tokens_for
+
+    messages = [{"role": "user", "content": "hi"}]
+    both = ChatCompletionRequest.model_validate(
+        {"messages": messages, "max_completion_tokens": 4, "max_tokens": 9}
+    )
+    assert max_tokens_for(both, 100, [1, 2, 3]) == 4
+    # Neither: the room the prompt leaves (chat has no default of 16).
+    assert max_tokens_for(ChatCompletionRequest.model_validate({"messages": messages}), 100, [1, 2, 3]) == 97

@@ -184,7 +184,10 @@ async def parse_request(body: Any, kind: Kind, model_name: str, max_model_len: i
     if request.model and request.model != model_name:
         raise ClientMistake(*not_found_body(request.model, model_name))
     try:
-        prompt_ids = _prompt_ids(request) if kind == "completion" else chat_token_ids(request.messages)
+        if isinstance(request, CompletionRequest):
+            prompt_ids = _prompt_ids(request)
+        else:
+            prompt_ids = chat_token_ids(request.messages)
         max_tokens = max_tokens_for(request, max_model_len, prompt_ids)
     except CLIENT_ERRORS as error:
         raise ClientMistake(*error_body(error)) from None
@@ -205,8 +208,9 @@ def _prompt_ids(request: CompletionRequest) -> list[int]:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         return tokenize_text(prompt)
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return list(prompt)
+    ids = [t for t in prompt if isinstance(t, int)] if isinstance(prompt, list) else []
+    if isinstance(prompt, list) and len(ids) == len(prompt):
+        return ids
     raise VLLMValidationError("kvsim serve takes one prompt per request", parameter="prompt")
 
 

@@ -85,7 +85,9 @@ def max_tokens_for(
             f"(at least 1) is longer than the maximum model length of {max_model_len}. Make sure that "
             "`max_model_len` is no smaller than the number of text tokens (prompt + requested output tokens)."
         )
-    asked = getattr(request, "max_completion_tokens", None) or request.max_tokens
+    asked = getattr(request, "max_completion_tokens", None)  # chat's, before max_tokens (build_tok_params)
+    if asked is None:
+        asked = request.max_tokens
     room = max_model_len - prompt_len  # get_max_tokens: the least of the room and the ask
     max_tokens = room if asked is None else min(room, asked)
     # The sampling parameters' own checks (max_tokens >= 1, n, temperature...).
