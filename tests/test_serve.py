@@ -376,3 +376,33 @@ def test_chat_max_completion_tokens_comes_before_max_tokens():
     assert max_tokens_for(both, 100, [1, 2, 3]) == 4
     # Neither: the room the prompt leaves (chat has no default of 16).
     assert max_tokens_for(ChatCompletionRequest.model_validate({"messages": messages}), 100, [1, 2, 3]) == 97
+
+
+def test_bodies_that_do_not_parse_as_fastapi_answers_under_vllm(tmp_path):
+    """FastAPI (vLLM's server) turns a ``JSONDecodeError`` into a
+    ``json_invalid`` validation error and any other parse failure (too deep
+    for the parser, an integer past Python's digit limit) into a 400
+    "There was an error parsing the body"; vLLM's handlers shape both."""
+
+    async def check(client: TestClient) -> list[tuple[int, dict[str, Any]]]:
+        answers = []
+        for raw in (
+            b'{"prompt": [1,',
+            b"[" * 100_000 + b"]" * 100_000,
+            b'{"prompt": [' + b"9" * 5000 + b"]}",
+        ):
+            response = await client.post("/v1/completions", data=raw)
+            answers.append((response.status, (await response.json())["error"]))
+        return answers
+
+    (status, invalid), *others = _serve(tmp_path, check)
+    assert status == 400 and invalid["type"] == "Bad Request" and invalid["param"] == "body.14"
+    assert invalid["message"].startswith("1 validation error:") and "json_invalid" in invalid["message"]
+    for status, error in others:
+        assert status == 400
+        assert error == {
+            "message": "There was an error parsing the body",
+            "type": "Bad Request",
+            "param": None,
+            "code": 400,
+        }

@@ -27,6 +27,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sim_helpers import scenario
+from test_serve import NO_WORKLOAD
 
 import sim.vllm_bridge  # noqa: F401  (sets VLLM_TARGET_DEVICE before vLLM's argument parser runs)
 from sim.allocator_invariants import allocator_problems
@@ -36,13 +37,6 @@ from sim.replay.server import Bounds, build_app, start_server
 
 HEALTH_BOUND_S = 2.0
 SPEED = 200.0
-NO_WORKLOAD = {
-    "trace": "synthetic",
-    "num_requests": 1,
-    "arrival": {"process": "constant", "rate_per_s": 1.0},
-    "prompt": {"distribution": "fixed", "tokens": 10},
-    "output": {"distribution": "fixed", "tokens": 1},
-}
 
 
 @dataclass

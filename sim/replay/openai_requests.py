@@ -29,6 +29,7 @@ from sim.vllm_bridge.openai import (
     VLLMClientError,
     VLLMValidationError,
     error_body,
+    http_error_body,
     max_tokens_for,
     not_found_body,
     validation_error_body,
@@ -113,10 +114,11 @@ def _message_text(message: Any, index: int) -> str:
 
 # ------------------------------------------------------------------ reading
 async def read_json(request: web.Request) -> Any:
-    """The body as JSON, within ``MAX_BODY_BYTES`` and ``BODY_READ_S``;
-    a body that does not parse (or nests past the parser's recursion limit,
-    or holds an integer past Python's digit limit) is FastAPI's
-    ``json_invalid`` validation error, as vLLM answers it."""
+    """The body as JSON, within ``MAX_BODY_BYTES`` and ``BODY_READ_S``,
+    refused as FastAPI refuses it under vLLM: a body that does not parse is
+    a ``json_invalid`` validation error; one that nests past the parser's
+    recursion limit, holds an integer past Python's digit limit or is not
+    UTF-8 is "There was an error parsing the body" (400)."""
     if (request.content_length or 0) > MAX_BODY_BYTES:
         raise _too_large()
     try:
@@ -132,10 +134,8 @@ async def read_json(request: web.Request) -> Any:
         return json.loads(raw)
     except json.JSONDecodeError as error:
         raise await _invalid_json(error.pos, error.msg) from None
-    except RecursionError:
-        raise await _invalid_json(0, "nested deeper than the JSON parser's recursion limit") from None
-    except (ValueError, UnicodeDecodeError) as error:  # digit limit, bad encoding
-        raise await _invalid_json(0, str(error)) from None
+    except (RecursionError, ValueError):  # too deep, past the digit limit, not UTF-8: FastAPI's answer
+        raise ClientMistake(*await http_error_body(400, "There was an error parsing the body")) from None
 
 
 def _too_large() -> ClientMistake:

@@ -15,11 +15,13 @@ from http import HTTPStatus
 from types import SimpleNamespace
 from typing import Any
 
+from fastapi import HTTPException
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+from vllm.entrypoints.serve.exception_handling.handlers.http import http_exception_handler
 from vllm.entrypoints.serve.exception_handling.handlers.validation import validation_exception_handler
 from vllm.exceptions import VLLMClientError, VLLMNotFoundError, VLLMValidationError
 
@@ -31,6 +33,7 @@ __all__ = [
     "VLLMValidationError",
     "ValidationError",
     "error_body",
+    "http_error_body",
     "max_tokens_for",
     "not_found_body",
     "validation_error_body",
@@ -60,6 +63,14 @@ async def validation_error_body(errors: list[dict[str, Any]]) -> tuple[int, dict
     handler) to a body that does not parse or validate. ``errors`` as
     pydantic gives them, ``loc`` starting with ``"body"``."""
     response = await validation_exception_handler(_REQUEST, RequestValidationError(errors))  # type: ignore[arg-type]
+    return response.status_code, json.loads(bytes(response.body))
+
+
+async def http_error_body(status: int, detail: str) -> tuple[int, dict[str, Any]]:
+    """vLLM's answer to a framework ``HTTPException`` (type: the status's
+    phrase), e.g. FastAPI's 400 for a body it cannot parse other than a
+    ``JSONDecodeError``."""
+    response = await http_exception_handler(_REQUEST, HTTPException(status, detail))  # type: ignore[arg-type]
     return response.status_code, json.loads(bytes(response.body))
 
 
