@@ -2,11 +2,12 @@
 allocator calls it skips change nothing, and every frame is the same with
 and without it.
 
-Two independent checks, neither reading the fast path's own reasoning: a
-scheduler that makes every skipped call anyway and compares the whole
-allocator state (every block's id, reference count and hash, the free
-queue's order, every per-request table and dict of every manager) before
-and after; and the frames of every gate scenario run both ways.
+Two independent checks, neither reading the fast path's own reasoning: the
+fast path's audit (``FastPath.audit``) makes every skipped call anyway and
+compares the whole allocator state (every block's id, reference count and
+hash, the free queue's order, every per-request table and dict of every
+manager) before and after; and the frames of every gate scenario run both
+ways.
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ from sim.engine import Simulation
 from sim.paths import SCENARIOS_DIR
 from sim.scenario import load_scenario
 from sim.sched.engine_core import EngineCore
-from sim.sched.scheduler import Scheduler
+from sim.sched.fast_path import AuditCounts, FastPath
 from sim.sched.settled import SettledSteps
-from sim.vllm_bridge import KVCacheBlock
 
 # ----------------------------------------------------------------- windows
 
@@ -197,76 +197,17 @@ def test_requests_of_one_output_length_share_their_sampling_params(tmp_path):
 # ------------------------------------------------------- skipped calls
 
 
-def _state(value: Any, depth: int = 0) -> Any:
-    """A comparable copy of allocator state: blocks as (id, refs, hash)."""
-    if isinstance(value, KVCacheBlock):
-        return ("block", value.block_id, value.ref_cnt, value.block_hash)
-    if depth > 4:
-        return repr(value)
-    if isinstance(value, dict):
-        return {repr(k): _state(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, list | tuple | set | frozenset):
-        items = [_state(v, depth + 1) for v in value]
-        return sorted(items, key=repr) if isinstance(value, set | frozenset) else items
-    if isinstance(value, int | float | str | bool | type(None)):
-        return value
-    return type(value).__name__
-
-
-def allocator_state(kv_cache_manager) -> Any:
-    pool = kv_cache_manager.block_pool
-    managers = [
-        {
-            name: _state(field)
-            for name, field in vars(manager).items()
-            if name not in ("block_pool", "kv_cache_spec")
-        }
-        for manager in kv_cache_manager.managers
-    ]
-    return {
-        "blocks": [_state(block) for block in pool.blocks],
-        "free_queue": [block.block_id for block in pool.free_block_queue.get_all_free_blocks()],
-        "cached": len(pool.cached_block_hash_to_block),
-        "managers": managers,
-    }
-
-
-class CallingScheduler(Scheduler):
-    """Makes every call the fast path skips, and checks it changed nothing."""
-
-    checked_allocations = 0
-    checked_cachings = 0
-
-    def _allocate_or_preempt(self, request, num_new, step):
-        lookahead = self.config.num_speculative_tokens
-        span = self._decode_span(request, num_new + lookahead)
-        if span is not None and self.settled_allocations.is_settled(request.request_id, *span):
-            before = allocator_state(self.kv_cache_manager)
-            blocks = self.kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
-            assert blocks is not None and not any(blocks.blocks), (
-                f"{request.request_id}: a settled call allocated"
-            )
-            assert allocator_state(self.kv_cache_manager) == before, f"{request.request_id}: state changed"
-            self.checked_allocations += 1
-        return super()._allocate_or_preempt(request, num_new, step)
-
-    def _cache_blocks(self, request):
-        computed = request.num_computed_tokens
-        if self.settled_caching.is_settled(request.request_id, computed, computed):
-            before = allocator_state(self.kv_cache_manager)
-            self.kv_cache_manager.cache_blocks(request, computed)
-            assert allocator_state(self.kv_cache_manager) == before, f"{request.request_id}: caching changed"
-            self.checked_cachings += 1
-        super()._cache_blocks(request)
-
-
-def _use(simulation: Simulation, checking: CallingScheduler) -> None:
-    """Step ``simulation`` through ``checking``, without the steady lane:
-    the lane would take most settled decodes past the scheduler's calls
-    (``tests/test_steady.py`` makes the lane's skipped calls itself)."""
-    simulation.scheduler = checking
-    simulation.core = EngineCore(checking, simulation.model_runner)
-    simulation.core.steady = None
+def audited(simulation: Simulation, *, lane: bool) -> AuditCounts:
+    """Step ``simulation`` with the fast path's audit on: every call it
+    skips is made anyway and asserted to change nothing. ``lane``: with the
+    steady lane (off: the lane would take most settled decodes past the
+    scheduler's own calls, which this then checks)."""
+    fast_path = simulation.scheduler.fast_path
+    assert isinstance(fast_path, FastPath)
+    fast_path.audit = True
+    fast_path.use_lane = lane
+    simulation.core = EngineCore(simulation.scheduler, simulation.model_runner)
+    return fast_path.audited
 
 
 def _simulation(name: str, overrides: list[str], layout: str, tmp_path: Path) -> Simulation:
@@ -305,11 +246,10 @@ CHECKED_CASES = [
 )
 def test_every_skipped_call_changes_nothing(name, overrides, layout, tmp_path):
     simulation = _simulation(name, overrides, layout, tmp_path)
-    checking = CallingScheduler(simulation.scheduler.config, simulation.kv_cache_manager)
-    _use(simulation, checking)
+    counts = audited(simulation, lane=False)
     simulation.run()
     # Control: the fast path did skip calls here, so the check had work.
-    assert checking.checked_allocations > 0 and checking.checked_cachings > 0
+    assert counts.allocations > 0 and counts.cachings > 0
 
 
 def settle_every_call_after_the_first(monkeypatch) -> None:
@@ -325,9 +265,8 @@ def test_the_check_catches_a_call_skipped_across_a_boundary(monkeypatch, tmp_pat
     allocates is settled, and it is caught."""
     settle_every_call_after_the_first(monkeypatch)
     simulation = _simulation(*CHECKED_CASES[0], "off", tmp_path)
-    checking = CallingScheduler(simulation.scheduler.config, simulation.kv_cache_manager)
-    _use(simulation, checking)
-    with pytest.raises(AssertionError, match="a settled call allocated|state changed|caching changed"):
+    audited(simulation, lane=False)
+    with pytest.raises(AssertionError, match="a settled call allocated|changed the allocator"):
         simulation.run()
 
 

@@ -21,7 +21,7 @@ from test_fast_path import (
     _frames,
     _one_request,
     _simulation,
-    allocator_state,
+    audited,
 )
 from test_scheduler import _scheduler, _spec
 
@@ -31,8 +31,8 @@ from sim.engine import Simulation
 from sim.paths import SCENARIOS_DIR
 from sim.scenario import load_scenario
 from sim.sched.engine_core import EngineCore
+from sim.sched.fast_path import FastPath
 from sim.sched.model_runner import AcceptanceModel, ModelRunner, UniformStream, accepted_drafts
-from sim.sched.scheduler import Scheduler, _StepState
 from sim.sched.steady import SteadyDecode
 
 # ------------------------------------------------------------ the draws
@@ -273,13 +273,13 @@ def _steps_of(tmp_path, overrides: list[str], *, fast_path: bool) -> list[tuple]
 def test_a_lane_blind_to_the_allocation_window_runs_through_the_boundary(monkeypatch, tmp_path):
     """Failing control for the hand count: a lane that takes a step's
     allocation as settled whenever a window is known."""
-    monkeypatch.setattr(SteadyDecode, "_limit", _limit_without_allocation_window)
+    monkeypatch.setattr(SteadyDecode, "limit", _limit_without_allocation_window)
     steady, _ = _lane_steps(_one_request(tmp_path, 3120, 150))
     assert steady != [False] * 2 + [True] * 40 + [False] * 73 + [True] * 35
 
 
 def _limit_without_allocation_window(self: SteadyDecode, request) -> int | None:
-    caching = self.scheduler.settled_caching.bounds(request.request_id)
+    caching = self.scheduler.fast_path.caching.bounds(request.request_id)
     if request.num_computed_tokens != request.num_tokens - 1 or caching is None:
         return None
     return self.scheduler.config.max_model_len
@@ -304,11 +304,11 @@ def test_the_waiting_memo_holds_only_for_the_same_inputs_and_allocator():
     engine.complete(engine.schedule())
     step = engine.schedule()
     assert [item.request_id for item in step.output.scheduled] == ["r000", "r001"]
-    assert scheduler.waiting_known_idle(504, True, False)
-    assert not scheduler.waiting_known_idle(503, True, False)
-    assert not scheduler.waiting_known_idle(504, True, True)
+    assert scheduler.fast_path.waiting_known_idle(504, True, False)
+    assert not scheduler.fast_path.waiting_known_idle(503, True, False)
+    assert not scheduler.fast_path.waiting_known_idle(504, True, True)
     engine.complete(step)  # caches the decodes' blocks (32-token blocks never settle)
-    assert not scheduler.waiting_known_idle(504, True, False)
+    assert not scheduler.fast_path.waiting_known_idle(504, True, False)
 
 
 def test_an_arrival_voids_the_waiting_memo():
@@ -319,7 +319,7 @@ def test_an_arrival_voids_the_waiting_memo():
     engine.complete(engine.schedule())
     engine.schedule()
     scheduler.add_request(_spec(3, 60))
-    assert not scheduler.waiting_known_idle(504, True, False)
+    assert not scheduler.fast_path.waiting_known_idle(504, True, False)
 
 
 def _runner() -> ModelRunner:
@@ -329,87 +329,10 @@ def _runner() -> ModelRunner:
 # --------------------------------------- every skipped call, made anyway
 
 
-class CheckingSteady(SteadyDecode):
-    """Makes every call the lane skips (each steady request's allocation
-    and caching) and checks it changed nothing."""
-
-    checked_steps = 0
-
-    def schedule(self):
-        output = super().schedule()
-        if self._taken:
-            self._check_allocations()
-            self.checked_steps += 1
-        return output
-
-    def complete(self, output):
-        taken = set(self._taken)
-        outcome = super().complete(output)
-        self._check_caching(taken)
-        return outcome
-
-    def _check_allocations(self) -> None:
-        kv = self.scheduler.kv_cache_manager
-        before = allocator_state(kv)
-        for request_id in self._taken:
-            kept = self._kept[request_id]
-            request = kept.request
-            # The request as the running loop sees it: its tokens taken, the
-            # step's not yet counted as computed.
-            self._hand_over(kept)
-            request.num_computed_tokens -= self.step_tokens
-            blocks = kv.allocate_slots(request, self.step_tokens, num_lookahead_tokens=self.num_spec)
-            request.num_computed_tokens += self.step_tokens
-            assert blocks is not None and not any(blocks.blocks), f"{request_id}: it allocates"
-        assert allocator_state(kv) == before, "a steady decode's allocation changed the allocator"
-
-    def _check_caching(self, taken: set[str]) -> None:
-        kv = self.scheduler.kv_cache_manager
-        before = allocator_state(kv)
-        for request_id in taken:
-            kept = self._kept.get(request_id)
-            if kept is None:
-                continue  # it took its tokens the scheduler's way
-            self._hand_over(kept)
-            kv.cache_blocks(kept.request, kept.computed)
-        assert allocator_state(kv) == before, "a steady decode's caching changed the allocator"
-
-
-class MemoCheckingScheduler(Scheduler):
-    """Runs every waiting loop the fast path skips as known to admit nobody
-    and checks it admits nobody and changes nothing."""
-
-    checked_skips = 0
-
-    def _waiting_known_idle(self, step):
-        known = super()._waiting_known_idle(step)
-        if known:
-            before = allocator_state(self.kv_cache_manager)
-            probe = _StepState(
-                token_budget=step.token_budget,
-                running_scheduled=step.running_scheduled,
-                prefill_scheduled=step.prefill_scheduled,
-            )
-            self._schedule_waiting(probe)
-            assert not probe.new_ids and not probe.resumed_ids, "a skipped waiting loop admits"
-            assert allocator_state(self.kv_cache_manager) == before, "a skipped waiting loop changed it"
-            self.checked_skips += 1
-        return known
-
-
 # Pool-bound with free seats: requests wait while steady steps run, so their
 # waiting loops are skipped (at 16 seats the seats bind first).
 POOL_BOUND = ["workload.max_requests=60"]
 STEADY_CASES = [*CHECKED_CASES, ("saturated-decode", POOL_BOUND)]
-
-
-def _checked(simulation: Simulation) -> tuple[MemoCheckingScheduler, CheckingSteady]:
-    """Step ``simulation`` through both checks."""
-    scheduler = MemoCheckingScheduler(simulation.scheduler.config, simulation.kv_cache_manager)
-    simulation.scheduler = scheduler
-    simulation.core = EngineCore(scheduler, simulation.model_runner)
-    lane = simulation.core.steady = CheckingSteady(scheduler, simulation.model_runner)
-    return scheduler, lane
 
 
 @pytest.mark.parametrize("layout", ["off", "on"])
@@ -417,32 +340,35 @@ def _checked(simulation: Simulation) -> tuple[MemoCheckingScheduler, CheckingSte
     ("name", "overrides"), STEADY_CASES, ids=lambda v: str(v).rsplit("/", 1)[-1].removesuffix(".yaml")
 )
 def test_every_call_a_steady_step_skips_changes_nothing(name, overrides, layout, tmp_path):
+    """The fast path's audit, with the lane: each steady request's
+    allocation and caching and each waiting loop known to admit nobody are
+    made anyway, and change nothing."""
     simulation = _simulation(name, overrides, layout, tmp_path)
-    scheduler, lane = _checked(simulation)
+    counts = audited(simulation, lane=True)
     simulation.run()
     # Control: steady decodes ran here (and known-idle waiting loops were
     # skipped in the pool-bound case), so the checks had work.
-    assert lane.checked_steps > 0
+    assert counts.lane_steps > 0
     if overrides is POOL_BOUND:
-        assert scheduler.checked_skips > 0
+        assert counts.waiting_loops > 0
 
 
 def test_the_check_catches_a_steady_step_across_a_boundary(monkeypatch, tmp_path):
     """Failing control: a lane blind to the allocation window runs steady
     steps across block boundaries, and the check catches the allocation."""
-    monkeypatch.setattr(SteadyDecode, "_limit", _limit_without_allocation_window)
+    monkeypatch.setattr(SteadyDecode, "limit", _limit_without_allocation_window)
     simulation = _simulation(*CHECKED_CASES[0], "off", tmp_path)
-    _checked(simulation)
-    with pytest.raises(AssertionError, match="it allocates|changed the allocator"):
+    audited(simulation, lane=True)
+    with pytest.raises(AssertionError, match="allocates|changed the allocator"):
         simulation.run()
 
 
 def test_the_check_catches_a_waiting_loop_wrongly_skipped(monkeypatch, tmp_path):
     """Failing control: a scheduler that takes every waiting loop as known
     to admit nobody; the check's waiting loop admits someone."""
-    monkeypatch.setattr(Scheduler, "waiting_known_idle", lambda self, *inputs: bool(self.waiting))
+    monkeypatch.setattr(FastPath, "waiting_known_idle", lambda self, *inputs: bool(self.scheduler.waiting))
     simulation = _simulation(*STEADY_CASES[-1], "off", tmp_path)
-    _checked(simulation)
+    audited(simulation, lane=True)
     with pytest.raises(AssertionError, match="admits|changed"):
         simulation.run()
 
@@ -463,7 +389,7 @@ def test_a_lane_skipping_every_waiting_loop_changes_the_frames(monkeypatch):
     admit nobody, whatever changed."""
     scenario = load_scenario("saturated-decode", POOL_BOUND)
     step_by_step = _frames(scenario, "off", False)
-    monkeypatch.setattr(Scheduler, "waiting_known_idle", lambda self, *inputs: bool(self.waiting))
+    monkeypatch.setattr(FastPath, "waiting_known_idle", lambda self, *inputs: bool(self.scheduler.waiting))
     assert _frames(scenario, "off", True)["steps"] != step_by_step["steps"]
 
 
@@ -473,7 +399,7 @@ def test_a_lane_that_never_stops_a_request_changes_the_frames(monkeypatch):
     length until an ordinary step stops it)."""
     scenario = load_scenario("saturated-decode", POOL_BOUND)
     step_by_step = _frames(scenario, "off", False)
-    monkeypatch.setattr(SteadyDecode, "_unstoppable", lambda self, request: 10**9)
+    monkeypatch.setattr(SteadyDecode, "unstoppable", lambda self, request: 10**9)
     assert _frames(scenario, "off", True)["requests"] != step_by_step["requests"]
 
 
