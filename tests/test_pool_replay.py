@@ -21,11 +21,11 @@ import torch
 from sim.analysis.runs import scenario_workload
 from sim.cli import main
 from sim.pool_replay import PoolCorruption, PoolReplay, replay_pool, with_pool_bytes
+from sim.pool_replay.views import WorkerViews, allocate_worker_views
 from sim.scenario import load_scenario
 from sim.sched.scheduler import Scheduler
 from sim.single_type_kv_cache_manager import RingSlotPool
 from sim.vllm_bridge import KVCacheBlock
-from sim.worker_views import WorkerViews, allocate_worker_views
 
 DATA = Path(__file__).parent / "data"
 SMALL = DATA / "pool-replay.yaml"

@@ -28,6 +28,7 @@ from sim.sched.steady import NO_STEADY, SteadyItems
 from sim.vllm_bridge import (
     BlockRemoved,
     KVCacheBlock,
+    KVCacheBlocks,
     MambaAlignedSplit,
     Request,
     RequestStatus,
@@ -83,6 +84,26 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_concurrent_batches < 1:
             raise ValueError(f"max_concurrent_batches must be at least 1, got {self.max_concurrent_batches}")
+
+
+class SchedulerObserver:
+    """Hooks for a caller that watches the scheduler's steps as they happen
+    (the pool replay, ``sim/pool_replay/``); each a no-op here. The scheduler
+    calls them; an observer reads, never changes, its state. Frees are the
+    manager's hook (``KVCacheManager.observer``)."""
+
+    def step_starts(self, step_index: int) -> None:
+        """``schedule()`` begins the step ``step_index``."""
+
+    def step_scheduled(self, output: SchedulerOutput) -> None:
+        """``schedule()`` returns ``output``."""
+
+    def output_arrives(self, output: SchedulerOutput) -> None:
+        """A step's output arrived, before its fences pass (the steady lane's
+        steps too: fast-path rule 8)."""
+
+    def prefix_hit(self, request: Request, blocks: KVCacheBlocks, num_hit: int) -> None:
+        """The waiting loop's lookup found ``num_hit`` cached tokens."""
 
 
 @dataclass(slots=True)
@@ -149,6 +170,7 @@ class Scheduler:
         self.num_evicted_blocks = 0
         self._params_by_output_len: dict[int, SamplingParams] = {}
         self.fast_path: FastPath | NoFastPath = FastPath(self) if fast_path else NoFastPath()
+        self.observer = SchedulerObserver()
 
     # ------------------------------------------------------------------ intake
     def add_request(self, spec: RequestSpec) -> bool:
@@ -198,13 +220,16 @@ class Scheduler:
         """``steady``: the steady lane's decodes for this step, which the
         running loop schedules as they are where it would have scheduled
         them unchanged (the fast path's lane)."""
+        self.observer.step_starts(self.step_index + 1)
         self._num_arrived_since_schedule = 0
         self.kv_cache_manager.new_step_starts()
         step = _StepState(token_budget=self.config.max_num_batched_tokens, steady=steady)
         self._schedule_running(step)
         if not step.preempted_ids and not self.fast_path.skips_waiting(step):
             self._schedule_waiting(step)
-        return self._finish_schedule(step)
+        output = self._finish_schedule(step)
+        self.observer.step_scheduled(output)
+        return output
 
     def _long_prefill_threshold(self) -> int:
         # A lone request has nobody to starve: it may use the whole budget.
@@ -320,6 +345,8 @@ class Scheduler:
         while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._peek_waiting()
             blocks, num_hit, boundary = self.kv_cache_manager.get_computed_blocks(request)
+            if num_hit:
+                self.observer.prefix_hit(request, blocks, num_hit)
             request.shared_prefix_boundary = boundary
             num_new = request.num_tokens - num_hit
             padded = self._pads_to_uniform_decode(request, num_new, num_hit, step)
@@ -485,6 +512,7 @@ class Scheduler:
     def output_arrives(self, output: SchedulerOutput) -> None:
         """A step's output arrived: the fences up to it pass (first, before
         any of its requests' outputs is applied)."""
+        self.observer.output_arrives(output)
         if self.config.defer_block_free and not output.is_empty:
             self._advance_processed(self.sched_step_seq - (self.config.max_concurrent_batches - 1))
 
