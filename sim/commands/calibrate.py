@@ -21,7 +21,7 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
-def register(subparsers: Any) -> argparse.ArgumentParser:
+def register(subparsers: Any) -> None:
     calibrate = subparsers.add_parser("calibrate", help="fit the step-time model to a replay")
     calibrate.add_argument(
         "replay_dirs",
@@ -46,7 +46,6 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--max-seconds", type=float, default=600.0, metavar="S", help="stop the fit after S s (default 600)"
     )
     calibrate.set_defaults(func=cmd_calibrate)
-    return calibrate
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -87,12 +86,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _replayed_scenario(replay_dir: Path, replay: dict[str, pd.DataFrame], data: dict[str, Any]) -> Any:
     from sim.config import validate
-    from sim.scenario import Layout, Scenario
+    from sim.scenario import Scenario, SideCacheSwitch
 
     if not data:
         raise ConfigError(f"{replay_dir}: no scenario recorded (scenario.json)")
     scenario = validate(Scenario, data, f"{replay_dir}/scenario.json")
-    layouts = tuple(cast(Layout, str(name)) for name in dict.fromkeys(replay["summary"]["layout"]))
+    layouts = tuple(cast(SideCacheSwitch, str(name)) for name in dict.fromkeys(replay["summary"]["layout"]))
     unknown = [name for name in layouts if name not in ("off", "on")]
     if unknown or not layouts:
         raise ConfigError(f"{replay_dir}: summary: layouts {layouts}: expected off and/or on")

@@ -72,7 +72,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: Any) -> argparse.ArgumentParser:
+def register(subparsers: Any) -> None:
     plot = subparsers.add_parser("plot", help="draw the figures of a results directory")
     plot.add_argument(
         "results_dir", metavar="RESULTS_DIR", help="a directory written by kvsim run, compare or sweep"
@@ -86,4 +86,3 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     plot.add_argument("--x", metavar="COLUMN", help="the swept column of sweep.parquet (default: inferred)")
     plot.set_defaults(func=cmd_plot)
-    return plot

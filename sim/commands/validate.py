@@ -15,7 +15,7 @@ from sim.commands.common import format_number
 from sim.config import ConfigError
 
 
-def register(subparsers: Any) -> argparse.ArgumentParser:
+def register(subparsers: Any) -> None:
     validate = subparsers.add_parser(
         "validate", help="compare a simulation with a replay of the same scenario"
     )
@@ -30,7 +30,6 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--out", metavar="DIR", help="where validate.json and plots/ go (default REPLAY_DIR/validate)"
     )
     validate.set_defaults(func=cmd_validate)
-    return validate
 
 
 def read_replays(replay_dirs: list[Path]) -> tuple[dict[str, pd.DataFrame], dict[str, Any]]:
