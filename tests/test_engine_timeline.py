@@ -311,10 +311,11 @@ def test_each_layout_simulates_its_own_pool(hand_scenario, layout, kv_cache_toke
 
 
 def _readme_columns(frame: str) -> set[str]:
-    """The backticked column names README.md's Outputs section lists for
-    ``frame`` (its bullet runs to the next bullet)."""
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = text[text.index("## Outputs") : text.index("## Regression gates")]
+    """The backticked column names the Outputs section of
+    docs/scenarios-and-outputs.md lists for ``frame`` (its bullet runs to
+    the next bullet)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "scenarios-and-outputs.md").read_text()
+    section = text[text.index("## Outputs") :]
     bullet = section[section.index(f"- `{frame}`:") :]
     bullet = bullet[: bullet.index("\n- ", 3)]
     names = set(re.findall(r"`([a-z0-9_]+)`", bullet)) - {frame, "sample_interval_s"}
@@ -322,7 +323,7 @@ def _readme_columns(frame: str) -> set[str]:
 
 
 def test_the_frames_have_the_columns_the_readme_documents(hand_scenario_file):
-    """Every column README.md names for the steps and requests frames is
+    """Every column the docs name for the steps and requests frames is
     recorded, and the samples frame carries the steps frame's gauges
     (the README: "the gauges every sample_interval_s")."""
     sampled = load_scenario(str(hand_scenario_file), ["simulation.sample_interval_s=1.0"])

@@ -185,7 +185,7 @@ def test_the_fenced_pages_themselves_show_the_reuse(small, monkeypatch):
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason=f"no CUDA device visible to torch {torch.__version__}: the full-size replay "
-    "(4.1e9 B per rank) runs on the rig (README: Pool replay)",
+    "(4.1e9 B per rank) runs on the rig (docs/pool-replay.md)",
 )
 @pytest.mark.parametrize("layout", ["off", "on"])
 def test_the_full_pool_replays_clean_on_cuda(layout):
