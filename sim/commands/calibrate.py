@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-import pandas as pd
 import yaml
 
 from sim.config import ConfigError
+
+if TYPE_CHECKING:  # pandas costs a second at start-up: imported where used
+    import pandas as pd
 
 # The coefficients docs/step-time-model.md names for calibration. (Here, not
 # in sim.analysis.calibrate, so building the parser imports no engine.)
@@ -125,6 +127,8 @@ def _print_fit(result: Any) -> None:
                 "status": status,
             }
         )
+    import pandas as pd
+
     print(pd.DataFrame(rows).set_index("coefficient").to_string())
     print(
         f"RMS relative error of TTFT and e2e per request: {result.rms_error_start:.4f} -> "

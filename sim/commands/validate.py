@@ -7,12 +7,13 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
-from typing import Any
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any
 
 from sim.commands.common import format_number
 from sim.config import ConfigError
+
+if TYPE_CHECKING:  # pandas costs a second at start-up: imported where used
+    import pandas as pd
 
 
 def register(subparsers: Any) -> None:
@@ -35,6 +36,8 @@ def register(subparsers: Any) -> None:
 def read_replays(replay_dirs: list[Path]) -> tuple[dict[str, pd.DataFrame], dict[str, Any]]:
     """The frames of one or more replays of one scenario (a replay per
     layout), stacked, and the scenario they replayed."""
+    import pandas as pd
+
     from sim.results import read_run
 
     runs = [read_run(path) for path in replay_dirs]
