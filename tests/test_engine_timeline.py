@@ -30,7 +30,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from sim_helpers import HAND_STEP_TIME, RecordingBar
+from helpers.scenarios import HAND_STEP_TIME, RecordingBar
 
 import sim.engine
 from sim.analysis.frames import frames

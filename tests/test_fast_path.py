@@ -13,18 +13,20 @@ ways.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-import sim_helpers
+from helpers import scenarios
+from helpers.fast_path import (
+    CHECKED_CASES,
+    DECODE_ACROSS_BOUNDARIES,
+    audited,
+    checked_simulation,
+    frames_with_fast_path,
+    one_request,
+)
 
 from sim.analysis.gates import DEFAULT_GATES, gate_scenario, load_gates
-from sim.analysis.runs import scenario_workload
 from sim.engine import Simulation
-from sim.paths import SCENARIOS_DIR
-from sim.scenario import load_scenario
-from sim.sched.engine_core import EngineCore
-from sim.sched.fast_path import AuditCounts, FastPath
 from sim.sched.settled import SettledSteps
 
 # ----------------------------------------------------------------- windows
@@ -115,24 +117,6 @@ def _counted_calls(simulation: Simulation) -> dict[str, int]:
     return counts
 
 
-def _one_request(tmp_path: Path, prompt: int, output: int, *overrides: str) -> Simulation:
-    """One request, drafts never accepted (one token a step; each decode
-    step schedules 1 + K = 4 tokens with K = 3 lookahead slots)."""
-    workload = {
-        "trace": "synthetic",
-        "num_requests": 1,
-        "arrival": {"process": "constant", "rate_per_s": 1.0},
-        "prompt": {"distribution": "fixed", "tokens": prompt},
-        "output": {"distribution": "fixed", "tokens": output},
-    }
-    scenario = sim_helpers.scenario(
-        tmp_path,
-        overrides=["mtp.acceptance_rates=[0, 0, 0]", "simulation.sample_interval_s=null", *overrides],
-        workload=workload,
-    )
-    return Simulation(scenario, "off", scenario_workload(scenario))
-
-
 @pytest.mark.parametrize(("fast_path", "allocations", "cachings"), [(True, 75, 67), (False, 150, 149)])
 def test_the_calls_skipped_across_a_block_boundary(tmp_path, fast_path, allocations, cachings):
     """A 3,120-token prompt, 150 outputs: the admission, then decode steps at
@@ -145,7 +129,7 @@ def test_the_calls_skipped_across_a_block_boundary(tmp_path, fast_path, allocati
     Caching after each sampled step (not the last, which finishes), at
     computed 3,120 .. 3,268 (149): 3,120 real, 3,121 .. 3,167 skipped (47),
     3,168 .. 3,233 real (66), 3,234 .. 3,268 skipped (35): 67 real."""
-    simulation = _one_request(tmp_path, 3120, 150, f"simulation.fast_path={str(fast_path).lower()}")
+    simulation = one_request(tmp_path, 3120, 150, f"simulation.fast_path={str(fast_path).lower()}")
     counts = _counted_calls(simulation)
     simulation.run()
     assert counts == {"allocate_slots": allocations, "cache_blocks": cachings}
@@ -158,7 +142,7 @@ def test_prefill_chunks_are_never_skipped(tmp_path):
     prefill), then decode steps at 1,002 (first: real) and 1,003 .. 1,005
     (skipped): 12 real. Caching: after the prefill (1,002, real) and after
     decode steps to 1,003 .. 1,005 (skipped): 1 real."""
-    simulation = _one_request(tmp_path, 1002, 5, "scheduler.max_num_batched_tokens=100")
+    simulation = one_request(tmp_path, 1002, 5, "scheduler.max_num_batched_tokens=100")
     counts = _counted_calls(simulation)
     simulation.run()
     assert counts == {"allocate_slots": 12, "cache_blocks": 1}
@@ -170,7 +154,7 @@ def test_a_stop_within_a_step_counts_the_tokens_up_to_it(tmp_path, output, gener
     (1 + K). With 3 outputs the second step's stop falls on its 2nd token
     (2 counted, 2 dropped); with 5 on its last (4, appended at once); with 6
     a third step samples 4 and stops at its 1st."""
-    simulation = _one_request(tmp_path, 500, output, "mtp.acceptance_rates=[1, 1, 1]")
+    simulation = one_request(tmp_path, 500, output, "mtp.acceptance_rates=[1, 1, 1]")
     recording = simulation.run()
     assert recording.steps.to_dict()["num_generation_tokens"] == generated
     (request,) = recording.requests.values()
@@ -180,7 +164,7 @@ def test_a_stop_within_a_step_counts_the_tokens_up_to_it(tmp_path, output, gener
 def test_requests_of_one_output_length_share_their_sampling_params(tmp_path):
     """Built once per output length (vLLM's Request only reads it), with EOS
     ignored: a trace replay forces the output length."""
-    simulation = _one_request(tmp_path, 500, 5)
+    simulation = one_request(tmp_path, 500, 5)
     scheduler = simulation.scheduler
     specs = [
         type("Spec", (), {"request_id": rid, "arrival_s": 0.0, "prompt_len": 10, "output_len": n})
@@ -197,55 +181,12 @@ def test_requests_of_one_output_length_share_their_sampling_params(tmp_path):
 # ------------------------------------------------------- skipped calls
 
 
-def audited(simulation: Simulation, *, lane: bool) -> AuditCounts:
-    """Step ``simulation`` with the fast path's audit on: every call it
-    skips is made anyway and asserted to change nothing. ``lane``: with the
-    steady lane (off: the lane would take most settled decodes past the
-    scheduler's own calls, which this then checks)."""
-    fast_path = simulation.scheduler.fast_path
-    assert isinstance(fast_path, FastPath)
-    fast_path.audit = True
-    fast_path.use_lane = lane
-    simulation.core = EngineCore(simulation.scheduler, simulation.model_runner)
-    return fast_path.audited
-
-
-def _simulation(name: str, overrides: list[str], layout: str, tmp_path: Path) -> Simulation:
-    if name == "decode-across-boundaries":
-        scenario = sim_helpers.scenario(tmp_path, name, overrides, workload=DECODE_ACROSS_BOUNDARIES)
-    else:
-        scenario = load_scenario(name, overrides)
-    return Simulation(scenario, layout, scenario_workload(scenario))  # type: ignore[arg-type]
-
-
-# 3,000-token prompts with 500-token outputs: every decode crosses the
-# 3,200-token block boundary (a new attention block, a new Mamba state,
-# the old state freed two steps later); 12 such requests fill the pool.
-DECODE_ACROSS_BOUNDARIES = {
-    "trace": "synthetic",
-    "num_requests": 12,
-    "arrival": {"process": "poisson", "rate_per_s": 20.0},
-    "prompt": {"distribution": "fixed", "tokens": 3000},
-    "output": {"distribution": "fixed", "tokens": 500},
-}
-
-CHECKED_CASES = [
-    ("decode-across-boundaries", ["deployment.max_num_seqs=16"]),
-    # Pool-bound decode: the case the fast path is for.
-    ("saturated-decode", ["workload.max_requests=40", "deployment.max_num_seqs=16"]),
-    # Preemptions and resumes, prefix hits, long chunked prompts; both hashings.
-    (str(SCENARIOS_DIR / "conformance" / "heavy-preemption.yaml"), []),
-    (str(SCENARIOS_DIR / "conformance" / "prefix-hits.yaml"), ["scheduler.mtp_hash_mode=lookahead"]),
-    (str(SCENARIOS_DIR / "conformance" / "long-chunked.yaml"), []),
-]
-
-
 @pytest.mark.parametrize("layout", ["off", "on"])
 @pytest.mark.parametrize(
     ("name", "overrides"), CHECKED_CASES, ids=lambda v: Path(str(v)).stem if isinstance(v, str) else ""
 )
 def test_every_skipped_call_changes_nothing(name, overrides, layout, tmp_path):
-    simulation = _simulation(name, overrides, layout, tmp_path)
+    simulation = checked_simulation(name, overrides, layout, tmp_path)
     counts = audited(simulation, lane=False)
     simulation.run()
     # Control: the fast path did skip calls here, so the check had work.
@@ -264,27 +205,13 @@ def test_the_check_catches_a_call_skipped_across_a_boundary(monkeypatch, tmp_pat
     """Failing control for the check above: the boundary call that
     allocates is settled, and it is caught."""
     settle_every_call_after_the_first(monkeypatch)
-    simulation = _simulation(*CHECKED_CASES[0], "off", tmp_path)
+    simulation = checked_simulation(*CHECKED_CASES[0], "off", tmp_path)
     audited(simulation, lane=False)
     with pytest.raises(AssertionError, match="a settled call allocated|changed the allocator"):
         simulation.run()
 
 
 # ---------------------------------------------------------------- frames
-
-
-def _frames(scenario, layout: str, fast_path: bool) -> dict[str, Any]:
-    scenario = scenario.model_copy(
-        update={"simulation": scenario.simulation.model_copy(update={"fast_path": fast_path})}
-    )
-    recording = Simulation(scenario, layout, scenario_workload(scenario)).run()  # type: ignore[arg-type]
-    return {
-        "steps": recording.steps.to_dict(),
-        "samples": recording.samples.to_dict(),
-        "requests": recording.requests,
-        "end_time_s": recording.end_time_s,
-        "stalled": recording.stalled,
-    }
 
 
 GATES = load_gates(DEFAULT_GATES).gates
@@ -294,7 +221,10 @@ GATES = load_gates(DEFAULT_GATES).gates
 @pytest.mark.parametrize("gate", sorted(GATES))
 def test_every_gate_scenario_gives_the_same_frames_with_and_without_the_fast_path(gate, layout):
     scenario = gate_scenario(DEFAULT_GATES, gate, GATES[gate])
-    fast, step_by_step = _frames(scenario, layout, True), _frames(scenario, layout, False)
+    fast, step_by_step = (
+        frames_with_fast_path(scenario, layout, True),
+        frames_with_fast_path(scenario, layout, False),
+    )
     for frame in fast:
         assert fast[frame] == step_by_step[frame], f"{gate} [{layout}]: {frame} differ"
 
@@ -303,7 +233,7 @@ def test_a_fast_path_that_skips_across_boundaries_changes_the_frames(monkeypatch
     """Failing control: settle every decode call after the first (ignoring
     block boundaries) and the frames comparison above goes red."""
     name, overrides = CHECKED_CASES[0]
-    scenario = sim_helpers.scenario(tmp_path, name, overrides, workload=DECODE_ACROSS_BOUNDARIES)
-    step_by_step = _frames(scenario, "off", False)
+    scenario = scenarios.scenario(tmp_path, name, overrides, workload=DECODE_ACROSS_BOUNDARIES)
+    step_by_step = frames_with_fast_path(scenario, "off", False)
     settle_every_call_after_the_first(monkeypatch)
-    assert _frames(scenario, "off", True)["steps"] != step_by_step["steps"]
+    assert frames_with_fast_path(scenario, "off", True)["steps"] != step_by_step["steps"]

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from sim_helpers import write_scenario
+from helpers.scenarios import write_scenario
 
 from sim.cli import main
 

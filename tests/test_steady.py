@@ -15,15 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import sim_helpers
-from test_fast_path import (
-    CHECKED_CASES,
-    _frames,
-    _one_request,
-    _simulation,
-    audited,
-)
-from test_scheduler import _scheduler, _spec
+from helpers import scenarios
+from helpers.fast_path import CHECKED_CASES, audited, checked_simulation, frames_with_fast_path, one_request
+from helpers.scheduler import tiny_scheduler, tiny_spec
 
 from sim.analysis.runs import scenario_workload
 from sim.conformance.driver import run_conformance
@@ -101,7 +95,7 @@ def test_a_decode_across_a_block_boundary_runs_steady_inside_its_windows(tmp_pat
     span is c .. c + 7); c = 3,161 .. 3,233 ordinary (73: real calls, the
     last one settling the next block); c = 3,234 .. 3,268 steady (35), the
     last stopping the request inside the lane."""
-    steady, outcomes = _lane_steps(_one_request(tmp_path, 3120, 150))
+    steady, outcomes = _lane_steps(one_request(tmp_path, 3120, 150))
     assert steady == [False] * 2 + [True] * 40 + [False] * 73 + [True] * 35
     assert sum(o.num_generated_tokens for o in outcomes) == 150
     assert [dict(o.finished) for o in outcomes if o.finished] == [{"r000000": 150}]
@@ -112,7 +106,7 @@ def test_every_draft_accepted_stops_inside_the_lane(tmp_path):
     samples 1, the first decode 4 (ordinary: its allocation is real), then
     36 steady steps of 4 reach 149 and a 37th, steady too, stops at its first
     token (the other 3 dropped)."""
-    steady, outcomes = _lane_steps(_one_request(tmp_path, 100, 150, "mtp.acceptance_rates=[1, 1, 1]"))
+    steady, outcomes = _lane_steps(one_request(tmp_path, 100, 150, "mtp.acceptance_rates=[1, 1, 1]"))
     assert steady == [False, False] + [True] * 37
     assert [o.num_generated_tokens for o in outcomes] == [1] + [4] * 37 + [1]
     assert outcomes[-1].finished == {"r000000": 150}
@@ -124,7 +118,7 @@ def test_a_steady_step_admits_an_arrival_after_its_decodes(tmp_path):
     1 + K = 4 tokens and the waiting loop admits r001 after them (its whole
     prompt fits the 8,192-token budget), which samples its first token the
     scheduler's way."""
-    simulation = _one_request(tmp_path, 100, 150)
+    simulation = one_request(tmp_path, 100, 150)
     scheduler, core = simulation.scheduler, simulation.core
     scheduler.add_request(simulation.workload.requests[0])
     steady = []
@@ -133,7 +127,7 @@ def test_a_steady_step_admits_an_arrival_after_its_decodes(tmp_path):
         core.complete(step)
         steady.append(step.num_steady)
     assert steady == [0, 0, 1, 1]
-    scheduler.add_request(_spec(1, 50))
+    scheduler.add_request(tiny_spec(1, 50))
     step = core.schedule()
     assert step.num_steady == 1 and step.output.new_request_ids == ("r001",)
     scheduled = [(i.request_id, i.num_scheduled_tokens) for i in step.output.scheduled]
@@ -148,12 +142,12 @@ def test_a_steady_step_admits_an_arrival_after_its_decodes(tmp_path):
 def _steady_then_arrival(tmp_path, prompt: int, num_steady_steps: int):
     """r000000 (100-token prompt) runs ``num_steady_steps`` steps, then
     r001 (``prompt`` tokens) arrives: the next step."""
-    simulation = _one_request(tmp_path, 100, 150)
+    simulation = one_request(tmp_path, 100, 150)
     scheduler, core = simulation.scheduler, simulation.core
     scheduler.add_request(simulation.workload.requests[0])
     for _ in range(num_steady_steps):
         core.complete(core.schedule())
-    scheduler.add_request(_spec(1, prompt))
+    scheduler.add_request(tiny_spec(1, prompt))
     return core.schedule()
 
 
@@ -183,7 +177,7 @@ def test_the_max_model_len_clip_ends_the_lane(tmp_path):
     still leaves 1 + K; the step there may reach the limit, so the request
     takes its token the scheduler's way); at c = 296, 297, 298 the clip
     leaves 3, 2, 1 tokens (ordinary), and the last reaches 300 tokens."""
-    simulation = _one_request(tmp_path, 100, 1000, "deployment.max_model_len=300")
+    simulation = one_request(tmp_path, 100, 1000, "deployment.max_model_len=300")
     steady, outcomes = _lane_steps(simulation)
     assert steady == [False, False] + [True] * 195 + [False] * 3
     assert sum(o.num_generated_tokens for o in outcomes) == 200
@@ -195,7 +189,7 @@ def test_a_step_that_reaches_max_model_len_stops_the_request_in_the_lane(tmp_pat
     a decode step): steady from c = 103 by fours to 291 (48 steps, each
     unable to stop it), then c = 295, where 4 more tokens reach 300: the
     request takes them the scheduler's way and stops, 201 tokens out."""
-    simulation = _one_request(
+    simulation = one_request(
         tmp_path, 99, 1000, "deployment.max_model_len=300", "mtp.acceptance_rates=[1, 1, 1]"
     )
     steady, outcomes = _lane_steps(simulation)
@@ -209,9 +203,9 @@ def test_a_steady_decode_runs_beside_an_earlier_prefill(tmp_path):
     admitted after its first chunk and decodes while the chunks go on: in
     those steps the ordinary prefill comes first in the running loop and
     the steady decode after it."""
-    simulation = _one_request(tmp_path, 100, 10)  # its workload unused
-    simulation.scheduler.add_request(_spec(0, 30000, output=100))
-    simulation.scheduler.add_request(_spec(1, 50, output=100))
+    simulation = one_request(tmp_path, 100, 10)  # its workload unused
+    simulation.scheduler.add_request(tiny_spec(0, 30000, output=100))
+    simulation.scheduler.add_request(tiny_spec(1, 50, output=100))
     mixed = []
     for _ in range(20):
         step = simulation.core.schedule()
@@ -257,9 +251,9 @@ def _steps_of(tmp_path, overrides: list[str], *, fast_path: bool) -> list[tuple]
     """Two 40-token prompts decoding 30 tokens each (one token a step),
     driven without a clock: every step's output, its outcome, and whether
     the lane took a decode in it."""
-    simulation = _one_request(tmp_path, 100, 10, *overrides, f"simulation.fast_path={str(fast_path).lower()}")
+    simulation = one_request(tmp_path, 100, 10, *overrides, f"simulation.fast_path={str(fast_path).lower()}")
     for index in range(2):
-        simulation.scheduler.add_request(_spec(index, 40, output=30))
+        simulation.scheduler.add_request(tiny_spec(index, 40, output=30))
     steps = []
     for _ in range(500):
         if not simulation.scheduler.has_unfinished_requests():
@@ -274,7 +268,7 @@ def test_a_lane_blind_to_the_allocation_window_runs_through_the_boundary(monkeyp
     """Failing control for the hand count: a lane that takes a step's
     allocation as settled whenever a window is known."""
     monkeypatch.setattr(SteadyDecode, "limit", _limit_without_allocation_window)
-    steady, _ = _lane_steps(_one_request(tmp_path, 3120, 150))
+    steady, _ = _lane_steps(one_request(tmp_path, 3120, 150))
     assert steady != [False] * 2 + [True] * 40 + [False] * 73 + [True] * 35
 
 
@@ -297,10 +291,10 @@ def test_the_waiting_memo_holds_only_for_the_same_inputs_and_allocator():
     changes, a waiting loop with the same inputs (504 tokens left, decodes
     scheduled, no prefill) would refuse it again; other inputs or an
     allocator change (step 2's caching) void that."""
-    scheduler = _scheduler(num_blocks=34, budget=512)
+    scheduler = tiny_scheduler(num_blocks=34, budget=512)
     engine = EngineCore(scheduler, _runner())
     for index in range(3):
-        scheduler.add_request(_spec(index, 60))
+        scheduler.add_request(tiny_spec(index, 60))
     engine.complete(engine.schedule())
     step = engine.schedule()
     assert [item.request_id for item in step.output.scheduled] == ["r000", "r001"]
@@ -312,13 +306,13 @@ def test_the_waiting_memo_holds_only_for_the_same_inputs_and_allocator():
 
 
 def test_an_arrival_voids_the_waiting_memo():
-    scheduler = _scheduler(num_blocks=34, budget=512)
+    scheduler = tiny_scheduler(num_blocks=34, budget=512)
     engine = EngineCore(scheduler, _runner())
     for index in range(3):
-        scheduler.add_request(_spec(index, 60))
+        scheduler.add_request(tiny_spec(index, 60))
     engine.complete(engine.schedule())
     engine.schedule()
-    scheduler.add_request(_spec(3, 60))
+    scheduler.add_request(tiny_spec(3, 60))
     assert not scheduler.fast_path.waiting_known_idle(504, True, False)
 
 
@@ -343,7 +337,7 @@ def test_every_call_a_steady_step_skips_changes_nothing(name, overrides, layout,
     """The fast path's audit, with the lane: each steady request's
     allocation and caching and each waiting loop known to admit nobody are
     made anyway, and change nothing."""
-    simulation = _simulation(name, overrides, layout, tmp_path)
+    simulation = checked_simulation(name, overrides, layout, tmp_path)
     counts = audited(simulation, lane=True)
     simulation.run()
     # Control: steady decodes ran here (and known-idle waiting loops were
@@ -357,7 +351,7 @@ def test_the_check_catches_a_steady_step_across_a_boundary(monkeypatch, tmp_path
     """Failing control: a lane blind to the allocation window runs steady
     steps across block boundaries, and the check catches the allocation."""
     monkeypatch.setattr(SteadyDecode, "limit", _limit_without_allocation_window)
-    simulation = _simulation(*CHECKED_CASES[0], "off", tmp_path)
+    simulation = checked_simulation(*CHECKED_CASES[0], "off", tmp_path)
     audited(simulation, lane=True)
     with pytest.raises(AssertionError, match="allocates|changed the allocator"):
         simulation.run()
@@ -367,7 +361,7 @@ def test_the_check_catches_a_waiting_loop_wrongly_skipped(monkeypatch, tmp_path)
     """Failing control: a scheduler that takes every waiting loop as known
     to admit nobody; the check's waiting loop admits someone."""
     monkeypatch.setattr(FastPath, "waiting_known_idle", lambda self, *inputs: bool(self.scheduler.waiting))
-    simulation = _simulation(*STEADY_CASES[-1], "off", tmp_path)
+    simulation = checked_simulation(*STEADY_CASES[-1], "off", tmp_path)
     audited(simulation, lane=True)
     with pytest.raises(AssertionError, match="admits|changed"):
         simulation.run()
@@ -380,7 +374,10 @@ def test_the_check_catches_a_waiting_loop_wrongly_skipped(monkeypatch, tmp_path)
 @pytest.mark.parametrize("layout", ["off", "on"])
 def test_pool_bound_decode_gives_the_same_frames_in_the_lane(layout, hashing):
     scenario = load_scenario("saturated-decode", [*POOL_BOUND, f"scheduler.mtp_hash_mode={hashing}"])
-    fast, step_by_step = _frames(scenario, layout, True), _frames(scenario, layout, False)
+    fast, step_by_step = (
+        frames_with_fast_path(scenario, layout, True),
+        frames_with_fast_path(scenario, layout, False),
+    )
     assert fast == step_by_step
 
 
@@ -388,9 +385,9 @@ def test_a_lane_skipping_every_waiting_loop_changes_the_frames(monkeypatch):
     """Failing control for the frames: take every waiting loop as known to
     admit nobody, whatever changed."""
     scenario = load_scenario("saturated-decode", POOL_BOUND)
-    step_by_step = _frames(scenario, "off", False)
+    step_by_step = frames_with_fast_path(scenario, "off", False)
     monkeypatch.setattr(FastPath, "waiting_known_idle", lambda self, *inputs: bool(self.scheduler.waiting))
-    assert _frames(scenario, "off", True)["steps"] != step_by_step["steps"]
+    assert frames_with_fast_path(scenario, "off", True)["steps"] != step_by_step["steps"]
 
 
 def test_a_lane_that_never_stops_a_request_changes_the_frames(monkeypatch):
@@ -398,16 +395,16 @@ def test_a_lane_that_never_stops_a_request_changes_the_frames(monkeypatch):
     aside even in the step that should stop it: it runs past its output
     length until an ordinary step stops it)."""
     scenario = load_scenario("saturated-decode", POOL_BOUND)
-    step_by_step = _frames(scenario, "off", False)
+    step_by_step = frames_with_fast_path(scenario, "off", False)
     monkeypatch.setattr(SteadyDecode, "unstoppable", lambda self, request: 10**9)
-    assert _frames(scenario, "off", True)["requests"] != step_by_step["requests"]
+    assert frames_with_fast_path(scenario, "off", True)["requests"] != step_by_step["requests"]
 
 
 # ----------------------------------------------------------- the horizon
 
 
 def _running_at_horizon(tmp_path, fast_path: bool, flush: bool = True) -> list[tuple]:
-    scenario = sim_helpers.scenario(
+    scenario = scenarios.scenario(
         tmp_path,
         overrides=["simulation.max_time_s=8", f"simulation.fast_path={str(fast_path).lower()}"],
         workload={
