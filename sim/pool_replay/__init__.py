@@ -4,9 +4,10 @@ pool, to prove the bytes follow the allocator's bookkeeping.
 The pool is allocated with torch the way the worker allocates it (vLLM's
 ``allocate_kv_cache`` and the layers' ``bind_kv_cache``, through
 ``views.py``), on the CPU or a CUDA device. The simulation runs
-unchanged; the replay wraps a few methods of its scheduler and KV-cache
-manager (instance attributes only, nothing of the engine changes) and, at
-every step:
+unchanged; the replay is the observer its scheduler and KV-cache manager
+call (``SchedulerObserver``, ``BlockObserver``: each step scheduled, each
+output, each free, each prefix hit; it reads the scheduler's fence clock)
+and, at every step:
 
 - zeroes the pages of the ring slots claimed that step (the fork's ring-tag
   path, fed by ``take_new_ring_block_ids``; the replay clears the whole slot
