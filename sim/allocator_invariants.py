@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from sim.kv_cache_manager import KVCacheManager
 from sim.single_type_kv_cache_manager import RetainingMambaManager, RingCircularBufferManager, RingSlotPool
@@ -156,3 +157,42 @@ def check_allocator(manager: KVCacheManager, deferred: Iterable[Sequence[KVCache
         raise AllocatorInvariantError(
             "; ".join(problems[:10]) + (f" (+{len(problems) - 10} more)" if len(problems) > 10 else "")
         )
+
+
+def _snapshot(value: Any, depth: int = 0) -> Any:
+    """A comparable copy of one piece of allocator state: blocks as (id,
+    references, hash); sets sorted; deeper nesting as its repr."""
+    if isinstance(value, KVCacheBlock):
+        return ("block", value.block_id, value.ref_cnt, value.block_hash)
+    if depth > 4:
+        return repr(value)
+    if isinstance(value, dict):
+        return {repr(k): _snapshot(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        items = [_snapshot(v, depth + 1) for v in value]
+        return sorted(items, key=repr) if isinstance(value, set | frozenset) else items
+    if isinstance(value, int | float | str | bool | type(None)):
+        return value
+    return type(value).__name__
+
+
+def allocator_snapshot(manager: KVCacheManager) -> dict[str, Any]:
+    """The whole allocator state, comparable with ``==``: every block's id,
+    reference count and hash, the free queue's order, the cached-block
+    count, and every field of every per-group manager (the fast path's
+    audit compares two of these around each call it would skip)."""
+    pool = manager.block_pool
+    managers = [
+        {
+            name: _snapshot(field)
+            for name, field in vars(m).items()
+            if name not in ("block_pool", "kv_cache_spec")
+        }
+        for m in manager.managers
+    ]
+    return {
+        "blocks": [_snapshot(block) for block in pool.blocks],
+        "free_queue": [block.block_id for block in pool.free_block_queue.get_all_free_blocks()],
+        "cached": len(pool.cached_block_hash_to_block),
+        "managers": managers,
+    }

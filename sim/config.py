@@ -29,6 +29,9 @@ class ConfigError(ValueError):
 # message quotes its bound and reason.
 # A KV pool per rank: no GPU has more than 288 GB of memory (AMD MI355X).
 MAX_KV_CACHE_MEMORY_BYTES = 10**12
+# The figure formats written by default (here, so the plot command's parser
+# imports no matplotlib).
+FIGURE_FORMATS = ("png", "svg")
 # Tokens in one request (prompt, output, max_model_len): the longest context
 # window any served model offers is 10 M tokens (Llama 4 Scout).
 MAX_REQUEST_TOKENS = 10_000_000

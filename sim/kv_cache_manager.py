@@ -29,9 +29,11 @@ from sim.single_type_kv_cache_manager import (
 )
 from sim.vllm_bridge import (
     CircularBufferSpec,
+    KVCacheBlock,
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
+    Request,
     SingleTypeKVCacheManager,
     init_none_hash,
     sha256,
@@ -104,8 +106,27 @@ class MTPHashing:
         )
 
 
+class BlockObserver:
+    """Hooks for a caller that watches blocks leave requests (the pool
+    replay, ``sim/pool_replay/``); a no-op here. The manager calls it; an
+    observer reads, never changes, the allocator."""
+
+    def blocks_freed(self, request: Request) -> None:
+        """``request``'s blocks are about to be freed or popped for a fenced free."""
+
+
 class KVCacheManager(_VllmKVCacheManager):
-    """vLLM's manager plus the fork's ring claim record."""
+    """vLLM's manager plus the fork's ring claim record and a block observer."""
+
+    observer: BlockObserver = BlockObserver()
+
+    def free(self, request: Request) -> None:
+        self.observer.blocks_freed(request)
+        super().free(request)
+
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        self.observer.blocks_freed(request)
+        return super().pop_blocks_for_free(request)
 
     @property
     def managers(self) -> tuple[SingleTypeKVCacheManager, ...]:

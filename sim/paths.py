@@ -9,3 +9,4 @@ PROJECT_ROOT = PACKAGE_DIR.parent
 SCENARIOS_DIR = PROJECT_ROOT / "scenarios"
 DATA_DIR = PACKAGE_DIR / "data"
 DEFAULT_MODEL = SCENARIOS_DIR / "models" / "flash-next.yaml"
+DEFAULT_GATES = SCENARIOS_DIR / "gates.yaml"

@@ -1,5 +1,8 @@
 """Result files: frames to parquet (plus JSON for the summary), written
-atomically, and read back. Only the CLI layer writes files.
+atomically, and read back. Every writer of result files goes through these
+functions: the commands, and the analysis runs that persist their own
+parts as they go (a sweep's runs, a capacity search, a gate report, the
+plots).
 
 A results directory holds ``steps.parquet``, ``requests.parquet``,
 ``samples.parquet``, ``summary.parquet``, ``summary.json``, the resolved

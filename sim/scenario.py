@@ -38,7 +38,6 @@ from sim.workloads import WorkloadConfig
 # column); not to be confused with the planning module (``sim.kv_cache_plan``)
 # or vLLM's memory order (``deployment.kv_cache_layout``).
 SideCacheSwitch = Literal["off", "on"]
-Layout = SideCacheSwitch  # the older name, kept so code written against it imports
 
 
 class SchedulerSection(StrictModel):

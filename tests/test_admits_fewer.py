@@ -1,5 +1,5 @@
 """The shipped scenario where the new layout admits fewer requests than the
-old one (scenarios/admits-fewer.yaml; README: "When the new layout admits
+old one (scenarios/admits-fewer.yaml; docs/replay-and-calibration.md: "When the new layout admits
 fewer"): it fits more requests at once, which then preempt one another."""
 
 from __future__ import annotations

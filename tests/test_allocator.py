@@ -4,7 +4,7 @@ patch 0088 section 2 re-expressed against kvsim's API (issue: allocation)."""
 from __future__ import annotations
 
 import pytest
-from allocator_driver import (
+from helpers.allocator import (
     ATTENTION,
     PLE,
     decode,
@@ -325,7 +325,7 @@ def test_skipping_blocks_of_a_request_with_no_table_does_nothing():
 def test_the_manager_defaults_are_the_forks():
     """Built with no switches: the fork's retained checkpoint is on, prefix
     caching is on; with caching off a repeated prompt never hits."""
-    from allocator_driver import tiny_plan
+    from helpers.allocator import tiny_plan
 
     from sim.kv_cache_manager import build_kv_cache_manager
     from sim.single_type_kv_cache_manager import RetainingMambaManager

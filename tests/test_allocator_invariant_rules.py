@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 
 import pytest
-from allocator_driver import decode, held_blocks, prefill, request, tiny_manager, tokens
+from helpers.allocator import decode, held_blocks, prefill, request, tiny_manager, tokens
 
 from sim.allocator_invariants import (
     AllocatorInvariantError,

@@ -5,7 +5,7 @@ layouts; and deliberately broken allocators are caught by the checker."""
 from __future__ import annotations
 
 import pytest
-from allocator_driver import BLOCK, K, request, tiny_manager
+from helpers.allocator import BLOCK, K, request, tiny_manager
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from sim_helpers import write_scenario
+from helpers.scenarios import write_scenario
 
 import sim.analysis.runs
 import sim.engine

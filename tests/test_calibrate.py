@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import yaml
-from replay_helpers import write_replay_dir
-from sim_helpers import scenario as make_scenario
+from helpers.replay_dirs import write_replay_dir
+from helpers.scenarios import scenario as make_scenario
 
 from sim.analysis import calibrate as c
 from sim.analysis.runs import run_scenario
@@ -141,7 +141,7 @@ def test_bounds_keep_an_efficiency_at_most_one():
 
 
 def test_a_replay_without_its_scenario_is_a_one_line_error(tmp_path, capsys):
-    from sim_helpers import run
+    from helpers.scenarios import run
 
     replay = write_replay_dir(tmp_path / "replay", run(tmp_path, workload=DECODE_ONLY, layouts=["on"]), {})
     out = tmp_path / "fitted.yaml"

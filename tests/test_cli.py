@@ -8,7 +8,7 @@ import sys
 
 import pandas as pd
 import pytest
-from sim_helpers import write_scenario
+from helpers.scenarios import write_scenario
 
 from sim.cli import main
 

@@ -11,7 +11,7 @@ admission times), not from the engine.
 from __future__ import annotations
 
 import numpy as np
-from sim_helpers import run, scenario
+from helpers.scenarios import run, scenario
 
 from sim.analysis.runs import scenario_workload
 from sim.engine import Simulation

@@ -30,7 +30,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from sim_helpers import HAND_STEP_TIME, RecordingBar
+from helpers.scenarios import HAND_STEP_TIME, RecordingBar
 
 import sim.engine
 from sim.analysis.frames import frames
@@ -311,10 +311,11 @@ def test_each_layout_simulates_its_own_pool(hand_scenario, layout, kv_cache_toke
 
 
 def _readme_columns(frame: str) -> set[str]:
-    """The backticked column names README.md's Outputs section lists for
-    ``frame`` (its bullet runs to the next bullet)."""
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = text[text.index("## Outputs") : text.index("## Regression gates")]
+    """The backticked column names the Outputs section of
+    docs/scenarios-and-outputs.md lists for ``frame`` (its bullet runs to
+    the next bullet)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "scenarios-and-outputs.md").read_text()
+    section = text[text.index("## Outputs") :]
     bullet = section[section.index(f"- `{frame}`:") :]
     bullet = bullet[: bullet.index("\n- ", 3)]
     names = set(re.findall(r"`([a-z0-9_]+)`", bullet)) - {frame, "sample_interval_s"}
@@ -322,7 +323,7 @@ def _readme_columns(frame: str) -> set[str]:
 
 
 def test_the_frames_have_the_columns_the_readme_documents(hand_scenario_file):
-    """Every column README.md names for the steps and requests frames is
+    """Every column the docs name for the steps and requests frames is
     recorded, and the samples frame carries the steps frame's gauges
     (the README: "the gauges every sample_interval_s")."""
     sampled = load_scenario(str(hand_scenario_file), ["simulation.sample_interval_s=1.0"])
@@ -648,8 +649,7 @@ def test_the_fast_path_switch_reaches_the_scheduler(hand_scenario_file, fast_pat
     and the timeline with it off is the one the cases above derive."""
     scenario = load_scenario(str(hand_scenario_file), [f"simulation.fast_path={str(fast_path).lower()}"])
     simulation = Simulation(scenario, "off", _workload(("r0", 0.0, 1000, 3), ("r1", 0.5, 500, 2)))
-    assert (simulation.scheduler.settled_allocations is not None) is fast_path
-    assert (simulation.scheduler.settled_caching is not None) is fast_path
+    assert simulation.scheduler.fast_path.enabled is fast_path
     steps, _, _, summary = frames(simulation.run())
     assert steps["time_s"].tolist() == pytest.approx([1.2, 1.904, 2.112], abs=1e-12)
     assert summary["duration_s"] == pytest.approx(2.112, abs=1e-12)

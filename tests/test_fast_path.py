@@ -2,30 +2,32 @@
 allocator calls it skips change nothing, and every frame is the same with
 and without it.
 
-Two independent checks, neither reading the fast path's own reasoning: a
-scheduler that makes every skipped call anyway and compares the whole
-allocator state (every block's id, reference count and hash, the free
-queue's order, every per-request table and dict of every manager) before
-and after; and the frames of every gate scenario run both ways.
+Two independent checks, neither reading the fast path's own reasoning: the
+fast path's audit (``FastPath.audit``) makes every skipped call anyway and
+compares the whole allocator state (every block's id, reference count and
+hash, the free queue's order, every per-request table and dict of every
+manager) before and after; and the frames of every gate scenario run both
+ways.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-import sim_helpers
+from helpers import scenarios
+from helpers.fast_path import (
+    CHECKED_CASES,
+    DECODE_ACROSS_BOUNDARIES,
+    audited,
+    checked_simulation,
+    frames_with_fast_path,
+    one_request,
+)
 
 from sim.analysis.gates import DEFAULT_GATES, gate_scenario, load_gates
-from sim.analysis.runs import scenario_workload
 from sim.engine import Simulation
-from sim.paths import SCENARIOS_DIR
-from sim.scenario import load_scenario
-from sim.sched.engine_core import EngineCore
-from sim.sched.scheduler import Scheduler
 from sim.sched.settled import SettledSteps
-from sim.vllm_bridge import KVCacheBlock
 
 # ----------------------------------------------------------------- windows
 
@@ -115,24 +117,6 @@ def _counted_calls(simulation: Simulation) -> dict[str, int]:
     return counts
 
 
-def _one_request(tmp_path: Path, prompt: int, output: int, *overrides: str) -> Simulation:
-    """One request, drafts never accepted (one token a step; each decode
-    step schedules 1 + K = 4 tokens with K = 3 lookahead slots)."""
-    workload = {
-        "trace": "synthetic",
-        "num_requests": 1,
-        "arrival": {"process": "constant", "rate_per_s": 1.0},
-        "prompt": {"distribution": "fixed", "tokens": prompt},
-        "output": {"distribution": "fixed", "tokens": output},
-    }
-    scenario = sim_helpers.scenario(
-        tmp_path,
-        overrides=["mtp.acceptance_rates=[0, 0, 0]", "simulation.sample_interval_s=null", *overrides],
-        workload=workload,
-    )
-    return Simulation(scenario, "off", scenario_workload(scenario))
-
-
 @pytest.mark.parametrize(("fast_path", "allocations", "cachings"), [(True, 75, 67), (False, 150, 149)])
 def test_the_calls_skipped_across_a_block_boundary(tmp_path, fast_path, allocations, cachings):
     """A 3,120-token prompt, 150 outputs: the admission, then decode steps at
@@ -145,7 +129,7 @@ def test_the_calls_skipped_across_a_block_boundary(tmp_path, fast_path, allocati
     Caching after each sampled step (not the last, which finishes), at
     computed 3,120 .. 3,268 (149): 3,120 real, 3,121 .. 3,167 skipped (47),
     3,168 .. 3,233 real (66), 3,234 .. 3,268 skipped (35): 67 real."""
-    simulation = _one_request(tmp_path, 3120, 150, f"simulation.fast_path={str(fast_path).lower()}")
+    simulation = one_request(tmp_path, 3120, 150, f"simulation.fast_path={str(fast_path).lower()}")
     counts = _counted_calls(simulation)
     simulation.run()
     assert counts == {"allocate_slots": allocations, "cache_blocks": cachings}
@@ -158,7 +142,7 @@ def test_prefill_chunks_are_never_skipped(tmp_path):
     prefill), then decode steps at 1,002 (first: real) and 1,003 .. 1,005
     (skipped): 12 real. Caching: after the prefill (1,002, real) and after
     decode steps to 1,003 .. 1,005 (skipped): 1 real."""
-    simulation = _one_request(tmp_path, 1002, 5, "scheduler.max_num_batched_tokens=100")
+    simulation = one_request(tmp_path, 1002, 5, "scheduler.max_num_batched_tokens=100")
     counts = _counted_calls(simulation)
     simulation.run()
     assert counts == {"allocate_slots": 12, "cache_blocks": 1}
@@ -170,7 +154,7 @@ def test_a_stop_within_a_step_counts_the_tokens_up_to_it(tmp_path, output, gener
     (1 + K). With 3 outputs the second step's stop falls on its 2nd token
     (2 counted, 2 dropped); with 5 on its last (4, appended at once); with 6
     a third step samples 4 and stops at its 1st."""
-    simulation = _one_request(tmp_path, 500, output, "mtp.acceptance_rates=[1, 1, 1]")
+    simulation = one_request(tmp_path, 500, output, "mtp.acceptance_rates=[1, 1, 1]")
     recording = simulation.run()
     assert recording.steps.to_dict()["num_generation_tokens"] == generated
     (request,) = recording.requests.values()
@@ -180,7 +164,7 @@ def test_a_stop_within_a_step_counts_the_tokens_up_to_it(tmp_path, output, gener
 def test_requests_of_one_output_length_share_their_sampling_params(tmp_path):
     """Built once per output length (vLLM's Request only reads it), with EOS
     ignored: a trace replay forces the output length."""
-    simulation = _one_request(tmp_path, 500, 5)
+    simulation = one_request(tmp_path, 500, 5)
     scheduler = simulation.scheduler
     specs = [
         type("Spec", (), {"request_id": rid, "arrival_s": 0.0, "prompt_len": 10, "output_len": n})
@@ -197,119 +181,16 @@ def test_requests_of_one_output_length_share_their_sampling_params(tmp_path):
 # ------------------------------------------------------- skipped calls
 
 
-def _state(value: Any, depth: int = 0) -> Any:
-    """A comparable copy of allocator state: blocks as (id, refs, hash)."""
-    if isinstance(value, KVCacheBlock):
-        return ("block", value.block_id, value.ref_cnt, value.block_hash)
-    if depth > 4:
-        return repr(value)
-    if isinstance(value, dict):
-        return {repr(k): _state(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, list | tuple | set | frozenset):
-        items = [_state(v, depth + 1) for v in value]
-        return sorted(items, key=repr) if isinstance(value, set | frozenset) else items
-    if isinstance(value, int | float | str | bool | type(None)):
-        return value
-    return type(value).__name__
-
-
-def allocator_state(kv_cache_manager) -> Any:
-    pool = kv_cache_manager.block_pool
-    managers = [
-        {
-            name: _state(field)
-            for name, field in vars(manager).items()
-            if name not in ("block_pool", "kv_cache_spec")
-        }
-        for manager in kv_cache_manager.managers
-    ]
-    return {
-        "blocks": [_state(block) for block in pool.blocks],
-        "free_queue": [block.block_id for block in pool.free_block_queue.get_all_free_blocks()],
-        "cached": len(pool.cached_block_hash_to_block),
-        "managers": managers,
-    }
-
-
-class CallingScheduler(Scheduler):
-    """Makes every call the fast path skips, and checks it changed nothing."""
-
-    checked_allocations = 0
-    checked_cachings = 0
-
-    def _allocate_or_preempt(self, request, num_new, step):
-        lookahead = self.config.num_speculative_tokens
-        span = self._decode_span(request, num_new + lookahead)
-        if span is not None and self.settled_allocations.is_settled(request.request_id, *span):
-            before = allocator_state(self.kv_cache_manager)
-            blocks = self.kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
-            assert blocks is not None and not any(blocks.blocks), (
-                f"{request.request_id}: a settled call allocated"
-            )
-            assert allocator_state(self.kv_cache_manager) == before, f"{request.request_id}: state changed"
-            self.checked_allocations += 1
-        return super()._allocate_or_preempt(request, num_new, step)
-
-    def _cache_blocks(self, request):
-        computed = request.num_computed_tokens
-        if self.settled_caching.is_settled(request.request_id, computed, computed):
-            before = allocator_state(self.kv_cache_manager)
-            self.kv_cache_manager.cache_blocks(request, computed)
-            assert allocator_state(self.kv_cache_manager) == before, f"{request.request_id}: caching changed"
-            self.checked_cachings += 1
-        super()._cache_blocks(request)
-
-
-def _use(simulation: Simulation, checking: CallingScheduler) -> None:
-    """Step ``simulation`` through ``checking``, without the steady lane:
-    the lane would take most settled decodes past the scheduler's calls
-    (``tests/test_steady.py`` makes the lane's skipped calls itself)."""
-    simulation.scheduler = checking
-    simulation.core = EngineCore(checking, simulation.model_runner)
-    simulation.core.steady = None
-
-
-def _simulation(name: str, overrides: list[str], layout: str, tmp_path: Path) -> Simulation:
-    if name == "decode-across-boundaries":
-        scenario = sim_helpers.scenario(tmp_path, name, overrides, workload=DECODE_ACROSS_BOUNDARIES)
-    else:
-        scenario = load_scenario(name, overrides)
-    return Simulation(scenario, layout, scenario_workload(scenario))  # type: ignore[arg-type]
-
-
-# 3,000-token prompts with 500-token outputs: every decode crosses the
-# 3,200-token block boundary (a new attention block, a new Mamba state,
-# the old state freed two steps later); 12 such requests fill the pool.
-DECODE_ACROSS_BOUNDARIES = {
-    "trace": "synthetic",
-    "num_requests": 12,
-    "arrival": {"process": "poisson", "rate_per_s": 20.0},
-    "prompt": {"distribution": "fixed", "tokens": 3000},
-    "output": {"distribution": "fixed", "tokens": 500},
-}
-
-CHECKED_CASES = [
-    ("decode-across-boundaries", ["deployment.max_num_seqs=16"]),
-    # Pool-bound decode: the case the fast path is for.
-    ("saturated-decode", ["workload.max_requests=40", "deployment.max_num_seqs=16"]),
-    # Preemptions and resumes, prefix hits, long chunked prompts; both hashings.
-    (str(SCENARIOS_DIR / "conformance" / "heavy-preemption.yaml"), []),
-    (str(SCENARIOS_DIR / "conformance" / "prefix-hits.yaml"), ["scheduler.mtp_hash_mode=lookahead"]),
-    (str(SCENARIOS_DIR / "conformance" / "long-chunked.yaml"), []),
-]
-
-
 @pytest.mark.parametrize("layout", ["off", "on"])
 @pytest.mark.parametrize(
     ("name", "overrides"), CHECKED_CASES, ids=lambda v: Path(str(v)).stem if isinstance(v, str) else ""
 )
 def test_every_skipped_call_changes_nothing(name, overrides, layout, tmp_path):
-    simulation = _simulation(name, overrides, layout, tmp_path)
-    checking = CallingScheduler(simulation.scheduler.config, simulation.kv_cache_manager)
-    _use(simulation, checking)
+    simulation = checked_simulation(name, overrides, layout, tmp_path)
+    counts = audited(simulation, lane=False)
     simulation.run()
     # Control: the fast path did skip calls here, so the check had work.
-    assert checking.checked_allocations > 0 and checking.checked_cachings > 0
+    assert counts.allocations > 0 and counts.cachings > 0
 
 
 def settle_every_call_after_the_first(monkeypatch) -> None:
@@ -324,28 +205,13 @@ def test_the_check_catches_a_call_skipped_across_a_boundary(monkeypatch, tmp_pat
     """Failing control for the check above: the boundary call that
     allocates is settled, and it is caught."""
     settle_every_call_after_the_first(monkeypatch)
-    simulation = _simulation(*CHECKED_CASES[0], "off", tmp_path)
-    checking = CallingScheduler(simulation.scheduler.config, simulation.kv_cache_manager)
-    _use(simulation, checking)
-    with pytest.raises(AssertionError, match="a settled call allocated|state changed|caching changed"):
+    simulation = checked_simulation(*CHECKED_CASES[0], "off", tmp_path)
+    audited(simulation, lane=False)
+    with pytest.raises(AssertionError, match="a settled call allocated|changed the allocator"):
         simulation.run()
 
 
 # ---------------------------------------------------------------- frames
-
-
-def _frames(scenario, layout: str, fast_path: bool) -> dict[str, Any]:
-    scenario = scenario.model_copy(
-        update={"simulation": scenario.simulation.model_copy(update={"fast_path": fast_path})}
-    )
-    recording = Simulation(scenario, layout, scenario_workload(scenario)).run()  # type: ignore[arg-type]
-    return {
-        "steps": recording.steps.to_dict(),
-        "samples": recording.samples.to_dict(),
-        "requests": recording.requests,
-        "end_time_s": recording.end_time_s,
-        "stalled": recording.stalled,
-    }
 
 
 GATES = load_gates(DEFAULT_GATES).gates
@@ -355,7 +221,10 @@ GATES = load_gates(DEFAULT_GATES).gates
 @pytest.mark.parametrize("gate", sorted(GATES))
 def test_every_gate_scenario_gives_the_same_frames_with_and_without_the_fast_path(gate, layout):
     scenario = gate_scenario(DEFAULT_GATES, gate, GATES[gate])
-    fast, step_by_step = _frames(scenario, layout, True), _frames(scenario, layout, False)
+    fast, step_by_step = (
+        frames_with_fast_path(scenario, layout, True),
+        frames_with_fast_path(scenario, layout, False),
+    )
     for frame in fast:
         assert fast[frame] == step_by_step[frame], f"{gate} [{layout}]: {frame} differ"
 
@@ -364,7 +233,7 @@ def test_a_fast_path_that_skips_across_boundaries_changes_the_frames(monkeypatch
     """Failing control: settle every decode call after the first (ignoring
     block boundaries) and the frames comparison above goes red."""
     name, overrides = CHECKED_CASES[0]
-    scenario = sim_helpers.scenario(tmp_path, name, overrides, workload=DECODE_ACROSS_BOUNDARIES)
-    step_by_step = _frames(scenario, "off", False)
+    scenario = scenarios.scenario(tmp_path, name, overrides, workload=DECODE_ACROSS_BOUNDARIES)
+    step_by_step = frames_with_fast_path(scenario, "off", False)
     settle_every_call_after_the_first(monkeypatch)
-    assert _frames(scenario, "off", True)["steps"] != step_by_step["steps"]
+    assert frames_with_fast_path(scenario, "off", True)["steps"] != step_by_step["steps"]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from sim_helpers import HAND_STEP_TIME, RecordingBar
+from helpers.scenarios import HAND_STEP_TIME, RecordingBar
 
 from sim.analysis import gates
 from sim.analysis.gates import GateReport, load_gates, run_gates, select, write_report

@@ -20,7 +20,6 @@ LAYERS: list[tuple[str, ...]] = [
         "sim.single_type_kv_cache_manager",
         "sim.kv_cache_manager",
         "sim.allocator_invariants",
-        "sim.worker_views",
     ),
     ("sim.sched",),
     ("sim.workloads", "sim.step_time", "sim.scenario", "sim.engine"),

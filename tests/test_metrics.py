@@ -14,7 +14,7 @@ from typing import get_type_hints
 
 import pandas as pd
 import pytest
-from sim_helpers import run, scenario
+from helpers.scenarios import run, scenario
 
 from sim import metrics
 from sim.analysis import frames, gates

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_scheduler import _Engine, _FixedDraws, _scheduler, _spec
+from helpers.scheduler import CheckedEngine, FixedDraws, tiny_scheduler, tiny_spec
 
 from sim.allocator_invariants import check_allocator
 from sim.analysis.gates import GateSpec, check_row, on_vs_off_row
@@ -63,9 +63,9 @@ def _evict_then_resume(num_evicted: int) -> int:
     when the engine idles. Then the ``num_evicted`` first cached blocks of
     the free queue are evicted (taken and given back unhashed) and r001 (the
     same 150-token prompt plus 50 more) arrives: its prefix hit."""
-    scheduler = _scheduler(batches=2)
-    engine = _Engine(scheduler, rates=(0.0,))
-    scheduler.add_request(_spec(0, 150, output=20, family=7))
+    scheduler = tiny_scheduler(batches=2)
+    engine = CheckedEngine(scheduler, rates=(0.0,))
+    scheduler.add_request(tiny_spec(0, 150, output=20, family=7))
     engine.run()
     assert scheduler.num_deferred_blocks() > 0  # popped behind the fence
     scheduler.complete_in_flight_steps()  # the engine idles: the drain
@@ -75,7 +75,7 @@ def _evict_then_resume(num_evicted: int) -> int:
     assert len(cached) == 8
     taken = pool.get_new_blocks(pool.get_num_free_blocks() - len(cached) + num_evicted)
     pool.free_blocks(taken)
-    scheduler.add_request(_spec(1, 200, output=3, family=7))
+    scheduler.add_request(tiny_spec(1, 200, output=3, family=7))
     output = scheduler.schedule()
     assert output.new_request_ids == ("r001",)
     check_allocator(scheduler.kv_cache_manager, scheduler.deferred_blocks())
@@ -114,10 +114,10 @@ def test_the_preempted_request_is_the_newest_running():
     running = [r000, r001, r002]. With 70 blocks the pool runs dry as they
     decode; vLLM's recompute preemption takes ``running[-1]``, the newest:
     r002, never r000 or r001, and the step goes on without it."""
-    scheduler = _scheduler(num_blocks=70, budget=512, batches=1)
-    engine = _Engine(scheduler)
+    scheduler = tiny_scheduler(num_blocks=70, budget=512, batches=1)
+    engine = CheckedEngine(scheduler)
     for index in range(3):
-        scheduler.add_request(_spec(index, 150, output=400))
+        scheduler.add_request(tiny_spec(index, 150, output=400))
     first, _ = engine.step()
     assert first.new_request_ids == ("r000", "r001", "r002")
     for _ in range(400):
@@ -144,7 +144,7 @@ def test_the_preempted_request_is_the_newest_running():
 def test_accepted_drafts_for_a_fixed_draw(rates, drafts, draws, accepted):
     """Verification stops at the first rejected draft: draft i is accepted
     when draw i < rate i (hand-checked per row)."""
-    rng = _FixedDraws(*draws)
+    rng = FixedDraws(*draws)
     assert AcceptanceModel(conditional_rates=rates).sample(drafts, rng) == accepted  # type: ignore[arg-type]
 
 
@@ -185,7 +185,7 @@ def test_the_runner_samples_one_token_plus_the_accepted_drafts():
         num_prompt_tokens_left=0,
     )
     runner = ModelRunner(AcceptanceModel(conditional_rates=(0.8, 0.7, 0.6)), np.random.default_rng(0))
-    runner.uniforms = _FixedDraws(0.5, 0.69, 0.61)  # type: ignore[assignment]
+    runner.uniforms = FixedDraws(0.5, 0.69, 0.61)  # type: ignore[assignment]
     output = SchedulerOutput(step_index=1, scheduled=(chunk, decode, short))
     out = runner.execute(output, {"p": 150, "d": 101, "s": 101})
     assert out.sampled_token_ids == {"d": [OUTPUT_TOKEN_BASE + 101 + i for i in range(3)]}
@@ -207,10 +207,10 @@ def test_the_scheduler_keeps_exactly_the_accepted_drafts():
     of 3: each step adds 3 tokens (the sampled one plus 2 drafts), counts 3
     drafts and 2 accepted, and rolls computed tokens back by the 1 rejected
     draft (computed = tokens - 1)."""
-    scheduler = _scheduler()
-    scheduler.add_request(_spec(0, 40))
-    engine = _Engine(scheduler, rates=(0.8, 0.7, 0.6))
-    engine.model_runner.uniforms = _FixedDraws(*([0.5, 0.69, 0.61] * 3))  # type: ignore[assignment]
+    scheduler = tiny_scheduler()
+    scheduler.add_request(tiny_spec(0, 40))
+    engine = CheckedEngine(scheduler, rates=(0.8, 0.7, 0.6))
+    engine.model_runner.uniforms = FixedDraws(*([0.5, 0.69, 0.61] * 3))  # type: ignore[assignment]
     engine.step()  # the prefill samples 1 token and draws nothing
     request = scheduler.requests["r000"]
     for _ in range(3):

@@ -21,11 +21,11 @@ import torch
 from sim.analysis.runs import scenario_workload
 from sim.cli import main
 from sim.pool_replay import PoolCorruption, PoolReplay, replay_pool, with_pool_bytes
+from sim.pool_replay.views import WorkerViews, allocate_worker_views
 from sim.scenario import load_scenario
 from sim.sched.scheduler import Scheduler
 from sim.single_type_kv_cache_manager import RingSlotPool
 from sim.vllm_bridge import KVCacheBlock
-from sim.worker_views import WorkerViews, allocate_worker_views
 
 DATA = Path(__file__).parent / "data"
 SMALL = DATA / "pool-replay.yaml"
@@ -185,7 +185,7 @@ def test_the_fenced_pages_themselves_show_the_reuse(small, monkeypatch):
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason=f"no CUDA device visible to torch {torch.__version__}: the full-size replay "
-    "(4.1e9 B per rank) runs on the rig (README: Pool replay)",
+    "(4.1e9 B per rank) runs on the rig (docs/pool-replay.md)",
 )
 @pytest.mark.parametrize("layout", ["off", "on"])
 def test_the_full_pool_replays_clean_on_cuda(layout):

@@ -75,3 +75,32 @@ def test_control_a_changed_figure_is_seen(default_run_checked):
     block = readme_compare_block(README.read_text())
     with pytest.raises(AssertionError):
         assert printed_table(table) == block[1:]
+
+
+# ------------------------------------------------------------ the map
+
+
+def readme_map_block(text: str) -> str:
+    """The code block under README.md's "How it works"."""
+    section = text[text.index("## How it works") :]
+    return section[section.index("```") + 3 : section.index("```", section.index("```") + 3)]
+
+
+def _named_paths(block: str) -> set[str]:
+    """Every module or package the map names (``sim/x.py``, ``x.py``,
+    ``sim/x/``, ``x/``), without the ``sim/`` prefix or the suffix."""
+    return set(re.findall(r"(?:sim/)?([a-z_]+)(?:\.py\b|/)", block))
+
+
+def test_the_map_names_every_module_of_sim_and_only_real_ones():
+    """The map of the code cannot drift: every top-level module and package
+    of ``sim/`` is named, and every name is a real one. (Control: a
+    module left out is reported by name.)"""
+    sim_dir = README.parent / "sim"
+    real = {p.stem for p in sim_dir.glob("*.py") if p.stem != "__init__"}
+    real |= {p.name for p in sim_dir.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    named = _named_paths(readme_map_block(README.read_text()))
+    assert real - named == set(), f"modules the README's map does not name: {sorted(real - named)}"
+    unknown = {n for n in named if n not in real and not (sim_dir / "sched" / f"{n}.py").exists()}
+    assert unknown == set(), f"names in the README's map that are no module: {sorted(unknown)}"
+    assert "sim/cli.py" in readme_map_block(README.read_text())

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
-from replay_fault_server import (
+from helpers.fault_server import (
     MALFORMED_METRICS,
     MISSING_METRICS,
     FaultOptions,
@@ -29,12 +29,12 @@ from replay_fault_server import (
     free_port,
     running_server,
 )
-from sim_helpers import write_scenario
+from helpers.scenarios import write_scenario
 
 from sim import metrics
 from sim.cli import main
 
-FAULT_SERVER = Path(__file__).with_name("replay_fault_server.py")
+FAULT_SERVER = Path(__file__).parent / "helpers" / "fault_server.py"
 
 # Eight requests in ~2 s whose prompts (1-4K tokens) and 30-token outputs
 # keep a 4-sequence cap busy: requests queue, so TTFT includes waiting.

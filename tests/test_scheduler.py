@@ -5,95 +5,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from allocator_driver import K, tiny_plan
+from helpers.allocator import K, tiny_plan
+from helpers.scheduler import MAX_LEN, CheckedEngine, FixedDraws, tiny_scheduler, tiny_spec
 
-from sim.allocator_invariants import check_allocator
 from sim.kv_cache_manager import build_kv_cache_manager
-from sim.sched.engine_core import EngineCore
-from sim.sched.model_runner import AcceptanceModel, ModelRunner, accepted_drafts
+from sim.sched.model_runner import AcceptanceModel
 from sim.sched.scheduler import Scheduler, SchedulerConfig
 from sim.vllm_bridge import RequestStatus
-from sim.workloads import RequestSpec
-
-MAX_LEN = 512
-
-
-def _spec(index: int, prompt: int, output: int = 20, family: int | None = None) -> RequestSpec:
-    ids = tuple((family if family is not None else 1000 + index) * 100 + i for i in range(-(-prompt // 16)))
-    return RequestSpec(
-        request_id=f"r{index:03d}",
-        arrival_s=0.0,
-        prompt_len=prompt,
-        output_len=output,
-        prefix_ids=ids,
-        prefix_unit=16,
-    )
-
-
-def _scheduler(
-    num_blocks: int = 400,
-    *,
-    on: bool = True,
-    batches: int = 2,
-    defer: bool = True,
-    budget: int = 64,
-    seqs: int = 8,
-) -> Scheduler:
-    manager = build_kv_cache_manager(tiny_plan(on), num_gpu_blocks=num_blocks)
-    config = SchedulerConfig(
-        max_num_seqs=seqs,
-        max_num_batched_tokens=budget,
-        max_model_len=MAX_LEN,
-        block_size=32,
-        num_speculative_tokens=K,
-        defer_block_free=defer,
-        max_concurrent_batches=batches,
-    )
-    return Scheduler(config, manager)
-
-
-class _FixedDraws:
-    """An RNG stand-in whose ``random()`` returns the given draws in order."""
-
-    def __init__(self, *draws: float) -> None:
-        self.draws = list(draws)
-
-    def random(self) -> float:
-        return self.draws.pop(0)
-
-    def accepted_drafts(self, rates: tuple[float, ...]) -> int:
-        return accepted_drafts(rates, self)
-
-
-class _Engine(EngineCore):
-    """The engine's own step (``EngineCore``), checking the allocator's
-    invariants after each step that ran."""
-
-    def __init__(self, scheduler: Scheduler, rates=(0.8, 0.7, 0.6), seed: int = 0) -> None:
-        super().__init__(
-            scheduler, ModelRunner(AcceptanceModel(conditional_rates=rates), np.random.default_rng(seed))
-        )
-
-    def step(self):
-        output, outcome = super().step()
-        if outcome is not None:
-            check_allocator(self.scheduler.kv_cache_manager, self.scheduler.deferred_blocks())
-        return output, outcome
-
-    def run(self, max_steps: int = 2000) -> list:
-        """Step until every request finished (bounded)."""
-        log = []
-        for _ in range(max_steps):
-            if not self.scheduler.has_unfinished_requests():
-                break
-            log.append(self.step())
-        return log
 
 
 def test_prefill_chunks_end_on_block_boundaries_and_decode_carries_k_drafts():
-    scheduler = _scheduler(budget=40)
-    scheduler.add_request(_spec(0, 150))
-    engine = _Engine(scheduler)
+    scheduler = tiny_scheduler(budget=40)
+    scheduler.add_request(tiny_spec(0, 150))
+    engine = CheckedEngine(scheduler)
     ends = []
     for _ in range(6):
         output, _ = engine.step()
@@ -107,9 +31,9 @@ def test_prefill_chunks_end_on_block_boundaries_and_decode_carries_k_drafts():
 
 
 def test_rejected_drafts_roll_back_computed_tokens():
-    scheduler = _scheduler()
-    scheduler.add_request(_spec(0, 40))
-    engine = _Engine(scheduler, rates=(1.0, 0.0, 0.0))  # exactly one draft accepted
+    scheduler = tiny_scheduler()
+    scheduler.add_request(tiny_spec(0, 40))
+    engine = CheckedEngine(scheduler, rates=(1.0, 0.0, 0.0))  # exactly one draft accepted
     engine.step()  # prefill
     request = scheduler.requests["r000"]
     for _ in range(3):
@@ -122,19 +46,19 @@ def test_rejected_drafts_roll_back_computed_tokens():
 
 
 def test_requests_longer_than_max_model_len_are_rejected_at_arrival():
-    scheduler = _scheduler()
-    assert not scheduler.add_request(_spec(0, MAX_LEN))
-    assert scheduler.add_request(_spec(1, MAX_LEN - 1, output=1))
+    scheduler = tiny_scheduler()
+    assert not scheduler.add_request(tiny_spec(0, MAX_LEN))
+    assert scheduler.add_request(tiny_spec(1, MAX_LEN - 1, output=1))
     assert scheduler.num_rejected == 1 and scheduler.num_waiting == 1
-    assert not scheduler.add_request(_spec(2, MAX_LEN + 10))
+    assert not scheduler.add_request(tiny_spec(2, MAX_LEN + 10))
     assert scheduler.num_rejected == 2  # each rejection counts
 
 
 def test_waiting_queue_is_head_of_line_blocking():
-    scheduler = _scheduler(num_blocks=44, budget=512)
-    scheduler.add_request(_spec(0, 400))  # fits alone
-    scheduler.add_request(_spec(1, 400))  # does not fit beside it
-    scheduler.add_request(_spec(2, 20))  # would fit, but waits behind 1
+    scheduler = tiny_scheduler(num_blocks=44, budget=512)
+    scheduler.add_request(tiny_spec(0, 400))  # fits alone
+    scheduler.add_request(tiny_spec(1, 400))  # does not fit beside it
+    scheduler.add_request(tiny_spec(2, 20))  # would fit, but waits behind 1
     output = scheduler.schedule()
     assert output.new_request_ids == ("r000",)
     assert scheduler.num_waiting == 2
@@ -144,10 +68,10 @@ def test_waiting_queue_is_head_of_line_blocking():
 
 
 def test_preemption_picks_the_newest_and_admits_nothing_in_that_step():
-    scheduler = _scheduler(num_blocks=70, budget=512, batches=1)
-    engine = _Engine(scheduler)
+    scheduler = tiny_scheduler(num_blocks=70, budget=512, batches=1)
+    engine = CheckedEngine(scheduler)
     for index in range(3):
-        scheduler.add_request(_spec(index, 150, output=400))
+        scheduler.add_request(tiny_spec(index, 150, output=400))
     preempting = None
     for _ in range(400):
         output, _ = engine.step()
@@ -175,10 +99,10 @@ def test_preemption_picks_the_newest_and_admits_nothing_in_that_step():
 
 @pytest.mark.parametrize("batches", [1, 2], ids=["no-fence", "fence-2"])
 def test_fenced_frees_return_blocks_one_step_later(batches):
-    scheduler = _scheduler(batches=batches)
-    engine = _Engine(scheduler)
-    scheduler.add_request(_spec(0, 40, output=2))
-    scheduler.add_request(_spec(1, 40, output=60))
+    scheduler = tiny_scheduler(batches=batches)
+    engine = CheckedEngine(scheduler)
+    scheduler.add_request(tiny_spec(0, 40, output=2))
+    scheduler.add_request(tiny_spec(1, 40, output=60))
     freed_at = None
     for index in range(20):
         _, outcome = engine.step()
@@ -215,11 +139,11 @@ def test_one_step_accounts_every_request():
     needs only 1 more token: it stops there, finished with 2. Generated
     3 + 1 = 4, drafts 6, accepted 3. Step 3: r000 alone, draws 0.5 x 3
     accept all, it needs 1 token: finished with 5; generated 1."""
-    scheduler = _scheduler(budget=512)
-    engine = _Engine(scheduler)
-    engine.model_runner.uniforms = _FixedDraws(0.1, 0.1, 0.9, 0.1, 0.9, 0.5, 0.5, 0.5)  # type: ignore[assignment]
-    scheduler.add_request(_spec(0, 40, output=5))
-    scheduler.add_request(_spec(1, 40, output=2))
+    scheduler = tiny_scheduler(budget=512)
+    engine = CheckedEngine(scheduler)
+    engine.model_runner.uniforms = FixedDraws(0.1, 0.1, 0.9, 0.1, 0.9, 0.5, 0.5, 0.5)  # type: ignore[assignment]
+    scheduler.add_request(tiny_spec(0, 40, output=5))
+    scheduler.add_request(tiny_spec(1, 40, output=2))
     rows = []
     for _ in range(3):
         output, outcome = engine.step()
@@ -262,7 +186,7 @@ def test_long_prefill_threshold_applies_only_with_company(num_requests, chunk):
     boundary, 128 - 32), unclipped; two take 32-token chunks each."""
     scheduler = _threshold_scheduler(32)
     for index in range(num_requests):
-        scheduler.add_request(_spec(index, 150))
+        scheduler.add_request(tiny_spec(index, 150))
     output = scheduler.schedule()
     assert [item.num_scheduled_tokens for item in output.scheduled] == [chunk] * num_requests
 
@@ -271,7 +195,7 @@ def test_max_num_seqs_caps_admission():
     """Three small waiting requests, max_num_seqs 2: two admitted."""
     scheduler = _threshold_scheduler(0, seqs=2)
     for index in range(3):
-        scheduler.add_request(_spec(index, 20))
+        scheduler.add_request(tiny_spec(index, 20))
     assert scheduler.schedule().new_request_ids == ("r000", "r001")
 
 
@@ -279,9 +203,9 @@ def test_decodes_near_max_model_len_keep_room_for_the_sampled_token():
     """A 500-token prompt under max_model_len 512: a step may compute at
     most up to 511 tokens (one slot left for the sampled token), so the
     last decodes carry fewer than 1 + K tokens; the request still finishes."""
-    scheduler = _scheduler(budget=512)
-    engine = _Engine(scheduler, rates=(1.0,))
-    scheduler.add_request(_spec(0, 500, output=30))
+    scheduler = tiny_scheduler(budget=512)
+    engine = CheckedEngine(scheduler, rates=(1.0,))
+    scheduler.add_request(tiny_spec(0, 500, output=30))
     ends, sizes = [], []
     for output, _ in engine.run():
         for item in output.scheduled:

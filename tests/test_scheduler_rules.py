@@ -18,8 +18,8 @@ from __future__ import annotations
 from functools import cache
 
 import pytest
-from allocator_driver import MAX_LEN, TINY_MODEL, K, tiny_plan
-from test_scheduler import _Engine, _scheduler, _spec
+from helpers.allocator import MAX_LEN, TINY_MODEL, K, tiny_plan
+from helpers.scheduler import CheckedEngine, tiny_scheduler, tiny_spec
 
 from sim.config import DeploymentConfig, load_model
 from sim.kv_cache_manager import MTPHashing, build_kv_cache_manager
@@ -58,10 +58,10 @@ def test_a_request_preempted_right_after_its_first_step_waits_for_its_fence(
     r001's blocks cannot be freed, nothing is preempted and nothing runs
     (an empty step, during which the step in flight completes); step 3
     preempts."""
-    scheduler = _scheduler(num_blocks=30, batches=batches, defer=defer, budget=512)
-    engine = _Engine(scheduler, rates=(0.0,))
-    scheduler.add_request(_spec(0, 60, output=5))
-    scheduler.add_request(_spec(1, 60, output=5))
+    scheduler = tiny_scheduler(num_blocks=30, batches=batches, defer=defer, budget=512)
+    engine = CheckedEngine(scheduler, rates=(0.0,))
+    scheduler.add_request(tiny_spec(0, 60, output=5))
+    scheduler.add_request(tiny_spec(1, 60, output=5))
     first, _ = engine.step()
     assert _row(first) == ((("r000", 60), ("r001", 60)), ())
     assert scheduler.kv_cache_manager.num_free_blocks == 0
@@ -88,10 +88,10 @@ def test_a_request_finished_in_its_first_step_frees_at_once_or_behind_the_fence(
     ``complete_in_flight_steps`` says whether idling changed anything: the
     processed-step counter reaches step 1 unless step 1's own output already
     counted as processed (one batch in flight, fencing on)."""
-    scheduler = _scheduler(batches=batches, defer=defer)
-    engine = _Engine(scheduler)
+    scheduler = tiny_scheduler(batches=batches, defer=defer)
+    engine = CheckedEngine(scheduler)
     total = scheduler.kv_cache_manager.num_free_blocks
-    scheduler.add_request(_spec(0, 60, output=1))
+    scheduler.add_request(tiny_spec(0, 60, output=1))
     _, outcome = engine.step()
     assert outcome.finished == {"r000": 1}
     held = BLOCKS_OF_A_60_TOKEN_PREFILL + 1
@@ -113,10 +113,10 @@ def test_a_fenced_free_waits_for_every_batch_still_in_flight():
     back one step earlier (CONTROL)."""
     held_after = {}
     for batches in (2, 3):
-        scheduler = _scheduler(batches=batches)
-        engine = _Engine(scheduler, rates=(0.0,))
-        scheduler.add_request(_spec(0, 60, output=1))
-        scheduler.add_request(_spec(1, 20, output=30))
+        scheduler = tiny_scheduler(batches=batches)
+        engine = CheckedEngine(scheduler, rates=(0.0,))
+        scheduler.add_request(tiny_spec(0, 60, output=1))
+        scheduler.add_request(tiny_spec(1, 20, output=30))
         held_after[batches] = []
         for _ in range(3):
             engine.step()
@@ -131,10 +131,10 @@ def test_the_last_running_request_gets_what_is_left_of_the_budget():
     r000 and r001 decode 1 + K = 4 tokens each; the 1 token left goes to
     r002, whose drafts are dropped (1 token, 0 drafts), as vLLM's running
     loop clips a decode to the budget."""
-    scheduler = _scheduler(budget=9)
-    engine = _Engine(scheduler, rates=(0.0,))
+    scheduler = tiny_scheduler(budget=9)
+    engine = CheckedEngine(scheduler, rates=(0.0,))
     for index in range(3):
-        scheduler.add_request(_spec(index, 3))
+        scheduler.add_request(tiny_spec(index, 3))
     first, _ = engine.step()
     assert _scheduled(first) == [("r000", 3, 0), ("r001", 3, 0), ("r002", 3, 0)]
     second, _ = engine.step()
@@ -146,9 +146,9 @@ def test_a_one_token_prompt_takes_the_last_token_of_the_budget():
     Mamba split floors 33 to a block boundary); the one token left admits
     r001, a 1-token prompt (a whole prompt, nothing to align; no padding:
     nothing else ran and it has no prefix hit)."""
-    scheduler = _scheduler(budget=33)
-    scheduler.add_request(_spec(0, 200))
-    scheduler.add_request(_spec(1, 1))
+    scheduler = tiny_scheduler(budget=33)
+    scheduler.add_request(tiny_spec(0, 200))
+    scheduler.add_request(tiny_spec(1, 1))
     output = scheduler.schedule()
     assert _scheduled(output) == [("r000", 32, 0), ("r001", 1, 0)]
     assert output.new_request_ids == ("r000", "r001")
@@ -162,11 +162,11 @@ def test_a_running_request_with_nothing_to_schedule_does_not_stop_the_ones_behin
     0 tokens; the loop steps over it (not strictly FCFS, as in vLLM) and
     r002 decodes 4. r001, mid-prefill, samples nothing in step 1, and the
     requests after it still get their first token."""
-    scheduler = _scheduler(budget=35)
-    engine = _Engine(scheduler, rates=(0.0,))
-    scheduler.add_request(_spec(0, 1))
-    scheduler.add_request(_spec(1, 200))
-    scheduler.add_request(_spec(2, 2))
+    scheduler = tiny_scheduler(budget=35)
+    engine = CheckedEngine(scheduler, rates=(0.0,))
+    scheduler.add_request(tiny_spec(0, 1))
+    scheduler.add_request(tiny_spec(1, 200))
+    scheduler.add_request(tiny_spec(2, 2))
     first, outcome = engine.step()
     assert _scheduled(first) == [("r000", 1, 0), ("r001", 32, 0), ("r002", 2, 0)]
     assert outcome.first_token_request_ids == ("r000", "r002")
@@ -197,12 +197,12 @@ def _decode_then_admit(scheduler: Scheduler, *, with_prefill: bool = False):
     """Step 1 admits r001 (2-token prompt) and, with ``with_prefill``, first
     r000 (200 tokens, chunked); step 2 decodes r001 (and continues r000's
     prefill) while r002, a 1-token prompt, arrives: its row in step 2."""
-    engine = _Engine(scheduler, rates=(0.0,))
+    engine = CheckedEngine(scheduler, rates=(0.0,))
     if with_prefill:
-        scheduler.add_request(_spec(0, 200))
-    scheduler.add_request(_spec(1, 2))
+        scheduler.add_request(tiny_spec(0, 200))
+    scheduler.add_request(tiny_spec(1, 2))
     engine.step()
-    scheduler.add_request(_spec(2, 1))
+    scheduler.add_request(tiny_spec(2, 1))
     output, _ = engine.step()
     rows = {item.request_id: item for item in output.scheduled}
     assert output.new_request_ids == (("r002",) if "r002" in rows else ())
@@ -237,7 +237,7 @@ def test_a_lone_one_token_prompt_is_not_padded():
     """Nothing running was scheduled and there is no prefix hit: vLLM pads
     only to match a decode batch, so a lone 1-token prompt runs 1 token."""
     scheduler = _pad_scheduler()
-    scheduler.add_request(_spec(0, 1))
+    scheduler.add_request(tiny_spec(0, 1))
     [item] = scheduler.schedule().scheduled
     assert (item.num_scheduled_tokens, item.num_spec_tokens, item.is_padded) == (1, 0, False)
 
@@ -308,10 +308,10 @@ def test_a_full_prefix_hit_is_padded_only_with_room_for_the_sampled_token(max_mo
         mtp_hashing=hashing,
     )
     scheduler = Scheduler(config, manager)
-    engine = _Engine(scheduler, rates=(0.0,))
-    scheduler.add_request(_spec(0, 481, output=1, family=7))
+    engine = CheckedEngine(scheduler, rates=(0.0,))
+    scheduler.add_request(tiny_spec(0, 481, output=1, family=7))
     engine.run()
-    scheduler.add_request(_spec(1, 481, output=2, family=7))
+    scheduler.add_request(tiny_spec(1, 481, output=2, family=7))
     output, _ = engine.step()
     assert output.admitted_hits == {"r001": 480}
     [item] = output.scheduled
@@ -329,10 +329,10 @@ def test_a_decode_needs_its_lookahead_slots_or_preempts():
     blocks, but vLLM also reserves K = 3 lookahead slots: 65 tokens, a
     third block, and the pool is empty: r001 (the newest) is preempted and
     r000 takes one of its 13 blocks (12 free)."""
-    scheduler = _scheduler(num_blocks=29, budget=512, batches=1)
-    engine = _Engine(scheduler, rates=(0.0,))
-    scheduler.add_request(_spec(0, 58))
-    scheduler.add_request(_spec(1, 20))
+    scheduler = tiny_scheduler(num_blocks=29, budget=512, batches=1)
+    engine = CheckedEngine(scheduler, rates=(0.0,))
+    scheduler.add_request(tiny_spec(0, 58))
+    scheduler.add_request(tiny_spec(1, 20))
     first, _ = engine.step()
     assert _row(first) == ((("r000", 58), ("r001", 20)), ())
     assert scheduler.kv_cache_manager.num_free_blocks == 0
@@ -348,9 +348,9 @@ def test_a_request_that_is_its_own_victim_is_not_scheduled():
     request, r000 itself: preempted, and not scheduled in that step (all
     its 14 blocks and the ring page back: 15 free). Step 3 resumes it: 59 tokens (prompt and the one
     output) recomputed."""
-    scheduler = _scheduler(num_blocks=16, budget=512, batches=1)
-    engine = _Engine(scheduler, rates=(0.0,))
-    scheduler.add_request(_spec(0, 58))
+    scheduler = tiny_scheduler(num_blocks=16, budget=512, batches=1)
+    engine = CheckedEngine(scheduler, rates=(0.0,))
+    scheduler.add_request(tiny_spec(0, 58))
     engine.step()
     second, _ = engine.step()
     assert _row(second) == ((), ("r000",))
@@ -365,8 +365,8 @@ def test_admission_needs_the_lookahead_slots_too(prompt, admitted):
     """A 16-block pool holds one request's 12 Mamba blocks, the ring page and
     2 attention blocks (64 tokens). vLLM admits a prompt with K = 3
     lookahead slots: 61 + 3 = 64 fits; 62 + 3 = 65 needs a third block."""
-    scheduler = _scheduler(num_blocks=16, budget=512, batches=1)
-    scheduler.add_request(_spec(0, prompt))
+    scheduler = tiny_scheduler(num_blocks=16, budget=512, batches=1)
+    scheduler.add_request(tiny_spec(0, prompt))
     output = scheduler.schedule()
     assert (output.new_request_ids == ("r000",)) is admitted
 
@@ -377,10 +377,10 @@ def test_a_request_counts_each_of_its_preemptions():
     own count (vLLM's ``Request.num_preemptions``) equals the steps that
     named it preempted, and one was preempted more than once (the case the
     count is for)."""
-    scheduler = _scheduler(num_blocks=50, budget=512, batches=1)
-    engine = _Engine(scheduler, rates=(0.0,))
+    scheduler = tiny_scheduler(num_blocks=50, budget=512, batches=1)
+    engine = CheckedEngine(scheduler, rates=(0.0,))
     for index in range(3):
-        scheduler.add_request(_spec(index, 60, output=40))
+        scheduler.add_request(tiny_spec(index, 60, output=40))
     seen, counts = {}, {}
     for _ in range(300):
         if not scheduler.has_unfinished_requests():
@@ -398,13 +398,13 @@ def test_a_request_counts_each_of_its_preemptions():
 def _cached_then_admitted(prompt: int, budget: int = 512, **kwargs):
     """r000 runs a ``prompt``-token prompt (family 7) to its end; then r001,
     the same prompt, is admitted: (scheduler, r000's blocks, the step)."""
-    scheduler = _scheduler(budget=budget, batches=1, **kwargs)
-    engine = _Engine(scheduler, rates=(0.0,))
-    scheduler.add_request(_spec(0, prompt, output=2, family=7))
+    scheduler = tiny_scheduler(budget=budget, batches=1, **kwargs)
+    engine = CheckedEngine(scheduler, rates=(0.0,))
+    scheduler.add_request(tiny_spec(0, prompt, output=2, family=7))
     engine.step()
     blocks_of_r000 = scheduler.kv_cache_manager.get_block_ids("r000")
     engine.run()
-    scheduler.add_request(_spec(1, prompt, output=2, family=7))
+    scheduler.add_request(tiny_spec(1, prompt, output=2, family=7))
     output, _ = engine.step()
     return scheduler, blocks_of_r000, output
 
@@ -445,9 +445,9 @@ def test_a_threshold_below_a_block_advances_prefills_sub_block():
     prompts: vLLM's split lets a chunk limit narrower than a block advance
     sub-block (16 tokens a step each) instead of scheduling nothing."""
     scheduler = _threshold_scheduler(16)
-    engine = _Engine(scheduler, rates=(0.0,))
-    scheduler.add_request(_spec(0, 150))
-    scheduler.add_request(_spec(1, 150))
+    engine = CheckedEngine(scheduler, rates=(0.0,))
+    scheduler.add_request(tiny_spec(0, 150))
+    scheduler.add_request(tiny_spec(1, 150))
     for step in range(3):
         output, _ = engine.step()
         assert [(i.num_computed_tokens, i.num_scheduled_tokens) for i in output.scheduled] == [
@@ -459,9 +459,9 @@ def test_a_threshold_of_one_token_clips_decodes_too():
     """vLLM applies long_prefill_token_threshold to every running request:
     at 1, two 1-token prompts then decode one token a step, no drafts."""
     scheduler = _threshold_scheduler(1)
-    engine = _Engine(scheduler, rates=(0.0,))
-    scheduler.add_request(_spec(0, 1))
-    scheduler.add_request(_spec(1, 1))
+    engine = CheckedEngine(scheduler, rates=(0.0,))
+    scheduler.add_request(tiny_spec(0, 1))
+    scheduler.add_request(tiny_spec(1, 1))
     engine.step()
     output, _ = engine.step()
     assert _scheduled(output) == [("r000", 1, 0), ("r001", 1, 0)]
@@ -478,9 +478,9 @@ def test_a_prefill_chunk_never_ends_within_the_drafters_runway():
     48, 2 tokens before the prompt's end, inside the runway: vLLM pulls it
     back to end 3 tokens before (47, 15 tokens); the last chunk is 3."""
     scheduler = _threshold_scheduler(16, MULTI_MODULE_LOOKAHEAD)
-    engine = _Engine(scheduler, rates=(0.0,))
-    scheduler.add_request(_spec(0, 50))
-    scheduler.add_request(_spec(1, 50))
+    engine = CheckedEngine(scheduler, rates=(0.0,))
+    scheduler.add_request(tiny_spec(0, 50))
+    scheduler.add_request(tiny_spec(1, 50))
     sizes = [[i.num_scheduled_tokens for i in engine.step()[0].scheduled] for _ in range(4)]
     assert sizes == [[16, 16], [16, 16], [15, 15], [3, 3]]
 
@@ -492,11 +492,11 @@ def test_the_runway_counts_from_the_prefix_hit():
     the threshold applies) arrive: r001 hits 32, and its chunk from 32
     (16 tokens, to 48) ends 2 tokens before its end: pulled back to 15."""
     scheduler = _threshold_scheduler(16, MULTI_MODULE_LOOKAHEAD)
-    engine = _Engine(scheduler, rates=(0.0,))
-    scheduler.add_request(_spec(0, 50, output=1, family=7))
+    engine = CheckedEngine(scheduler, rates=(0.0,))
+    scheduler.add_request(tiny_spec(0, 50, output=1, family=7))
     engine.run()
-    scheduler.add_request(_spec(1, 50, family=7))
-    scheduler.add_request(_spec(2, 50, family=8))
+    scheduler.add_request(tiny_spec(1, 50, family=7))
+    scheduler.add_request(tiny_spec(2, 50, family=8))
     output, _ = engine.step()
     assert output.admitted_hits == {"r001": 32, "r002": 0}
     assert [(i.num_computed_tokens, i.num_scheduled_tokens) for i in output.scheduled] == [(32, 15), (0, 16)]
@@ -506,9 +506,9 @@ def test_a_last_chunk_of_two_prompt_tokens_counts_them_as_prompt():
     """Budget 32, a 34-token prompt: the first chunk is one block (32), the
     second the last 2 tokens, both prompt tokens (it starts 2 before the
     end); the first decode after it has no prompt token left."""
-    scheduler = _scheduler(budget=32)
-    engine = _Engine(scheduler, rates=(0.0,))
-    scheduler.add_request(_spec(0, 34))
+    scheduler = tiny_scheduler(budget=32)
+    engine = CheckedEngine(scheduler, rates=(0.0,))
+    scheduler.add_request(tiny_spec(0, 34))
     left = []
     for _ in range(3):
         [item] = engine.step()[0].scheduled
@@ -526,10 +526,10 @@ def test_a_steps_stats_carry_its_prefix_lookups_and_the_gauges_after_it():
     ring page stays (r000 holds a slot in it), r001's 14 blocks wait behind
     the fence: 399 - 16 - 1 - 14 = 368 free; usage is vLLM's 1 - free / 399.
     The fence holds r001's 14 blocks and its ring slot: 15 entries."""
-    scheduler = _scheduler(budget=512, batches=2)
-    engine = _Engine(scheduler, rates=(0.0,))
-    scheduler.add_request(_spec(0, 150, output=5))
-    scheduler.add_request(_spec(1, 60, output=1))
+    scheduler = tiny_scheduler(budget=512, batches=2)
+    engine = CheckedEngine(scheduler, rates=(0.0,))
+    scheduler.add_request(tiny_spec(0, 150, output=5))
+    scheduler.add_request(tiny_spec(1, 60, output=1))
     output, outcome = engine.step()
     assert outcome.finished == {"r001": 1}
     stats = scheduler.make_stats(output, outcome)
@@ -549,9 +549,9 @@ def test_the_retained_checkpoints_gauge_counts_one_per_mamba_group():
     Mamba group's running state past the cached checkpoint at 96; vLLM
     drops it from the table and the fork retains it: 3, one per group, and
     none before (CONTROL)."""
-    scheduler = _scheduler(budget=512)
-    engine = _Engine(scheduler, rates=(0.0,))
-    scheduler.add_request(_spec(0, 150, output=5))
+    scheduler = tiny_scheduler(budget=512)
+    engine = CheckedEngine(scheduler, rates=(0.0,))
+    scheduler.add_request(tiny_spec(0, 150, output=5))
     retained = []
     for _ in range(3):
         engine.step()
@@ -563,12 +563,12 @@ def test_arrivals_during_a_step_are_not_in_its_waiting_gauge():
     """vLLM's engine core adds requests between steps, so the stats of a
     step do not count the two that arrived while it ran (kvsim adds them
     as they arrive); the sampler's gauges do."""
-    scheduler = _scheduler(budget=512)
-    engine = _Engine(scheduler, rates=(0.0,))
-    scheduler.add_request(_spec(0, 40))
+    scheduler = tiny_scheduler(budget=512)
+    engine = CheckedEngine(scheduler, rates=(0.0,))
+    scheduler.add_request(tiny_spec(0, 40))
     step = engine.schedule()
-    scheduler.add_request(_spec(1, 40))
-    scheduler.add_request(_spec(2, 40))
+    scheduler.add_request(tiny_spec(1, 40))
+    scheduler.add_request(tiny_spec(2, 40))
     outcome = engine.complete(step)
     assert scheduler.make_stats(step.output, outcome).gauges.num_requests_waiting == 0
     assert scheduler.make_gauges().num_requests_waiting == 2  # CONTROL: they are waiting
@@ -586,7 +586,7 @@ def test_without_stats_logging_no_prefix_lookups_are_reported():
         num_speculative_tokens=K,
     )
     scheduler = Scheduler(config, manager)
-    scheduler.add_request(_spec(0, 40))
+    scheduler.add_request(tiny_spec(0, 40))
     output = scheduler.schedule()
     assert output.new_request_ids == ("r000",)
     assert (output.prefix_cache_queries, output.prefix_cache_hits) == (0, 0)
@@ -598,10 +598,10 @@ def test_a_resumed_requests_lookup_counts_in_the_prefix_stats():
     prompts in a 45-block pool: r001 is preempted, then resumed with its
     outputs: it queries all its tokens and hits 96 (its own blocks, cached
     when it was preempted; the EAGLE drop, as for a fresh prompt)."""
-    scheduler = _scheduler(num_blocks=45, budget=512, batches=1)
-    engine = _Engine(scheduler, rates=(0.0,))
-    scheduler.add_request(_spec(0, 150, output=10))
-    scheduler.add_request(_spec(1, 150, output=10))
+    scheduler = tiny_scheduler(num_blocks=45, budget=512, batches=1)
+    engine = CheckedEngine(scheduler, rates=(0.0,))
+    scheduler.add_request(tiny_spec(0, 150, output=10))
+    scheduler.add_request(tiny_spec(1, 150, output=10))
     for _ in range(100):
         step = engine.schedule()
         if step.output.resumed_request_ids:
@@ -619,10 +619,10 @@ def test_evicted_blocks_add_up_over_the_steps():
     """Six 150-token prompts of their own through a 60-block pool: each
     admission reuses blocks the finished ones left cached, in more than one
     step; the scheduler's running total is the sum of the steps' counts."""
-    scheduler = _scheduler(num_blocks=60, budget=512, batches=1)
-    engine = _Engine(scheduler, rates=(0.0,))
+    scheduler = tiny_scheduler(num_blocks=60, budget=512, batches=1)
+    engine = CheckedEngine(scheduler, rates=(0.0,))
     for index in range(6):
-        scheduler.add_request(_spec(index, 150, output=5))
+        scheduler.add_request(tiny_spec(index, 150, output=5))
     per_step = [output.num_evicted_blocks for output, _ in engine.run(300)]
     assert not scheduler.has_unfinished_requests()
     assert sum(1 for n in per_step if n) >= 2
@@ -651,10 +651,10 @@ def test_a_hit_too_close_to_max_model_len_to_pad_runs_on_a_short_budget(max_mode
         for budget in (512, 3)
     ]
     first = Scheduler(configs[0], manager)
-    first.add_request(_spec(0, 481, output=1, family=7))
-    _Engine(first, rates=(0.0,)).run()
+    first.add_request(tiny_spec(0, 481, output=1, family=7))
+    CheckedEngine(first, rates=(0.0,)).run()
     second = Scheduler(configs[1], manager)  # the same pool, its cached prefix
-    second.add_request(_spec(1, 481, output=2, family=7))
+    second.add_request(tiny_spec(1, 481, output=2, family=7))
     output = second.schedule()
     assert output.new_request_ids == (("r001",) if admitted else ())
     if admitted:
@@ -667,8 +667,8 @@ def test_multi_module_lookahead_moves_the_last_cacheable_boundary():
     last cacheable boundary is (65 - 3) // 32 * 32 = 32, not 64: vLLM's
     split stops the first chunk there (32), then runs to the end (33)."""
     scheduler = _threshold_scheduler(0, MULTI_MODULE_LOOKAHEAD)
-    engine = _Engine(scheduler, rates=(0.0,))
-    scheduler.add_request(_spec(0, 65))
+    engine = CheckedEngine(scheduler, rates=(0.0,))
+    scheduler.add_request(tiny_spec(0, 65))
     sizes = [engine.step()[0].scheduled[0].num_scheduled_tokens for _ in range(2)]
     assert sizes == [32, 33]
 
@@ -682,12 +682,12 @@ def test_a_prefix_block_is_hit_only_when_its_lookahead_tokens_exist():
     block 2 (1 token after it): its longest attention hit is 64, where no
     Mamba state is cached: no hit. r002 (99 tokens) can: it hits 96."""
     scheduler = _threshold_scheduler(0, MULTI_MODULE_LOOKAHEAD)
-    engine = _Engine(scheduler, rates=(0.0,))
-    scheduler.add_request(_spec(0, 100, output=1, family=7))
+    engine = CheckedEngine(scheduler, rates=(0.0,))
+    scheduler.add_request(tiny_spec(0, 100, output=1, family=7))
     engine.run()
     hits = {}
     for index, prompt in ((1, 97), (2, 99)):
-        scheduler.add_request(_spec(index, prompt, output=1, family=7))
+        scheduler.add_request(tiny_spec(index, prompt, output=1, family=7))
         output, _ = engine.step()
         hits.update(output.admitted_hits)
         engine.run()
@@ -710,8 +710,8 @@ def test_a_waiting_request_the_runway_leaves_nothing_does_not_block_the_queue():
         use_eagle_block_drop=True, num_hash_lookahead_tokens=0, num_prefill_lookahead_tokens=K
     )
     scheduler = _threshold_scheduler(1, hashing)
-    scheduler.add_request(_spec(0, 3))
-    scheduler.add_request(_spec(1, 1))
+    scheduler.add_request(tiny_spec(0, 3))
+    scheduler.add_request(tiny_spec(1, 1))
     assert scheduler.schedule().new_request_ids == ("r001",)
 
 
@@ -722,10 +722,10 @@ def test_a_padded_requests_placeholder_drafts_are_never_accepted():
     4 + 1 tokens and accepts 3 of 6 drafts (vLLM counts the placeholders,
     ``scheduled_spec_decode_tokens = [-1] * K``, as drafts)."""
     scheduler = _pad_scheduler()
-    engine = _Engine(scheduler, rates=(1.0,))
-    scheduler.add_request(_spec(1, 2))
+    engine = CheckedEngine(scheduler, rates=(1.0,))
+    scheduler.add_request(tiny_spec(1, 2))
     engine.step()
-    scheduler.add_request(_spec(2, 1))
+    scheduler.add_request(tiny_spec(2, 1))
     output, outcome = engine.step()
     assert [item.is_padded for item in output.scheduled] == [False, True]
     assert (outcome.num_generated_tokens, outcome.num_draft_tokens, outcome.num_accepted_tokens) == (5, 6, 3)
@@ -746,10 +746,10 @@ def test_the_drafters_re_prefillable_tokens_are_not_cached(prompt, hit):
         use_eagle_block_drop=True, num_hash_lookahead_tokens=0, num_prefill_lookahead_tokens=K
     )
     scheduler = _threshold_scheduler(0, hashing)
-    engine = _Engine(scheduler, rates=(0.0,))
-    scheduler.add_request(_spec(0, prompt, output=1, family=7))
+    engine = CheckedEngine(scheduler, rates=(0.0,))
+    scheduler.add_request(tiny_spec(0, prompt, output=1, family=7))
     engine.run()
-    scheduler.add_request(_spec(1, 200, output=1, family=7))
+    scheduler.add_request(tiny_spec(1, 200, output=1, family=7))
     output, _ = engine.step()
     assert output.admitted_hits == {"r001": hit}
 

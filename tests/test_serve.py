@@ -14,8 +14,8 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from helpers.scenarios import scenario
 from prometheus_client.parser import text_string_to_metric_families
-from sim_helpers import scenario
 
 import sim.vllm_bridge  # noqa: F401  (sets VLLM_TARGET_DEVICE before vLLM's argument parser runs)
 from sim.commands.serve import boot_log_lines

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
-from sim_helpers import LONG_PROMPTS, POOL_BINDS, run, scenario
+from helpers.scenarios import LONG_PROMPTS, POOL_BINDS, run, scenario
 
 from sim.analysis.frames import frames
 from sim.analysis.runs import run_scenario, scenario_workload

@@ -1,6 +1,7 @@
 """Start-up: a command pays for the libraries it uses, not for the others'.
-vLLM's import (torch with it) costs 7-15 s; building the parser must not
-import it, and ``kvsim plot`` never needs it. Measured in a fresh
+vLLM's import (torch with it) costs 7-15 s and pandas a second or more;
+building the parser (``kvsim --help``) imports neither, and ``kvsim plot``
+never needs vLLM. Measured in a fresh
 interpreter, since this test process has long imported everything."""
 
 from __future__ import annotations
@@ -9,11 +10,11 @@ import subprocess
 import sys
 
 import pytest
-from sim_helpers import write_scenario
+from helpers.scenarios import write_scenario
 
 from sim.cli import main
 
-HEAVY = ("vllm", "torch")
+HEAVY = ("vllm", "torch", "pandas")
 
 
 def imported_after(code: str) -> set[str]:
@@ -28,7 +29,8 @@ def imported_after(code: str) -> set[str]:
 
 def test_the_probe_sees_vllm_when_it_is_imported():
     """Failing control: the allocator's module does import vLLM (and torch)."""
-    assert imported_after("import sim.kv_cache_manager") == {"vllm", "torch"}
+    assert imported_after("import sim.kv_cache_manager") >= {"vllm", "torch"}
+    assert "pandas" in imported_after("import sim.results")
 
 
 def test_building_the_command_line_imports_no_vllm():
@@ -39,6 +41,14 @@ def test_building_the_command_line_imports_no_vllm():
 def test_help_imports_no_vllm(args):
     code = f"from sim.cli import main\ntry:\n    main({args!r})\nexcept SystemExit:\n    pass"
     assert imported_after(code) == set()
+
+
+@pytest.mark.parametrize("command", ["gate", "sweep", "plot", "validate", "calibrate"])
+def test_a_commands_help_imports_no_pandas(command):
+    """The commands that print frames import pandas where they run, not
+    when the parser is built."""
+    code = f"from sim.cli import main\ntry:\n    main([{command!r}, '--help'])\nexcept SystemExit:\n    pass"
+    assert "pandas" not in imported_after(code)
 
 
 def test_plot_imports_no_vllm(tmp_path):
@@ -53,4 +63,4 @@ def test_plot_imports_no_vllm(tmp_path):
     out = tmp_path / "results"
     assert main(["run", str(write_scenario(tmp_path, workload=workload)), "--out", str(out)]) == 0
     code = f"from sim.cli import main\nassert main(['plot', {str(out)!r}, '--format', 'png']) == 0"
-    assert imported_after(code) == set()
+    assert imported_after(code) == {"pandas"}

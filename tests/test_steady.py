@@ -15,15 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import sim_helpers
-from test_fast_path import (
-    CHECKED_CASES,
-    _frames,
-    _one_request,
-    _simulation,
-    allocator_state,
-)
-from test_scheduler import _scheduler, _spec
+from helpers import scenarios
+from helpers.fast_path import CHECKED_CASES, audited, checked_simulation, frames_with_fast_path, one_request
+from helpers.scheduler import tiny_scheduler, tiny_spec
 
 from sim.analysis.runs import scenario_workload
 from sim.conformance.driver import run_conformance
@@ -31,8 +25,8 @@ from sim.engine import Simulation
 from sim.paths import SCENARIOS_DIR
 from sim.scenario import load_scenario
 from sim.sched.engine_core import EngineCore
+from sim.sched.fast_path import FastPath
 from sim.sched.model_runner import AcceptanceModel, ModelRunner, UniformStream, accepted_drafts
-from sim.sched.scheduler import Scheduler, _StepState
 from sim.sched.steady import SteadyDecode
 
 # ------------------------------------------------------------ the draws
@@ -101,7 +95,7 @@ def test_a_decode_across_a_block_boundary_runs_steady_inside_its_windows(tmp_pat
     span is c .. c + 7); c = 3,161 .. 3,233 ordinary (73: real calls, the
     last one settling the next block); c = 3,234 .. 3,268 steady (35), the
     last stopping the request inside the lane."""
-    steady, outcomes = _lane_steps(_one_request(tmp_path, 3120, 150))
+    steady, outcomes = _lane_steps(one_request(tmp_path, 3120, 150))
     assert steady == [False] * 2 + [True] * 40 + [False] * 73 + [True] * 35
     assert sum(o.num_generated_tokens for o in outcomes) == 150
     assert [dict(o.finished) for o in outcomes if o.finished] == [{"r000000": 150}]
@@ -112,7 +106,7 @@ def test_every_draft_accepted_stops_inside_the_lane(tmp_path):
     samples 1, the first decode 4 (ordinary: its allocation is real), then
     36 steady steps of 4 reach 149 and a 37th, steady too, stops at its first
     token (the other 3 dropped)."""
-    steady, outcomes = _lane_steps(_one_request(tmp_path, 100, 150, "mtp.acceptance_rates=[1, 1, 1]"))
+    steady, outcomes = _lane_steps(one_request(tmp_path, 100, 150, "mtp.acceptance_rates=[1, 1, 1]"))
     assert steady == [False, False] + [True] * 37
     assert [o.num_generated_tokens for o in outcomes] == [1] + [4] * 37 + [1]
     assert outcomes[-1].finished == {"r000000": 150}
@@ -124,7 +118,7 @@ def test_a_steady_step_admits_an_arrival_after_its_decodes(tmp_path):
     1 + K = 4 tokens and the waiting loop admits r001 after them (its whole
     prompt fits the 8,192-token budget), which samples its first token the
     scheduler's way."""
-    simulation = _one_request(tmp_path, 100, 150)
+    simulation = one_request(tmp_path, 100, 150)
     scheduler, core = simulation.scheduler, simulation.core
     scheduler.add_request(simulation.workload.requests[0])
     steady = []
@@ -133,7 +127,7 @@ def test_a_steady_step_admits_an_arrival_after_its_decodes(tmp_path):
         core.complete(step)
         steady.append(step.num_steady)
     assert steady == [0, 0, 1, 1]
-    scheduler.add_request(_spec(1, 50))
+    scheduler.add_request(tiny_spec(1, 50))
     step = core.schedule()
     assert step.num_steady == 1 and step.output.new_request_ids == ("r001",)
     scheduled = [(i.request_id, i.num_scheduled_tokens) for i in step.output.scheduled]
@@ -148,12 +142,12 @@ def test_a_steady_step_admits_an_arrival_after_its_decodes(tmp_path):
 def _steady_then_arrival(tmp_path, prompt: int, num_steady_steps: int):
     """r000000 (100-token prompt) runs ``num_steady_steps`` steps, then
     r001 (``prompt`` tokens) arrives: the next step."""
-    simulation = _one_request(tmp_path, 100, 150)
+    simulation = one_request(tmp_path, 100, 150)
     scheduler, core = simulation.scheduler, simulation.core
     scheduler.add_request(simulation.workload.requests[0])
     for _ in range(num_steady_steps):
         core.complete(core.schedule())
-    scheduler.add_request(_spec(1, prompt))
+    scheduler.add_request(tiny_spec(1, prompt))
     return core.schedule()
 
 
@@ -183,7 +177,7 @@ def test_the_max_model_len_clip_ends_the_lane(tmp_path):
     still leaves 1 + K; the step there may reach the limit, so the request
     takes its token the scheduler's way); at c = 296, 297, 298 the clip
     leaves 3, 2, 1 tokens (ordinary), and the last reaches 300 tokens."""
-    simulation = _one_request(tmp_path, 100, 1000, "deployment.max_model_len=300")
+    simulation = one_request(tmp_path, 100, 1000, "deployment.max_model_len=300")
     steady, outcomes = _lane_steps(simulation)
     assert steady == [False, False] + [True] * 195 + [False] * 3
     assert sum(o.num_generated_tokens for o in outcomes) == 200
@@ -195,7 +189,7 @@ def test_a_step_that_reaches_max_model_len_stops_the_request_in_the_lane(tmp_pat
     a decode step): steady from c = 103 by fours to 291 (48 steps, each
     unable to stop it), then c = 295, where 4 more tokens reach 300: the
     request takes them the scheduler's way and stops, 201 tokens out."""
-    simulation = _one_request(
+    simulation = one_request(
         tmp_path, 99, 1000, "deployment.max_model_len=300", "mtp.acceptance_rates=[1, 1, 1]"
     )
     steady, outcomes = _lane_steps(simulation)
@@ -209,9 +203,9 @@ def test_a_steady_decode_runs_beside_an_earlier_prefill(tmp_path):
     admitted after its first chunk and decodes while the chunks go on: in
     those steps the ordinary prefill comes first in the running loop and
     the steady decode after it."""
-    simulation = _one_request(tmp_path, 100, 10)  # its workload unused
-    simulation.scheduler.add_request(_spec(0, 30000, output=100))
-    simulation.scheduler.add_request(_spec(1, 50, output=100))
+    simulation = one_request(tmp_path, 100, 10)  # its workload unused
+    simulation.scheduler.add_request(tiny_spec(0, 30000, output=100))
+    simulation.scheduler.add_request(tiny_spec(1, 50, output=100))
     mixed = []
     for _ in range(20):
         step = simulation.core.schedule()
@@ -257,9 +251,9 @@ def _steps_of(tmp_path, overrides: list[str], *, fast_path: bool) -> list[tuple]
     """Two 40-token prompts decoding 30 tokens each (one token a step),
     driven without a clock: every step's output, its outcome, and whether
     the lane took a decode in it."""
-    simulation = _one_request(tmp_path, 100, 10, *overrides, f"simulation.fast_path={str(fast_path).lower()}")
+    simulation = one_request(tmp_path, 100, 10, *overrides, f"simulation.fast_path={str(fast_path).lower()}")
     for index in range(2):
-        simulation.scheduler.add_request(_spec(index, 40, output=30))
+        simulation.scheduler.add_request(tiny_spec(index, 40, output=30))
     steps = []
     for _ in range(500):
         if not simulation.scheduler.has_unfinished_requests():
@@ -273,13 +267,13 @@ def _steps_of(tmp_path, overrides: list[str], *, fast_path: bool) -> list[tuple]
 def test_a_lane_blind_to_the_allocation_window_runs_through_the_boundary(monkeypatch, tmp_path):
     """Failing control for the hand count: a lane that takes a step's
     allocation as settled whenever a window is known."""
-    monkeypatch.setattr(SteadyDecode, "_limit", _limit_without_allocation_window)
-    steady, _ = _lane_steps(_one_request(tmp_path, 3120, 150))
+    monkeypatch.setattr(SteadyDecode, "limit", _limit_without_allocation_window)
+    steady, _ = _lane_steps(one_request(tmp_path, 3120, 150))
     assert steady != [False] * 2 + [True] * 40 + [False] * 73 + [True] * 35
 
 
 def _limit_without_allocation_window(self: SteadyDecode, request) -> int | None:
-    caching = self.scheduler.settled_caching.bounds(request.request_id)
+    caching = self.scheduler.fast_path.caching.bounds(request.request_id)
     if request.num_computed_tokens != request.num_tokens - 1 or caching is None:
         return None
     return self.scheduler.config.max_model_len
@@ -297,29 +291,29 @@ def test_the_waiting_memo_holds_only_for_the_same_inputs_and_allocator():
     changes, a waiting loop with the same inputs (504 tokens left, decodes
     scheduled, no prefill) would refuse it again; other inputs or an
     allocator change (step 2's caching) void that."""
-    scheduler = _scheduler(num_blocks=34, budget=512)
+    scheduler = tiny_scheduler(num_blocks=34, budget=512)
     engine = EngineCore(scheduler, _runner())
     for index in range(3):
-        scheduler.add_request(_spec(index, 60))
+        scheduler.add_request(tiny_spec(index, 60))
     engine.complete(engine.schedule())
     step = engine.schedule()
     assert [item.request_id for item in step.output.scheduled] == ["r000", "r001"]
-    assert scheduler.waiting_known_idle(504, True, False)
-    assert not scheduler.waiting_known_idle(503, True, False)
-    assert not scheduler.waiting_known_idle(504, True, True)
+    assert scheduler.fast_path.waiting_known_idle(504, True, False)
+    assert not scheduler.fast_path.waiting_known_idle(503, True, False)
+    assert not scheduler.fast_path.waiting_known_idle(504, True, True)
     engine.complete(step)  # caches the decodes' blocks (32-token blocks never settle)
-    assert not scheduler.waiting_known_idle(504, True, False)
+    assert not scheduler.fast_path.waiting_known_idle(504, True, False)
 
 
 def test_an_arrival_voids_the_waiting_memo():
-    scheduler = _scheduler(num_blocks=34, budget=512)
+    scheduler = tiny_scheduler(num_blocks=34, budget=512)
     engine = EngineCore(scheduler, _runner())
     for index in range(3):
-        scheduler.add_request(_spec(index, 60))
+        scheduler.add_request(tiny_spec(index, 60))
     engine.complete(engine.schedule())
     engine.schedule()
-    scheduler.add_request(_spec(3, 60))
-    assert not scheduler.waiting_known_idle(504, True, False)
+    scheduler.add_request(tiny_spec(3, 60))
+    assert not scheduler.fast_path.waiting_known_idle(504, True, False)
 
 
 def _runner() -> ModelRunner:
@@ -329,87 +323,10 @@ def _runner() -> ModelRunner:
 # --------------------------------------- every skipped call, made anyway
 
 
-class CheckingSteady(SteadyDecode):
-    """Makes every call the lane skips (each steady request's allocation
-    and caching) and checks it changed nothing."""
-
-    checked_steps = 0
-
-    def schedule(self):
-        output = super().schedule()
-        if self._taken:
-            self._check_allocations()
-            self.checked_steps += 1
-        return output
-
-    def complete(self, output):
-        taken = set(self._taken)
-        outcome = super().complete(output)
-        self._check_caching(taken)
-        return outcome
-
-    def _check_allocations(self) -> None:
-        kv = self.scheduler.kv_cache_manager
-        before = allocator_state(kv)
-        for request_id in self._taken:
-            kept = self._kept[request_id]
-            request = kept.request
-            # The request as the running loop sees it: its tokens taken, the
-            # step's not yet counted as computed.
-            self._hand_over(kept)
-            request.num_computed_tokens -= self.step_tokens
-            blocks = kv.allocate_slots(request, self.step_tokens, num_lookahead_tokens=self.num_spec)
-            request.num_computed_tokens += self.step_tokens
-            assert blocks is not None and not any(blocks.blocks), f"{request_id}: it allocates"
-        assert allocator_state(kv) == before, "a steady decode's allocation changed the allocator"
-
-    def _check_caching(self, taken: set[str]) -> None:
-        kv = self.scheduler.kv_cache_manager
-        before = allocator_state(kv)
-        for request_id in taken:
-            kept = self._kept.get(request_id)
-            if kept is None:
-                continue  # it took its tokens the scheduler's way
-            self._hand_over(kept)
-            kv.cache_blocks(kept.request, kept.computed)
-        assert allocator_state(kv) == before, "a steady decode's caching changed the allocator"
-
-
-class MemoCheckingScheduler(Scheduler):
-    """Runs every waiting loop the fast path skips as known to admit nobody
-    and checks it admits nobody and changes nothing."""
-
-    checked_skips = 0
-
-    def _waiting_known_idle(self, step):
-        known = super()._waiting_known_idle(step)
-        if known:
-            before = allocator_state(self.kv_cache_manager)
-            probe = _StepState(
-                token_budget=step.token_budget,
-                running_scheduled=step.running_scheduled,
-                prefill_scheduled=step.prefill_scheduled,
-            )
-            self._schedule_waiting(probe)
-            assert not probe.new_ids and not probe.resumed_ids, "a skipped waiting loop admits"
-            assert allocator_state(self.kv_cache_manager) == before, "a skipped waiting loop changed it"
-            self.checked_skips += 1
-        return known
-
-
 # Pool-bound with free seats: requests wait while steady steps run, so their
 # waiting loops are skipped (at 16 seats the seats bind first).
 POOL_BOUND = ["workload.max_requests=60"]
 STEADY_CASES = [*CHECKED_CASES, ("saturated-decode", POOL_BOUND)]
-
-
-def _checked(simulation: Simulation) -> tuple[MemoCheckingScheduler, CheckingSteady]:
-    """Step ``simulation`` through both checks."""
-    scheduler = MemoCheckingScheduler(simulation.scheduler.config, simulation.kv_cache_manager)
-    simulation.scheduler = scheduler
-    simulation.core = EngineCore(scheduler, simulation.model_runner)
-    lane = simulation.core.steady = CheckingSteady(scheduler, simulation.model_runner)
-    return scheduler, lane
 
 
 @pytest.mark.parametrize("layout", ["off", "on"])
@@ -417,32 +334,35 @@ def _checked(simulation: Simulation) -> tuple[MemoCheckingScheduler, CheckingSte
     ("name", "overrides"), STEADY_CASES, ids=lambda v: str(v).rsplit("/", 1)[-1].removesuffix(".yaml")
 )
 def test_every_call_a_steady_step_skips_changes_nothing(name, overrides, layout, tmp_path):
-    simulation = _simulation(name, overrides, layout, tmp_path)
-    scheduler, lane = _checked(simulation)
+    """The fast path's audit, with the lane: each steady request's
+    allocation and caching and each waiting loop known to admit nobody are
+    made anyway, and change nothing."""
+    simulation = checked_simulation(name, overrides, layout, tmp_path)
+    counts = audited(simulation, lane=True)
     simulation.run()
     # Control: steady decodes ran here (and known-idle waiting loops were
     # skipped in the pool-bound case), so the checks had work.
-    assert lane.checked_steps > 0
+    assert counts.lane_steps > 0
     if overrides is POOL_BOUND:
-        assert scheduler.checked_skips > 0
+        assert counts.waiting_loops > 0
 
 
 def test_the_check_catches_a_steady_step_across_a_boundary(monkeypatch, tmp_path):
     """Failing control: a lane blind to the allocation window runs steady
     steps across block boundaries, and the check catches the allocation."""
-    monkeypatch.setattr(SteadyDecode, "_limit", _limit_without_allocation_window)
-    simulation = _simulation(*CHECKED_CASES[0], "off", tmp_path)
-    _checked(simulation)
-    with pytest.raises(AssertionError, match="it allocates|changed the allocator"):
+    monkeypatch.setattr(SteadyDecode, "limit", _limit_without_allocation_window)
+    simulation = checked_simulation(*CHECKED_CASES[0], "off", tmp_path)
+    audited(simulation, lane=True)
+    with pytest.raises(AssertionError, match="allocates|changed the allocator"):
         simulation.run()
 
 
 def test_the_check_catches_a_waiting_loop_wrongly_skipped(monkeypatch, tmp_path):
     """Failing control: a scheduler that takes every waiting loop as known
     to admit nobody; the check's waiting loop admits someone."""
-    monkeypatch.setattr(Scheduler, "waiting_known_idle", lambda self, *inputs: bool(self.waiting))
-    simulation = _simulation(*STEADY_CASES[-1], "off", tmp_path)
-    _checked(simulation)
+    monkeypatch.setattr(FastPath, "waiting_known_idle", lambda self, *inputs: bool(self.scheduler.waiting))
+    simulation = checked_simulation(*STEADY_CASES[-1], "off", tmp_path)
+    audited(simulation, lane=True)
     with pytest.raises(AssertionError, match="admits|changed"):
         simulation.run()
 
@@ -454,7 +374,10 @@ def test_the_check_catches_a_waiting_loop_wrongly_skipped(monkeypatch, tmp_path)
 @pytest.mark.parametrize("layout", ["off", "on"])
 def test_pool_bound_decode_gives_the_same_frames_in_the_lane(layout, hashing):
     scenario = load_scenario("saturated-decode", [*POOL_BOUND, f"scheduler.mtp_hash_mode={hashing}"])
-    fast, step_by_step = _frames(scenario, layout, True), _frames(scenario, layout, False)
+    fast, step_by_step = (
+        frames_with_fast_path(scenario, layout, True),
+        frames_with_fast_path(scenario, layout, False),
+    )
     assert fast == step_by_step
 
 
@@ -462,9 +385,9 @@ def test_a_lane_skipping_every_waiting_loop_changes_the_frames(monkeypatch):
     """Failing control for the frames: take every waiting loop as known to
     admit nobody, whatever changed."""
     scenario = load_scenario("saturated-decode", POOL_BOUND)
-    step_by_step = _frames(scenario, "off", False)
-    monkeypatch.setattr(Scheduler, "waiting_known_idle", lambda self, *inputs: bool(self.waiting))
-    assert _frames(scenario, "off", True)["steps"] != step_by_step["steps"]
+    step_by_step = frames_with_fast_path(scenario, "off", False)
+    monkeypatch.setattr(FastPath, "waiting_known_idle", lambda self, *inputs: bool(self.scheduler.waiting))
+    assert frames_with_fast_path(scenario, "off", True)["steps"] != step_by_step["steps"]
 
 
 def test_a_lane_that_never_stops_a_request_changes_the_frames(monkeypatch):
@@ -472,16 +395,16 @@ def test_a_lane_that_never_stops_a_request_changes_the_frames(monkeypatch):
     aside even in the step that should stop it: it runs past its output
     length until an ordinary step stops it)."""
     scenario = load_scenario("saturated-decode", POOL_BOUND)
-    step_by_step = _frames(scenario, "off", False)
-    monkeypatch.setattr(SteadyDecode, "_unstoppable", lambda self, request: 10**9)
-    assert _frames(scenario, "off", True)["requests"] != step_by_step["requests"]
+    step_by_step = frames_with_fast_path(scenario, "off", False)
+    monkeypatch.setattr(SteadyDecode, "unstoppable", lambda self, request: 10**9)
+    assert frames_with_fast_path(scenario, "off", True)["requests"] != step_by_step["requests"]
 
 
 # ----------------------------------------------------------- the horizon
 
 
 def _running_at_horizon(tmp_path, fast_path: bool, flush: bool = True) -> list[tuple]:
-    scenario = sim_helpers.scenario(
+    scenario = scenarios.scenario(
         tmp_path,
         overrides=["simulation.max_time_s=8", f"simulation.fast_path={str(fast_path).lower()}"],
         workload={

@@ -4,7 +4,7 @@ the figures docs/step-time-model.md states, overridable per scenario."""
 from __future__ import annotations
 
 import pytest
-from sim_helpers import scenario
+from helpers.scenarios import scenario
 
 from sim.config import ConfigError
 from sim.sched.output import ScheduledRequest, SchedulerOutput

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from sim_helpers import write_scenario
+from helpers.scenarios import write_scenario
 
 from sim.cli import main
 from sim.config import ConfigError

@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-from replay_helpers import write_replay_dir, write_sim_dir
-from sim_helpers import scenario as make_scenario
+from helpers.replay_dirs import write_replay_dir, write_sim_dir
+from helpers.scenarios import scenario as make_scenario
 
 from sim.analysis import validate as v
 from sim.analysis.runs import run_scenario

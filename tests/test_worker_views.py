@@ -18,8 +18,7 @@ import torch
 from sim.config import DeploymentConfig, ModelConfig
 from sim.kv_cache_interface import config_layer_specs, group_slots_per_block
 from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
-from sim.vllm_bridge import KVCacheLayout, MambaSpec
-from sim.worker_views import (
+from sim.pool_replay.views import (
     LayerView,
     WorkerViews,
     allocate_kv_cache,
@@ -29,6 +28,7 @@ from sim.worker_views import (
     without_unowned_tensors,
     zeroed_segments,
 )
+from sim.vllm_bridge import KVCacheLayout, MambaSpec
 
 PLAN_BLOCKS = 24
 POOL_BLOCKS = 3

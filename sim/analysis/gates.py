@@ -44,11 +44,10 @@ from tqdm import tqdm
 from sim.analysis.executors import make_spec, open_runner
 from sim.config import ConfigError, StrictModel, YamlLoader, load_yaml_text, read_yaml, validate
 from sim.metrics import DIRECTIONS, Direction
-from sim.paths import SCENARIOS_DIR
+from sim.paths import DEFAULT_GATES
 from sim.results import atomic_write, plain_value, remove_partial_writes, write_json
 from sim.scenario import Scenario, SideCacheSwitch, load_scenario
 
-DEFAULT_GATES = SCENARIOS_DIR / "gates.yaml"
 LAYOUTS: tuple[SideCacheSwitch, ...] = ("off", "on")
 ON_VS_OFF = "on-vs-off"
 Verdict = Literal["pass", "fail", "new", "improved", "updated"]

@@ -28,12 +28,12 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from sim.analysis.frames import time_weighted
+from sim.config import FIGURE_FORMATS
 from sim.results import atomic_write
 
 # Okabe-Ito vermillion and blue: told apart with the common colour blindnesses.
 LAYOUT_COLORS = {"off": "#D55E00", "on": "#0072B2"}
 LAYOUT_LABELS = {"off": "off (old layout)", "on": "on (side-cache layout)"}
-FORMATS = ("png", "svg")
 SWEEP_FRAME = "sweep.parquet"
 TIME_LABEL = "simulated time (s)"
 
@@ -407,7 +407,7 @@ def _onset_handle(layout: str, value: float | None, x_max: float) -> Line2D:
 # --- files ------------------------------------------------------------------
 
 
-def write_figure(fig: Figure, stem: Path, formats: Iterable[str] = FORMATS) -> list[Path]:
+def write_figure(fig: Figure, stem: Path, formats: Iterable[str] = FIGURE_FORMATS) -> list[Path]:
     """``stem.png``, ``stem.svg``...: each through a temp file and a rename.
     No date and a fixed hash salt, so the same frames give the same SVG."""
     paths = [stem.with_suffix(f".{fmt}") for fmt in formats]
@@ -444,7 +444,7 @@ def standard_figures(frames: dict[str, pd.DataFrame]) -> dict[str, Figure]:
 
 
 def write_standard_figures(
-    out_dir: Path, frames: dict[str, pd.DataFrame], formats: Iterable[str] = FORMATS
+    out_dir: Path, frames: dict[str, pd.DataFrame], formats: Iterable[str] = FIGURE_FORMATS
 ) -> list[Path]:
     formats = tuple(formats)
     return [
@@ -455,6 +455,6 @@ def write_standard_figures(
 
 
 def write_sweep_figures(
-    out_dir: Path, sweep: pd.DataFrame, x: str, formats: Iterable[str] = FORMATS
+    out_dir: Path, sweep: pd.DataFrame, x: str, formats: Iterable[str] = FIGURE_FORMATS
 ) -> list[Path]:
     return write_figure(sweep_figure(sweep, x), Path(out_dir) / "plots" / "sweep", formats)

@@ -17,8 +17,9 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from sim.analysis.plots import FORMATS, LAYOUT_COLORS, _axes, _finish, _styled, scenario_of, write_figure
+from sim.analysis.plots import LAYOUT_COLORS, _axes, _finish, _styled, scenario_of, write_figure
 from sim.analysis.validate import curve_error
+from sim.config import FIGURE_FORMATS
 
 # (samples column, y label, scale, unit of the RMSE): the gauges drawn.
 OVERLAY_PANELS = (
@@ -86,7 +87,7 @@ def write_overlay_figures(
     sim: dict[str, pd.DataFrame],
     replay: dict[str, pd.DataFrame],
     layouts: Iterable[str],
-    formats: Iterable[str] = FORMATS,
+    formats: Iterable[str] = FIGURE_FORMATS,
 ) -> list[Path]:
     formats = tuple(formats)
     return [

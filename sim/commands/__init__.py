@@ -1,8 +1,10 @@
 """One module per ``kvsim`` command (the shape of ``vllm/entrypoints/cli/``).
 
 Each module defines ``register(subparsers)``, which adds its sub-parser and
-sets ``func`` to the command's entry point. Commands are the only place that
-prints or writes result files; ``sim.analysis`` returns frames and reports.
+sets ``func`` (``cmd_<name>``) to the command's entry point, and returns
+None. Commands print; result files are written through ``sim.results`` by the
+commands and by the analysis runs that persist as they go (``sim.analysis``:
+a sweep's runs, a capacity search, a gate report, the plots).
 A new command is a new module here plus one line in ``COMMAND_MODULES``.
 """
 

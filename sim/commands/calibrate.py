@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-import pandas as pd
 import yaml
 
 from sim.config import ConfigError
+
+if TYPE_CHECKING:  # pandas costs a second at start-up: imported where used
+    import pandas as pd
 
 # The coefficients docs/step-time-model.md names for calibration. (Here, not
 # in sim.analysis.calibrate, so building the parser imports no engine.)
@@ -21,7 +23,7 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
-def register(subparsers: Any) -> argparse.ArgumentParser:
+def register(subparsers: Any) -> None:
     calibrate = subparsers.add_parser("calibrate", help="fit the step-time model to a replay")
     calibrate.add_argument(
         "replay_dirs",
@@ -46,7 +48,6 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--max-seconds", type=float, default=600.0, metavar="S", help="stop the fit after S s (default 600)"
     )
     calibrate.set_defaults(func=cmd_calibrate)
-    return calibrate
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -87,12 +88,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _replayed_scenario(replay_dir: Path, replay: dict[str, pd.DataFrame], data: dict[str, Any]) -> Any:
     from sim.config import validate
-    from sim.scenario import Layout, Scenario
+    from sim.scenario import Scenario, SideCacheSwitch
 
     if not data:
         raise ConfigError(f"{replay_dir}: no scenario recorded (scenario.json)")
     scenario = validate(Scenario, data, f"{replay_dir}/scenario.json")
-    layouts = tuple(cast(Layout, str(name)) for name in dict.fromkeys(replay["summary"]["layout"]))
+    layouts = tuple(cast(SideCacheSwitch, str(name)) for name in dict.fromkeys(replay["summary"]["layout"]))
     unknown = [name for name in layouts if name not in ("off", "on")]
     if unknown or not layouts:
         raise ConfigError(f"{replay_dir}: summary: layouts {layouts}: expected off and/or on")
@@ -126,6 +127,8 @@ def _print_fit(result: Any) -> None:
                 "status": status,
             }
         )
+    import pandas as pd
+
     print(pd.DataFrame(rows).set_index("coefficient").to_string())
     print(
         f"RMS relative error of TTFT and e2e per request: {result.rms_error_start:.4f} -> "

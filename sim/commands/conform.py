@@ -25,10 +25,10 @@ def register(subparsers: Any) -> None:
         choices=MTP_HASH_MODES,
         help="MTP block hashing (default: the scenario's scheduler.mtp_hash_mode)",
     )
-    conform.set_defaults(func=conform_command)
+    conform.set_defaults(func=cmd_conform)
 
 
-def conform_command(args: argparse.Namespace) -> int:
+def cmd_conform(args: argparse.Namespace) -> int:
     from sim.analysis.runs import scenario_workload
     from sim.conformance.driver import run_conformance
     from sim.scenario import load_scenario

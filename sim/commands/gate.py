@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
-
-from sim.analysis.gates import DEFAULT_GATES, GateReport, run_gates, write_report
 from sim.commands.common import add_progress_flag
 from sim.config import ConfigError
-from sim.results import check_out_dir
+from sim.paths import DEFAULT_GATES
+
+if TYPE_CHECKING:  # pandas and the analysis cost a second at start-up: imported where used
+    from sim.analysis.gates import GateReport
 
 
 def register(subparsers: Any) -> None:
@@ -49,6 +49,9 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
+    from sim.analysis.gates import run_gates, write_report
+    from sim.results import check_out_dir
+
     if args.workers < 1:
         raise ConfigError(f"--workers {args.workers}: expected at least 1")
     check_out_dir(Path(args.report), "--report")
@@ -68,6 +71,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 
 def print_report(report: GateReport) -> None:
+    import pandas as pd
+
     columns = ["gate", "layout", "metric", "baseline", "now", "change", "verdict"]
     with pd.option_context("display.width", 160, "display.max_rows", None):
         print(report.rows[columns].to_string(index=False, na_rep="-", float_format=lambda v: f"{v:g}"))

@@ -4,19 +4,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
+from sim.config import FIGURE_FORMATS, ConfigError
 
-from sim.analysis.plots import (
-    FORMATS,
-    SWEEP_FRAME,
-    with_panel_columns,
-    write_standard_figures,
-    write_sweep_figures,
-)
-from sim.config import ConfigError
-from sim.results import FRAMES, add_to_manifest, read_frame, read_results, remove_partial_writes
+if TYPE_CHECKING:  # pandas and matplotlib cost seconds at start-up: imported where used
+    import pandas as pd
 
 
 def _formats(text: str) -> tuple[str, ...]:
@@ -37,6 +30,9 @@ def sweep_x(sweep: pd.DataFrame, path: Path) -> str:
 
 
 def _read(out_dir: Path) -> dict[str, pd.DataFrame]:
+    from sim.analysis.plots import with_panel_columns
+    from sim.results import FRAMES, read_results
+
     """The run's frames; one a directory from an older kvsim lacks is a
     one-line error too."""
     missing = [f"{name}.parquet" for name in FRAMES if not (out_dir / f"{name}.parquet").exists()]
@@ -53,6 +49,9 @@ def _read(out_dir: Path) -> dict[str, pd.DataFrame]:
 def cmd_plot(args: argparse.Namespace) -> int:
     """Standard figures for a results directory, and sweep figures if it
     holds ``sweep.parquet`` (a sweep-only directory needs no manifest)."""
+    from sim.analysis.plots import SWEEP_FRAME, write_standard_figures, write_sweep_figures
+    from sim.results import add_to_manifest, read_frame, remove_partial_writes
+
     out_dir = Path(args.results_dir)
     sweep_path = out_dir / SWEEP_FRAME
     written: list[Path] = []
@@ -72,7 +71,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: Any) -> argparse.ArgumentParser:
+def register(subparsers: Any) -> None:
     plot = subparsers.add_parser("plot", help="draw the figures of a results directory")
     plot.add_argument(
         "results_dir", metavar="RESULTS_DIR", help="a directory written by kvsim run, compare or sweep"
@@ -80,10 +79,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     plot.add_argument(
         "--format",
         type=_formats,
-        default=FORMATS,
+        default=FIGURE_FORMATS,
         metavar="FMT[,FMT]",
         help="image formats: png, svg, pdf (default png,svg)",
     )
     plot.add_argument("--x", metavar="COLUMN", help="the swept column of sweep.parquet (default: inferred)")
     plot.set_defaults(func=cmd_plot)
-    return plot

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
-
-from sim.analysis.capacity import CapacitySearch, run_capacity_search
-from sim.analysis.executors import LAYOUT_KEY, import_ray
-from sim.analysis.sweep import RATE_KEY, parse_grid, plan_runs, run_sweep, unfinished_run_files
 from sim.commands.common import add_progress_flag, add_scenario_argument
 from sim.config import ConfigError
-from sim.results import check_out_dir
 from sim.scenario import add_override_argument, load_scenario
+
+if TYPE_CHECKING:  # pandas and the analysis cost a second at start-up: imported where used
+    import pandas as pd
 
 
 def register(subparsers: Any) -> None:
@@ -69,6 +66,8 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.find_max_rate is None and (args.rate_precision is not None or args.ttft_p99_max is not None):
         raise ConfigError("--rate-precision and --ttft-p99-max: only with --find-max-rate")
     if args.executor == "ray":
+        from sim.analysis.executors import import_ray
+
         import_ray()
 
 
@@ -83,6 +82,11 @@ def _bounds(text: str) -> tuple[float, float]:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    from sim.analysis.capacity import CapacitySearch, run_capacity_search
+    from sim.analysis.executors import LAYOUT_KEY
+    from sim.analysis.sweep import parse_grid, plan_runs, run_sweep
+    from sim.results import check_out_dir
+
     _check_flags(args)
     axes = tuple(parse_grid(text) for text in args.grid)
     base = load_scenario(args.scenario, args.set)
@@ -120,6 +124,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def note_unfinished(runs_dir: Path) -> None:
+    from sim.analysis.sweep import unfinished_run_files
+
     unfinished = unfinished_run_files(runs_dir)
     if unfinished:
         print(
@@ -129,6 +135,8 @@ def note_unfinished(runs_dir: Path) -> None:
 
 
 def print_sweep(frame: pd.DataFrame, keys: list[str]) -> None:
+    import pandas as pd
+
     metrics = [
         "num_admitted",
         "peak_concurrency",
@@ -145,6 +153,10 @@ def print_sweep(frame: pd.DataFrame, keys: list[str]) -> None:
 
 
 def print_capacity(frame: pd.DataFrame, ttft_p99_max_s: float | None) -> None:
+    import pandas as pd
+
+    from sim.analysis.sweep import RATE_KEY
+
     what = "without preemption" if ttft_p99_max_s is None else f"with TTFT p99 <= {ttft_p99_max_s:g} s"
     print(f"highest {RATE_KEY} {what}:")
     with pd.option_context("display.width", 160, "display.max_columns", 20):

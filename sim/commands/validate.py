@@ -7,15 +7,16 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
-from typing import Any
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any
 
 from sim.commands.common import format_number
 from sim.config import ConfigError
 
+if TYPE_CHECKING:  # pandas costs a second at start-up: imported where used
+    import pandas as pd
 
-def register(subparsers: Any) -> argparse.ArgumentParser:
+
+def register(subparsers: Any) -> None:
     validate = subparsers.add_parser(
         "validate", help="compare a simulation with a replay of the same scenario"
     )
@@ -30,12 +31,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--out", metavar="DIR", help="where validate.json and plots/ go (default REPLAY_DIR/validate)"
     )
     validate.set_defaults(func=cmd_validate)
-    return validate
 
 
 def read_replays(replay_dirs: list[Path]) -> tuple[dict[str, pd.DataFrame], dict[str, Any]]:
     """The frames of one or more replays of one scenario (a replay per
     layout), stacked, and the scenario they replayed."""
+    import pandas as pd
+
     from sim.results import read_run
 
     runs = [read_run(path) for path in replay_dirs]

@@ -29,7 +29,7 @@ from sim.conformance.backends import (
 from sim.engine import scheduler_config
 from sim.kv_cache_manager import MTPHashing, MTPHashMode
 from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
-from sim.scenario import Layout, Scenario
+from sim.scenario import Scenario, SideCacheSwitch
 from sim.sched.scheduler import RequestSpec
 from sim.step_time import StepTimeModel
 
@@ -196,13 +196,13 @@ class ConformanceResult:
     fence: Comparison | None = None
 
 
-def plan_for(scenario: Scenario, layout: Layout) -> KVCachePlan:
+def plan_for(scenario: Scenario, layout: SideCacheSwitch) -> KVCachePlan:
     return plan_kv_cache(scenario.load_model(), scenario.deployment, side_cache_layout=layout == "on")
 
 
 def run_conformance(
     scenario: Scenario,
-    layout: Layout,
+    layout: SideCacheSwitch,
     requests: Iterable[RequestSpec],
     *,
     mode: MTPHashMode | None = None,

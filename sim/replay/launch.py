@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import aiohttp
 
-from sim.scenario import Layout, Scenario
+from sim.scenario import Scenario, SideCacheSwitch
 
 # Seconds between a signal and the next, stronger one when stopping a server.
 STOP_GRACE_S = 15.0
@@ -44,7 +44,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def server_env(scenario: Scenario, layout: Layout) -> dict[str, str]:
+def server_env(scenario: Scenario, layout: SideCacheSwitch) -> dict[str, str]:
     """The fork's switches for this layout and the scenario's allocator."""
     return {
         "VLLM_E2_SIDE_CACHE_LAYOUT": "1" if layout == "on" else "0",

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from sim.engine import Simulation
 from sim.replay.metrics import ServerMetrics
-from sim.scenario import Layout, Scenario
+from sim.scenario import Scenario, SideCacheSwitch
 from sim.sched.output import ModelRunnerOutput, StepOutcome
 from sim.vllm_bridge import RequestStatus
 from sim.workloads import Workload
@@ -77,7 +77,7 @@ class LiveEngine:
     def __init__(
         self,
         scenario: Scenario,
-        layout: Layout,
+        layout: SideCacheSwitch,
         *,
         speed: float = 1.0,
         clock: Callable[[], float] = time.monotonic,

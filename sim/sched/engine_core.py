@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from sim.sched.model_runner import ModelRunner
 from sim.sched.output import SchedulerOutput, StepOutcome
 from sim.sched.scheduler import Scheduler
-from sim.sched.steady import SteadyDecode
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,7 @@ class EngineCore:
     def __init__(self, scheduler: Scheduler, model_runner: ModelRunner) -> None:
         self.scheduler = scheduler
         self.model_runner = model_runner
-        self.steady = SteadyDecode(scheduler, model_runner) if scheduler.fast_path else None
+        self.steady = scheduler.fast_path.make_lane(model_runner)
 
     def schedule(self) -> ScheduledStep:
         if self.steady is not None:

@@ -16,18 +16,20 @@ chase its tokens (prompt, outputs, drafts); rejected drafts roll them back.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from sim.kv_cache_manager import KVCacheManager, MTPHashing
+from sim.sched.fast_path import FastPath, NoFastPath
 from sim.sched.model_runner import OUTPUT_TOKEN_BASE
 from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepOutcome, StepTally
-from sim.sched.settled import SettledSteps
 from sim.sched.stats import PrefixCacheStats, SchedulerGauges, SchedulerStats, SpecDecodingStats
+from sim.sched.steady import NO_STEADY, SteadyItems
 from sim.vllm_bridge import (
     BlockRemoved,
     KVCacheBlock,
+    KVCacheBlocks,
     MambaAlignedSplit,
     Request,
     RequestStatus,
@@ -85,27 +87,24 @@ class SchedulerConfig:
             raise ValueError(f"max_concurrent_batches must be at least 1, got {self.max_concurrent_batches}")
 
 
-@dataclass(frozen=True)
-class SteadyItems:
-    """The steady lane's offer for a step (``sim/sched/steady.py``): a
-    decode for each of its requests, made without the allocator; the
-    scheduler fills ``taken`` with those its running loop schedules as they
-    are, and calls ``hand_over`` on any other of them before it treats that
-    request the ordinary way (the lane keeps their tokens aside)."""
+class SchedulerObserver:
+    """Hooks for a caller that watches the scheduler's steps as they happen
+    (the pool replay, ``sim/pool_replay/``); each a no-op here. The scheduler
+    calls them; an observer reads, never changes, its state. Frees are the
+    manager's hook (``KVCacheManager.observer``)."""
 
-    items: dict[str, ScheduledRequest]
-    hand_over: Callable[[Request], None]
-    taken: set[str] = field(default_factory=set)
+    def step_starts(self, step_index: int) -> None:
+        """``schedule()`` begins the step ``step_index``."""
 
+    def step_scheduled(self, output: SchedulerOutput) -> None:
+        """``schedule()`` returns ``output``."""
 
-@dataclass(frozen=True)
-class _IdleWaiting:
-    """A waiting loop that admitted nobody: its head, inputs and the
-    allocator's version then."""
+    def output_arrives(self, output: SchedulerOutput) -> None:
+        """A step's output arrived, before its fences pass (the steady lane's
+        steps too: fast-path rule 8)."""
 
-    head: object
-    inputs: tuple
-    allocator_version: int
+    def prefix_hit(self, request: Request, blocks: KVCacheBlocks, num_hit: int) -> None:
+        """The waiting loop's lookup found ``num_hit`` cached tokens."""
 
 
 @dataclass(slots=True)
@@ -123,16 +122,22 @@ class _StepState:
     running_scheduled: bool = False
     prefill_scheduled: bool = False
     padded_ids: set[str] = field(default_factory=set)
-    # The steady lane's share of the step (``steady.py``), if any.
-    steady: SteadyItems | None = None
+    # The steady lane's share of the step (``steady.py``).
+    steady: SteadyItems = NO_STEADY
 
 
 class Scheduler:
     """FCFS scheduler over one ``KVCacheManager``.
 
-    ``fast_path``: skip a decoding request's allocator calls between block
-    boundaries, where they change nothing (``sim/sched/settled.py``); the
-    steps, frames and allocator states are the same either way.
+    ``fast_path``: skip the work that changes nothing (``fast_path.py``: a
+    decode's allocator calls between block boundaries, the steady lane, a
+    waiting loop known to admit nobody); the steps, frames and allocator
+    states are the same either way. It enters at a few named points, each a
+    call on ``self.fast_path`` (a ``NoFastPath`` when off).
+
+    While a request is in the steady lane its ``Request`` is stale
+    (fast-path rule 5): read ``requests`` and ``running`` after
+    ``EngineCore.flush``.
     """
 
     def __init__(
@@ -140,8 +145,6 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
-        self.settled_allocations = _settled_steps(config, kv_cache_manager) if fast_path else None
-        self.settled_caching = _settled_steps(config, kv_cache_manager) if fast_path else None
         self.split = MambaAlignedSplit(
             block_size=config.block_size,
             max_num_scheduled_tokens=config.max_num_batched_tokens,
@@ -167,14 +170,8 @@ class Scheduler:
         self._num_arrived_since_schedule = 0
         self.num_evicted_blocks = 0
         self._params_by_output_len: dict[int, SamplingParams] = {}
-        # Counts the calls that may have changed the allocator's state, so a
-        # waiting loop's outcome can be known unchanged (``_idle_waiting``).
-        self.allocator_version = 0
-        self._idle_waiting: _IdleWaiting | None = None
-
-    @property
-    def fast_path(self) -> bool:
-        return self.settled_allocations is not None
+        self.fast_path: FastPath | NoFastPath = FastPath(self) if fast_path else NoFastPath()
+        self.observer = SchedulerObserver()
 
     # ------------------------------------------------------------------ intake
     def add_request(self, spec: RequestSpec) -> bool:
@@ -220,31 +217,37 @@ class Scheduler:
         return request
 
     # ---------------------------------------------------------------- schedule
-    def schedule(self, steady: SteadyItems | None = None) -> SchedulerOutput:
+    def schedule(self, steady: SteadyItems = NO_STEADY) -> SchedulerOutput:
         """``steady``: the steady lane's decodes for this step, which the
         running loop schedules as they are where it would have scheduled
         them unchanged (the fast path's lane)."""
+        self.observer.step_starts(self.step_index + 1)
         self._num_arrived_since_schedule = 0
         self.kv_cache_manager.new_step_starts()
         step = _StepState(token_budget=self.config.max_num_batched_tokens, steady=steady)
         self._schedule_running(step)
-        if not step.preempted_ids and not self._waiting_known_idle(step):
+        if not step.preempted_ids and not self.fast_path.skips_waiting(step):
             self._schedule_waiting(step)
-        return self._finish_schedule(step)
+        output = self._finish_schedule(step)
+        self.observer.step_scheduled(output)
+        return output
 
     def _long_prefill_threshold(self) -> int:
         # A lone request has nobody to starve: it may use the whole budget.
         eligible = len(self.running) + len(self.waiting)
         return self.config.long_prefill_token_threshold if eligible > 1 else 0
 
+    def clip_room(self, request: Request, num_hit: int = 0) -> int:
+        """The most tokens a step may schedule for ``request``: room for the
+        sampled token within ``max_model_len``."""
+        return self.config.max_model_len - request.num_computed_tokens - num_hit - 1
+
     def _clip(self, request: Request, num_new_tokens: int, budget: int, num_hit: int = 0) -> int:
         threshold = self._long_prefill_threshold()
         if 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
         num_new_tokens = min(num_new_tokens, budget)
-        # Keep room for the sampled token within max_model_len.
-        limit = self.config.max_model_len - request.num_computed_tokens - num_hit - 1
-        num_new_tokens = min(num_new_tokens, limit)
+        num_new_tokens = min(num_new_tokens, self.clip_room(request, num_hit))
         if num_new_tokens <= 0:
             return 0
         num_new_tokens = self.split(request, num_new_tokens, num_hit)
@@ -254,7 +257,7 @@ class Scheduler:
     def _schedule_running(self, step: _StepState) -> None:
         index = 0
         while index < len(self.running) and step.token_budget > 0:
-            if step.steady is not None:
+            if step.steady.items:
                 index = self._take_steady(index, step)
                 if index == len(self.running) or step.token_budget <= 0:
                     break
@@ -283,7 +286,6 @@ class Scheduler:
         the index of the first request not taken. (A run at a time: it runs
         for every request of every step.)"""
         steady = step.steady
-        assert steady is not None
         running, items, scheduled, taken = self.running, steady.items, step.scheduled, steady.taken
         # The running loop preempts nobody here, so the threshold holds throughout.
         threshold = self.config.long_prefill_token_threshold and self._long_prefill_threshold()
@@ -308,78 +310,44 @@ class Scheduler:
         victim) until it fits, the victim is the request itself, or the victim's
         blocks cannot be freed at once (a fenced free would not help now)."""
         lookahead = self.config.num_speculative_tokens
-        settled = self.settled_allocations
-        span = self._decode_span(request, num_new + lookahead)
-        if settled is not None and span is not None and settled.is_settled(request.request_id, *span):
+        if self.fast_path.skips_allocation(request, num_new, lookahead):
             return True
-        self._allocator_changes()
+        self.fast_path.allocator_changes()
         while self.kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is None:
             victim = self.running[-1]
             if not self._blocks_can_be_freed(victim):
                 return False
             self.running.pop()
-            if step.steady is not None and victim.request_id in step.steady.items:
+            if victim.request_id in step.steady.items:
                 step.steady.hand_over(victim)  # not reached yet this step: its tokens back first
             self._preempt(victim)
             step.preempted_ids.append(victim.request_id)
             if victim is request:
                 return False
-        if settled is not None and span is not None:
-            settled.record(request.request_id, *span)
+        self.fast_path.allocated(request, num_new, lookahead)
         return True
 
-    def _decode_span(self, request: Request, num_tokens: int) -> tuple[int, int] | None:
+    def decode_span(self, request: Request, num_tokens: int) -> tuple[int, int] | None:
         """The positions a decoding request's next ``num_tokens`` slots
-        span, when the fast path is on (None: make every call). Decoding:
-        only the last known token and drafts are left to compute, so the
-        prefill end lies behind the span too."""
-        if self.settled_allocations is None or request.num_computed_tokens < request.num_tokens - 1:
+        span (None: not decoding). Decoding: only the last known token and
+        drafts are left to compute, so the prefill end lies behind the span
+        too."""
+        if request.num_computed_tokens < request.num_tokens - 1:
             return None
         return request.num_computed_tokens, request.num_computed_tokens + num_tokens
 
     def _schedule_waiting(self, step: _StepState) -> None:
-        inputs = self._waiting_inputs(step.token_budget, step.running_scheduled, step.prefill_scheduled)
+        inputs = self.fast_path.waiting_starts(step)
         admitted = self._admit_waiting(step)
-        # A loop that admitted nobody changed nothing (a failed admission
-        # allocates nothing): with the same inputs, head and allocator
-        # state, it admits nobody again.
-        self._idle_waiting = None
-        if not admitted and self.waiting:
-            self._idle_waiting = _IdleWaiting(self.waiting[0], inputs, self.allocator_version)
-
-    def _allocator_changes(self) -> None:
-        """A real call may change the allocator: every remembered waiting
-        loop is void (versions only grow, so none can match again)."""
-        self.allocator_version += 1
-
-    def _waiting_inputs(self, token_budget: int, running_scheduled: bool, prefill_scheduled: bool) -> tuple:
-        """What the waiting loop reads besides its head and the allocator."""
-        return (token_budget, len(self.running), len(self.waiting), running_scheduled, prefill_scheduled)
-
-    def _waiting_known_idle(self, step: _StepState) -> bool:
-        """The fast path skips a waiting loop known to admit nobody."""
-        return self.fast_path and self.waiting_known_idle(
-            step.token_budget, step.running_scheduled, step.prefill_scheduled
-        )
-
-    def waiting_known_idle(self, token_budget: int, running_scheduled: bool, prefill_scheduled: bool) -> bool:
-        """Whether a waiting loop with these inputs is the one remembered to
-        have admitted nobody, with the same head and allocator state (then
-        it admits nobody again)."""
-        idle = self._idle_waiting
-        return (
-            idle is not None
-            and bool(self.waiting)
-            and idle.head is self.waiting[0]
-            and idle.allocator_version == self.allocator_version
-            and idle.inputs == self._waiting_inputs(token_budget, running_scheduled, prefill_scheduled)
-        )
+        self.fast_path.waiting_ends(inputs, admitted)
 
     def _admit_waiting(self, step: _StepState) -> bool:
         admitted = False
         while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._peek_waiting()
             blocks, num_hit, boundary = self.kv_cache_manager.get_computed_blocks(request)
+            if num_hit:
+                self.observer.prefix_hit(request, blocks, num_hit)
             request.shared_prefix_boundary = boundary
             num_new = request.num_tokens - num_hit
             padded = self._pads_to_uniform_decode(request, num_new, num_hit, step)
@@ -404,7 +372,7 @@ class Scheduler:
             if allocated is None:
                 break  # head-of-line blocking: never try the requests behind it
             self.kv_cache_manager.record_prefix_cache_stats(request, num_hit)
-            self._allocator_changes()
+            self.fast_path.allocator_changes()
             if padded:
                 step.padded_ids.add(request.request_id)
             self._admit(request, num_hit, num_new, step)
@@ -451,7 +419,7 @@ class Scheduler:
     def _finish_schedule(self, step: _StepState) -> SchedulerOutput:
         if step.scheduled:
             self.sched_step_seq += 1
-        taken = step.steady.taken if step.steady is not None else ()
+        taken = step.steady.taken
         for request_id, item in step.scheduled.items():
             self.last_sched_seq[request_id] = self.sched_step_seq
             if request_id in taken:
@@ -506,10 +474,7 @@ class Scheduler:
         return self.last_sched_seq.get(request.request_id, 0) <= self.processed_step_seq
 
     def _free_request_blocks(self, request: Request) -> None:
-        for settled in (self.settled_allocations, self.settled_caching):
-            if settled is not None:
-                settled.forget(request.request_id)
-        self._allocator_changes()
+        self.fast_path.blocks_freed(request.request_id)
         if self._blocks_can_be_freed(request):
             self.kv_cache_manager.free(request)
             return
@@ -520,7 +485,7 @@ class Scheduler:
     def _drain_deferred_frees(self) -> None:
         while self.deferred_frees and self.deferred_frees[0][0] <= self.processed_step_seq:
             _, blocks = self.deferred_frees.popleft()
-            self._allocator_changes()
+            self.fast_path.allocator_changes()
             self.kv_cache_manager.block_pool.free_blocks(reversed(blocks))
 
     def _advance_processed(self, processed: int) -> bool:
@@ -552,6 +517,7 @@ class Scheduler:
     def output_arrives(self, output: SchedulerOutput) -> None:
         """A step's output arrived: the fences up to it pass (first, before
         any of its requests' outputs is applied)."""
+        self.observer.output_arrives(output)
         if self.config.defer_block_free and not output.is_empty:
             self._advance_processed(self.sched_step_seq - (self.config.max_concurrent_batches - 1))
 
@@ -592,10 +558,7 @@ class Scheduler:
         they go in at once and ``check_stop`` judges the last. (The
         ``max_model_len`` limit never binds within a step: the scheduler
         leaves a step's tokens room below it.)"""
-        room = min(
-            request.max_tokens - request.num_output_tokens, self.config.max_model_len - request.num_tokens
-        )
-        if len(sampled) <= room:
+        if len(sampled) <= self.stop_room(request):
             request.append_output_token_ids(sampled)
             return len(sampled), check_stop(request, self.config.max_model_len)
         # The stop falls within the step: find it token by token, as vLLM does.
@@ -607,6 +570,13 @@ class Scheduler:
                 break
         return count, True
 
+    def stop_room(self, request: Request) -> int:
+        """The tokens ``request`` can take before a length limit stops it
+        (the last of them stops it): ``check_stop``'s two limits."""
+        return min(
+            request.max_tokens - request.num_output_tokens, self.config.max_model_len - request.num_tokens
+        )
+
     def _after_sampling(self, request: Request) -> None:
         """Cache the blocks the accepted tokens filled, then take the
         drafter's K new drafts (vLLM's ``update_draft_token_ids``)."""
@@ -615,14 +585,11 @@ class Scheduler:
         request.spec_token_ids = [DRAFT_TOKEN_ID] * self.config.num_speculative_tokens
 
     def _cache_blocks(self, request: Request) -> None:
-        computed = request.num_computed_tokens
-        settled = self.settled_caching
-        if settled is not None and settled.is_settled(request.request_id, computed, computed):
+        if self.fast_path.skips_caching(request):
             return
-        self._allocator_changes()
-        self.kv_cache_manager.cache_blocks(request, computed)
-        if settled is not None:
-            settled.record(request.request_id, computed, computed)
+        self.fast_path.allocator_changes()
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        self.fast_path.cached(request)
 
     def _finish(self, request: Request) -> None:
         self.running.remove(request)
@@ -742,16 +709,3 @@ class Scheduler:
 
 def _arrival_s(entry: Request | RequestSpec) -> float:
     return entry.arrival_time if isinstance(entry, Request) else entry.arrival_s
-
-
-def _settled_steps(config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> SettledSteps:
-    """Windows over every block size a call divides by (the groups', the
-    hash block), widened by a margin well past the lookahead and re-prefill
-    offsets a call adds (a few tokens each). The rings' block size is left
-    out: a ring is claimed once per request and never reads a position."""
-    rings = kv_cache_manager.ring_managers
-    sizes = {m.block_size for m in kv_cache_manager.managers if m not in rings}
-    sizes.add(kv_cache_manager.block_pool.hash_block_size)
-    sizes.add(config.block_size)
-    margin = 4 * (1 + config.num_speculative_tokens) + 16
-    return SettledSteps(tuple(sizes), margin)

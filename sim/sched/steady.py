@@ -38,32 +38,57 @@ whole allocator state, each with a failing control.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from sim.allocator_invariants import allocator_snapshot
 from sim.sched.model_runner import ModelRunner
 from sim.sched.output import ScheduledRequest, SchedulerOutput, StepOutcome, StepTally
-from sim.sched.scheduler import Scheduler, SteadyItems
 from sim.vllm_bridge import Request
+
+if TYPE_CHECKING:
+    from sim.sched.fast_path import FastPath
+    from sim.sched.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class SteadyItems:
+    """The steady lane's offer for a step: a decode for each of its
+    requests, made without the allocator; the scheduler fills ``taken`` with
+    those its running loop schedules as they are, and calls ``hand_over`` on
+    any other of them before it treats that request the ordinary way (the
+    lane keeps their tokens aside)."""
+
+    items: dict[str, ScheduledRequest]
+    hand_over: Callable[[Request], None]
+    taken: set[str] = field(default_factory=set)
+
+
+# A step with no steady decodes (never mutated: with no items nothing is taken).
+NO_STEADY = SteadyItems(items={}, hand_over=lambda request: None)
 
 
 @dataclass(slots=True)
 class _Kept:
-    """A request in the lane: its computed tokens and tokens as the
-    scheduler would have them, its tokens when its ``Request`` last took
-    them, the most computed tokens it may have at a steady step's start, and
-    the most with which the step cannot stop it."""
+    """A request in the lane."""
 
     request: Request
+    # Its computed tokens and tokens as the scheduler would have them.
     computed: int
     num_tokens: int
+    # Its tokens when its ``Request`` last took them.
     handed_over: int
+    # The most computed tokens it may have at a steady step's start.
     limit: int
+    # The most computed tokens at a step's start with which the step cannot stop it.
     unstoppable: int
 
 
 class SteadyDecode:
-    def __init__(self, scheduler: Scheduler, model_runner: ModelRunner) -> None:
+    def __init__(self, scheduler: Scheduler, fast_path: FastPath, model_runner: ModelRunner) -> None:
         self.scheduler = scheduler
+        self.fast_path = fast_path
         self.model_runner = model_runner
         self.num_spec = scheduler.config.num_speculative_tokens
         self.step_tokens = 1 + self.num_spec
@@ -100,6 +125,8 @@ class SteadyDecode:
         for request_id in steady.taken:
             kept_by_id[request_id].computed += step_tokens
         self._taken = steady.taken
+        if self.fast_path.audit and steady.taken:
+            self._audit_allocations()
         return output
 
     def complete(self, output: SchedulerOutput) -> StepOutcome:
@@ -111,6 +138,8 @@ class SteadyDecode:
         scheduler.output_arrives(output)
         tally = StepTally()
         taken, kept_by_id = self._taken, self._kept
+        if self.fast_path.audit:
+            taken = set(taken)  # the audit after the loop reads the step's
         num_spec, step_tokens = self.num_spec, self.step_tokens
         draw = self.model_runner.acceptance_draws(num_spec)
         num_kept = num_accepted_kept = 0  # the kept requests' share of the tally
@@ -133,6 +162,8 @@ class SteadyDecode:
         if num_spec:
             tally.num_draft_tokens += num_kept * num_spec
             tally.num_accepted_tokens += num_accepted_kept
+        if self.fast_path.audit:
+            self._audit_caching(taken)
         return tally.outcome()
 
     def _take_at_once(self, request: Request, num_accepted: int, tally: StepTally) -> None:
@@ -167,7 +198,7 @@ class SteadyDecode:
             kept.handed_over = kept.num_tokens
 
     def _enter(self, request: Request) -> _Kept | None:
-        limit = self._limit(request)
+        limit = self.limit(request)
         if limit is None:
             return None
         kept = _Kept(
@@ -176,44 +207,69 @@ class SteadyDecode:
             num_tokens=request.num_tokens,
             handed_over=request.num_tokens,
             limit=limit,
-            unstoppable=self._unstoppable(request),
+            unstoppable=self.unstoppable(request),
         )
         self._kept[request.request_id] = kept
         return kept
 
-    def _limit(self, request: Request) -> int | None:
+    def limit(self, request: Request) -> int | None:
         """The most computed tokens ``request`` may have at a steady step's
-        start; None when it is not decoding or a call of its next step is
-        real (its settled window starts after it)."""
-        computed, num_spec = request.num_computed_tokens, self.num_spec
+        start (fixed at entry: fast-path rule 6); None when it is not
+        decoding or a call of its next step is real (its settled window
+        starts after it). The arithmetic is the scheduler's: the span a
+        decode allocates for, the room the ``max_model_len`` clip leaves."""
+        computed, num_spec, step_tokens = request.num_computed_tokens, self.num_spec, self.step_tokens
         if computed != request.num_tokens - 1 or len(request.spec_token_ids) != num_spec:
+            return None  # decoding, with K drafts queued
+        fast_path = self.fast_path
+        span = self.scheduler.decode_span(request, step_tokens + num_spec)
+        bounds = fast_path.allocations.bounds(request.request_id)
+        if span is None or bounds is None or bounds[0] > span[0]:
             return None
-        settled = self.scheduler.settled_allocations
-        if settled is None:
-            return None  # the fast path is off
-        bounds = settled.bounds(request.request_id)
-        # The step allocates for positions computed .. computed + 1 + 2K.
-        if bounds is None or bounds[0] > computed:
-            return None
-        limit = bounds[1] - (1 + 2 * num_spec)
+        limit = bounds[1] - (span[1] - span[0])
         if num_spec:  # then the step caches at computed + 1 .. computed + 1 + K
-            caching = self.scheduler.settled_caching
-            assert caching is not None
-            bounds = caching.bounds(request.request_id)
+            bounds = fast_path.caching.bounds(request.request_id)
             if bounds is None or bounds[0] > computed + 1:
                 return None
-            limit = min(limit, bounds[1] - (1 + num_spec))
-        # The max_model_len clip leaves 1 + K tokens (the split leaves a
-        # decode's alone; the scheduler checks the budget and threshold).
-        limit = min(limit, self.scheduler.config.max_model_len - num_spec - 2)
+            limit = min(limit, bounds[1] - step_tokens)
+        # The clip leaves the step whole (the split leaves a decode's alone;
+        # the scheduler checks the budget and threshold).
+        limit = min(limit, computed + self.scheduler.clip_room(request) - step_tokens)
         return limit if computed <= limit else None
 
-    def _unstoppable(self, request: Request) -> int:
+    def unstoppable(self, request: Request) -> int:
         """The most computed tokens at a step's start with which the step
-        cannot stop ``request``: after it (1 + K more tokens at most) it
-        stays below both length limits (``check_stop``)."""
-        num_spec = self.num_spec
-        return min(
-            request.max_tokens + request.num_prompt_tokens - num_spec - 3,
-            self.scheduler.config.max_model_len - num_spec - 3,
-        )
+        cannot stop ``request``: its ``1 + K`` tokens at most stay short of
+        the scheduler's stop room (``Scheduler.stop_room``, measured here at
+        entry, where its tokens are its computed tokens plus one)."""
+        return request.num_computed_tokens + self.scheduler.stop_room(request) - self.step_tokens - 1
+
+    # -------------------------------------------------------------- audit
+    def _audit_allocations(self) -> None:
+        """Make the allocation each taken decode skipped (``audit``)."""
+        kv = self.scheduler.kv_cache_manager
+        before = allocator_snapshot(kv)
+        for request_id in self._taken:
+            kept = self._kept[request_id]
+            request = kept.request
+            # The request as the running loop sees it: its tokens taken, the
+            # step's not yet counted as computed.
+            self._hand_over(kept)
+            request.num_computed_tokens -= self.step_tokens
+            blocks = kv.allocate_slots(request, self.step_tokens, num_lookahead_tokens=self.num_spec)
+            request.num_computed_tokens += self.step_tokens
+            assert blocks is not None and not any(blocks.blocks), f"{request_id}: a steady decode allocates"
+        assert allocator_snapshot(kv) == before, "a steady decode's allocation changed the allocator"
+        self.fast_path.audited.lane_steps += 1
+
+    def _audit_caching(self, taken: set[str]) -> None:
+        """Make the caching each kept decode skipped (``audit``)."""
+        kv = self.scheduler.kv_cache_manager
+        before = allocator_snapshot(kv)
+        for request_id in taken:
+            kept = self._kept.get(request_id)
+            if kept is None:
+                continue  # it took its tokens the scheduler's way
+            self._hand_over(kept)
+            kv.cache_blocks(kept.request, kept.computed)
+        assert allocator_snapshot(kv) == before, "a steady decode's caching changed the allocator"

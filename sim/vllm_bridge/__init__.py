@@ -200,17 +200,10 @@ def engine_config(
         mamba_cache_mode=mamba_cache_mode,
         get_resolved_kv_cache_layout=lambda: layout,
     )
-    speculative = SimpleNamespace(
-        num_speculative_tokens=num_speculative_tokens,
-        method="mtp",
-        use_multi_module_mtp=lambda: False,
-        use_eagle=lambda: True,
-        use_eagle_block_drop=lambda: True,
-    )
     return SimpleNamespace(
         cache_config=cache,
         num_prefill_lookahead_tokens=0,
-        speculative_config=speculative if num_speculative_tokens else None,
+        speculative_config=_mtp_config(num_speculative_tokens) if num_speculative_tokens else None,
         scheduler_config=SimpleNamespace(
             disable_hybrid_kv_cache_manager=False,
             max_num_encoder_input_tokens=0,
@@ -231,6 +224,18 @@ def engine_config(
             decode_context_parallel_size=decode_context_parallel_size,
         ),
         kv_transfer_config=kv_transfer_config,
+    )
+
+
+def _mtp_config(num_speculative_tokens: int) -> SimpleNamespace:
+    """The speculative config of ``engine_config``: single-module MTP with
+    the EAGLE block drop, as the fork serves it."""
+    return SimpleNamespace(
+        num_speculative_tokens=num_speculative_tokens,
+        method="mtp",
+        use_multi_module_mtp=lambda: False,
+        use_eagle=lambda: True,
+        use_eagle_block_drop=lambda: True,
     )
 
 

@@ -1,6 +1,6 @@
 """A tiny fault-injecting OpenAI-style server for the replay tests (aiohttp,
 127.0.0.1 only). Run in a thread (``running_server``) or as a process
-(``python tests/replay_fault_server.py --port P ...``, for ``--launch``).
+(``python tests/helpers/fault_server.py --port P ...``, for ``--launch``).
 
 Faults: given HTTP statuses for given request numbers (0-based, in the order
 requests arrive), a ``/metrics`` page with malformed or missing lines, and a

@@ -22,7 +22,7 @@ from sim.vllm_bridge import (
     sha256,
 )
 
-TINY_MODEL = Path(__file__).parent / "data" / "tiny-flash-next.yaml"
+TINY_MODEL = Path(__file__).parents[1] / "data" / "tiny-flash-next.yaml"
 BLOCK = 32
 K = 3
 MAX_LEN = 512  # small, so small test pools pass the boot memory check

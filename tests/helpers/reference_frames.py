@@ -2,8 +2,8 @@
 scenario's and the default scenario's frames (both layouts) with one
 checkout, compare them with another.
 
-    PYTHONPATH=$PWD python tests/reference_frames.py save /tmp/ref8
-    PYTHONPATH=$PWD python tests/reference_frames.py compare /tmp/ref8
+    PYTHONPATH=$PWD python tests/helpers/reference_frames.py save /tmp/ref8
+    PYTHONPATH=$PWD python tests/helpers/reference_frames.py compare /tmp/ref8
 
 ``compare`` checks values and dtypes column by column, ignoring column
 order (a refactor may reorder columns; it must document that), and exits 1

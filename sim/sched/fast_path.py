@@ -1,0 +1,310 @@
+"""The fast path: the scheduler work kvsim skips because it changes nothing.
+
+No twin in vLLM (its scheduler makes every call). Three parts, one object
+(``FastPath``, held by the scheduler as ``Scheduler.fast_path``; ``NoFastPath``
+when ``simulation.fast_path`` is off, so the scheduler never branches on it):
+
+- **settled calls** (``settled.py``): a decoding request's ``allocate_slots``
+  and ``cache_blocks`` between block boundaries change nothing; the first
+  call in a block's window is made, the next are skipped;
+- **the steady lane** (``steady.py``): a request whose decode steps are alike
+  keeps its tokens aside and is scheduled as it is, past the running loop's
+  arithmetic (``EngineCore`` makes it with ``make_lane``);
+- **known-idle waiting loops**: a waiting loop that admitted nobody admits
+  nobody again while its inputs, its head and the allocator are unchanged
+  (the allocator's version counts the calls that may change it).
+
+The scheduler calls it at a few named points: ``skips_allocation`` /
+``allocated`` around ``allocate_slots``, ``skips_caching`` / ``cached``
+around ``cache_blocks``, ``blocks_freed`` and ``allocator_changes`` where
+blocks move, ``skips_waiting`` / ``waiting_starts`` / ``waiting_ends``
+around the waiting loop.
+
+``audit = True`` makes every skipped call anyway and asserts it changed
+nothing (the whole allocator state compared, ``allocator_snapshot``), and
+counts them in ``audited``: the tests' proof, through a public switch.
+
+The rules the fast path rests on, each with the test that goes red when it
+is broken:
+
+1. A call whose positions, widened by the margin, lie strictly inside one
+   block of every size the allocator divides by, after a real call in the
+   same block, changes nothing (``settled.py``).
+   ``tests/test_fast_path.py::test_the_check_catches_a_call_skipped_across_a_boundary``,
+   ``::test_a_fast_path_that_skips_across_boundaries_changes_the_frames``.
+2. The margin, ``4 * (1 + K) + 16`` tokens (``margin_tokens``), lies well
+   past every offset a call adds to the positions it is taken to read (the
+   ``K`` lookahead slots, the ``K`` tokens an EAGLE drop or a lookahead hash
+   reaches, the ``1 + K`` of a rejected step's rollback): argued, with room
+   to spare, not derived to the token; the audit checks it.
+   ``tests/test_fast_path.py::test_the_calls_skipped_across_a_block_boundary``
+   (the hand count moves with it).
+3. Every call that may change the allocator bumps the version first
+   (``allocator_changes``: allocations, caching, frees, fenced frees, an
+   admission). ``new_step_starts`` (clears a per-step set of cached ids)
+   and ``get_computed_blocks`` (a lookup: it touches nothing) do not.
+   ``tests/test_steady.py::test_the_waiting_memo_holds_only_for_the_same_inputs_and_allocator``.
+4. ``_waiting_inputs`` lists everything the waiting loop reads besides its
+   head and the allocator: the budget left, the running and waiting counts,
+   whether a running request or a prefill was scheduled. A read added to
+   ``Scheduler._admit_waiting`` or ``_pads_to_uniform_decode`` must be
+   added there.
+   ``tests/test_steady.py::test_the_check_catches_a_waiting_loop_wrongly_skipped``,
+   ``::test_a_lane_skipping_every_waiting_loop_changes_the_frames``.
+5. A request in the lane has a stale ``Request`` (computed tokens, output
+   tokens): read ``Scheduler.requests`` / ``running`` only after
+   ``EngineCore.flush``. ``LiveEngine`` (``kvsim serve``) steps the
+   scheduler without ``EngineCore``, so it never uses the lane and may read
+   requests every step.
+   ``tests/test_steady.py::test_without_the_hand_over_at_the_horizon_requests_lag``.
+6. A kept request's ``limit`` and ``unstoppable`` are computed once, when it
+   enters the lane: valid because its settled windows cannot move while its
+   calls are skipped (they move only on a real call or a free, and a free
+   hands the request back first).
+   ``tests/test_steady.py::test_the_check_catches_a_steady_step_across_a_boundary``,
+   ``::test_a_lane_that_never_stops_a_request_changes_the_frames``.
+7. The lane draws acceptances from the runner's stream in exactly
+   ``ModelRunner.execute``'s order (the step's order, one draw per request).
+   ``tests/test_steady.py::test_the_conformance_driver_compares_the_lanes_steps``,
+   ``::test_a_runners_acceptance_draws_are_its_per_request_draws``.
+8. Every step's output passes ``Scheduler.output_arrives`` before any of its
+   requests' outputs is applied, the lane's steps too (the fences pass
+   first; the pool replay's observer relies on it).
+   ``tests/test_fast_path.py::test_every_gate_scenario_gives_the_same_frames_with_and_without_the_fast_path``.
+
+Every rule is also checked whole: every gate scenario's frames are the same
+with the fast path off, and the conformance driver steps the lane against
+vLLM's own ``Scheduler``. Glossary: ``docs/fast-path.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+from sim.allocator_invariants import allocator_snapshot
+from sim.sched.settled import SettledSteps
+from sim.sched.steady import SteadyDecode
+
+if TYPE_CHECKING:
+    from sim.sched.model_runner import ModelRunner
+    from sim.sched.scheduler import Scheduler, _StepState
+    from sim.vllm_bridge import Request
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class AuditCounts:
+    """The skipped calls an audit made anyway (each changed nothing)."""
+
+    allocations: int = 0
+    cachings: int = 0
+    waiting_loops: int = 0
+    lane_steps: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _IdleWaiting:
+    """A waiting loop that admitted nobody: its head, inputs and the
+    allocator's version then."""
+
+    head: object
+    inputs: tuple
+    allocator_version: int
+
+
+class FastPath:
+    """The fast path of one scheduler (rules 1-8 above)."""
+
+    enabled = True
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.allocations = _settled_steps(scheduler)
+        self.caching = _settled_steps(scheduler)
+        # Counts the calls that may have changed the allocator's state, so a
+        # waiting loop's outcome can be known unchanged (rule 3).
+        self.allocator_version = 0
+        self._idle_waiting: _IdleWaiting | None = None
+        # Make every skipped call anyway and assert it changed nothing.
+        self.audit = False
+        self.audited = AuditCounts()
+        # The steady lane on (off: only the scheduler's own skips, which the
+        # lane would otherwise take most of; an audit of those turns it off).
+        self.use_lane = True
+
+    def make_lane(self, model_runner: ModelRunner) -> SteadyDecode | None:
+        """The steady lane for an engine core (``EngineCore`` makes one)."""
+        return SteadyDecode(self.scheduler, self, model_runner) if self.use_lane else None
+
+    # ------------------------------------------------------ settled calls
+    def skips_allocation(self, request: Request, num_new: int, num_lookahead: int) -> bool:
+        """Whether this ``allocate_slots`` call is settled (rule 1)."""
+        span = self.scheduler.decode_span(request, num_new + num_lookahead)
+        if span is None or not self.allocations.is_settled(request.request_id, *span):
+            return False
+        if self.audit:
+            self._audit_allocation(request, num_new, num_lookahead)
+        return True
+
+    def allocated(self, request: Request, num_new: int, num_lookahead: int) -> None:
+        """A real ``allocate_slots`` call succeeded."""
+        span = self.scheduler.decode_span(request, num_new + num_lookahead)
+        if span is not None:
+            self.allocations.record(request.request_id, *span)
+
+    def skips_caching(self, request: Request) -> bool:
+        """Whether this ``cache_blocks`` call is settled (rule 1)."""
+        computed = request.num_computed_tokens
+        if not self.caching.is_settled(request.request_id, computed, computed):
+            return False
+        if self.audit:
+            self._audit(lambda: self.scheduler.kv_cache_manager.cache_blocks(request, computed), "caching")
+            self.audited.cachings += 1
+        return True
+
+    def cached(self, request: Request) -> None:
+        """A real ``cache_blocks`` call was made."""
+        computed = request.num_computed_tokens
+        self.caching.record(request.request_id, computed, computed)
+
+    def blocks_freed(self, request_id: str) -> None:
+        """The request's blocks are freed (preempted or finished)."""
+        self.allocations.forget(request_id)
+        self.caching.forget(request_id)
+        self.allocator_changes()
+
+    def allocator_changes(self) -> None:
+        """A real call may change the allocator: every remembered waiting
+        loop is void (versions only grow, so none can match again)."""
+        self.allocator_version += 1
+
+    # ------------------------------------------------ known-idle waiting
+    def skips_waiting(self, step: _StepState) -> bool:
+        """Whether the waiting loop is known to admit nobody."""
+        known = self.waiting_known_idle(step.token_budget, step.running_scheduled, step.prefill_scheduled)
+        if known and self.audit:
+            self._audit_waiting(step)
+        return known
+
+    def waiting_starts(self, step: _StepState) -> tuple:
+        return self._waiting_inputs(step.token_budget, step.running_scheduled, step.prefill_scheduled)
+
+    def waiting_ends(self, inputs: tuple, admitted: bool) -> None:
+        """A loop that admitted nobody changed nothing (a failed admission
+        allocates nothing): with the same inputs, head and allocator state,
+        it admits nobody again."""
+        waiting = self.scheduler.waiting
+        self._idle_waiting = None
+        if not admitted and waiting:
+            self._idle_waiting = _IdleWaiting(waiting[0], inputs, self.allocator_version)
+
+    def waiting_known_idle(self, token_budget: int, running_scheduled: bool, prefill_scheduled: bool) -> bool:
+        """Whether a waiting loop with these inputs is the one remembered to
+        have admitted nobody, with the same head and allocator state."""
+        idle, waiting = self._idle_waiting, self.scheduler.waiting
+        return (
+            idle is not None
+            and bool(waiting)
+            and idle.head is waiting[0]
+            and idle.allocator_version == self.allocator_version
+            and idle.inputs == self._waiting_inputs(token_budget, running_scheduled, prefill_scheduled)
+        )
+
+    def _waiting_inputs(self, token_budget: int, running_scheduled: bool, prefill_scheduled: bool) -> tuple:
+        """What the waiting loop reads besides its head and the allocator (rule 4)."""
+        scheduler = self.scheduler
+        return (
+            token_budget,
+            len(scheduler.running),
+            len(scheduler.waiting),
+            running_scheduled,
+            prefill_scheduled,
+        )
+
+    # -------------------------------------------------------------- audit
+    def _audit(self, call: Callable[[], T], what: str) -> T:
+        """Make ``call`` and assert the allocator is as it was."""
+        kv_cache_manager = self.scheduler.kv_cache_manager
+        before = allocator_snapshot(kv_cache_manager)
+        result = call()
+        assert allocator_snapshot(kv_cache_manager) == before, f"a skipped {what} call changed the allocator"
+        return result
+
+    def _audit_allocation(self, request: Request, num_new: int, num_lookahead: int) -> None:
+        allocate = self.scheduler.kv_cache_manager.allocate_slots
+        blocks = self._audit(
+            lambda: allocate(request, num_new, num_lookahead_tokens=num_lookahead), "allocation"
+        )
+        assert blocks is not None and not any(blocks.blocks), (
+            f"{request.request_id}: a settled call allocated"
+        )
+        self.audited.allocations += 1
+
+    def _audit_waiting(self, step: _StepState) -> None:
+        """Run the skipped waiting loop on a copy of the step's inputs."""
+        probe = type(step)(
+            token_budget=step.token_budget,
+            running_scheduled=step.running_scheduled,
+            prefill_scheduled=step.prefill_scheduled,
+        )
+        self._audit(lambda: self.scheduler._schedule_waiting(probe), "waiting loop")
+        assert not probe.new_ids and not probe.resumed_ids, "a skipped waiting loop admits"
+        self.audited.waiting_loops += 1
+
+
+class NoFastPath:
+    """The fast path off: every call is made, nothing is remembered."""
+
+    enabled = False
+    audit = False
+
+    def make_lane(self, model_runner: ModelRunner) -> SteadyDecode | None:
+        return None
+
+    def skips_allocation(self, request: Request, num_new: int, num_lookahead: int) -> bool:
+        return False
+
+    def allocated(self, request: Request, num_new: int, num_lookahead: int) -> None:
+        return None
+
+    def skips_caching(self, request: Request) -> bool:
+        return False
+
+    def cached(self, request: Request) -> None:
+        return None
+
+    def blocks_freed(self, request_id: str) -> None:
+        return None
+
+    def allocator_changes(self) -> None:
+        return None
+
+    def skips_waiting(self, step: _StepState) -> bool:
+        return False
+
+    def waiting_starts(self, step: _StepState) -> tuple:
+        return ()
+
+    def waiting_ends(self, inputs: tuple, admitted: bool) -> None:
+        return None
+
+
+def _settled_steps(scheduler: Scheduler) -> SettledSteps:
+    """Windows over every block size a call divides by (the groups', the
+    hash block), widened by a margin past the lookahead and re-prefill
+    offsets a call adds (rule 2). The rings' block size is left out: a ring
+    is claimed once per request and never reads a position."""
+    kv_cache_manager, config = scheduler.kv_cache_manager, scheduler.config
+    rings = kv_cache_manager.ring_managers
+    sizes = {m.block_size for m in kv_cache_manager.managers if m not in rings}
+    sizes.add(kv_cache_manager.block_pool.hash_block_size)
+    sizes.add(config.block_size)
+    return SettledSteps(tuple(sizes), margin_tokens(config.num_speculative_tokens))
+
+
+def margin_tokens(num_speculative_tokens: int) -> int:
+    """The margin of rule 2, named so tests derive their counts from it."""
+    return 4 * (1 + num_speculative_tokens) + 16

@@ -1,0 +1,89 @@
+"""The tiny scheduler (32-token blocks, the tiny model) and what drives it:
+request specs with a prefix family, an engine that checks the allocator
+after every step, fixed acceptance draws."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from helpers.allocator import K, tiny_plan
+from sim.allocator_invariants import check_allocator
+from sim.kv_cache_manager import build_kv_cache_manager
+from sim.sched.engine_core import EngineCore
+from sim.sched.model_runner import AcceptanceModel, ModelRunner, accepted_drafts
+from sim.sched.scheduler import Scheduler, SchedulerConfig
+from sim.workloads import RequestSpec
+
+MAX_LEN = 512
+
+
+def tiny_spec(index: int, prompt: int, output: int = 20, family: int | None = None) -> RequestSpec:
+    ids = tuple((family if family is not None else 1000 + index) * 100 + i for i in range(-(-prompt // 16)))
+    return RequestSpec(
+        request_id=f"r{index:03d}",
+        arrival_s=0.0,
+        prompt_len=prompt,
+        output_len=output,
+        prefix_ids=ids,
+        prefix_unit=16,
+    )
+
+
+def tiny_scheduler(
+    num_blocks: int = 400,
+    *,
+    on: bool = True,
+    batches: int = 2,
+    defer: bool = True,
+    budget: int = 64,
+    seqs: int = 8,
+) -> Scheduler:
+    manager = build_kv_cache_manager(tiny_plan(on), num_gpu_blocks=num_blocks)
+    config = SchedulerConfig(
+        max_num_seqs=seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=MAX_LEN,
+        block_size=32,
+        num_speculative_tokens=K,
+        defer_block_free=defer,
+        max_concurrent_batches=batches,
+    )
+    return Scheduler(config, manager)
+
+
+class FixedDraws:
+    """An RNG stand-in whose ``random()`` returns the given draws in order."""
+
+    def __init__(self, *draws: float) -> None:
+        self.draws = list(draws)
+
+    def random(self) -> float:
+        return self.draws.pop(0)
+
+    def accepted_drafts(self, rates: tuple[float, ...]) -> int:
+        return accepted_drafts(rates, self)
+
+
+class CheckedEngine(EngineCore):
+    """The engine's own step (``EngineCore``), checking the allocator's
+    invariants after each step that ran."""
+
+    def __init__(self, scheduler: Scheduler, rates=(0.8, 0.7, 0.6), seed: int = 0) -> None:
+        super().__init__(
+            scheduler, ModelRunner(AcceptanceModel(conditional_rates=rates), np.random.default_rng(seed))
+        )
+
+    def step(self):
+        output, outcome = super().step()
+        if outcome is not None:
+            check_allocator(self.scheduler.kv_cache_manager, self.scheduler.deferred_blocks())
+        return output, outcome
+
+    def run(self, max_steps: int = 2000) -> list:
+        """Step until every request finished (bounded)."""
+        log = []
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished_requests():
+                break
+            log.append(self.step())
+        return log
