@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from helpers.scenarios import scenario
+from helpers.scenarios import NO_WORKLOAD, scenario
 from prometheus_client.parser import text_string_to_metric_families
 
 import sim.vllm_bridge  # noqa: F401  (sets VLLM_TARGET_DEVICE before vLLM's argument parser runs)
@@ -22,13 +22,6 @@ from sim.commands.serve import boot_log_lines
 from sim.replay.live_engine import LiveEngine
 from sim.replay.server import build_app, tokenize_text
 
-NO_WORKLOAD = {
-    "trace": "synthetic",
-    "num_requests": 1,
-    "arrival": {"process": "constant", "rate_per_s": 1.0},
-    "prompt": {"distribution": "fixed", "tokens": 10},
-    "output": {"distribution": "fixed", "tokens": 1},
-}
 SPEED = 50.0
 
 

@@ -25,9 +25,8 @@ from typing import Any
 import aiohttp
 import psutil
 import pytest
+from helpers.scenarios import NO_WORKLOAD, scenario
 from prometheus_client.parser import text_string_to_metric_families
-from sim_helpers import scenario
-from test_serve import NO_WORKLOAD
 
 import sim.vllm_bridge  # noqa: F401  (sets VLLM_TARGET_DEVICE before vLLM's argument parser runs)
 from sim.allocator_invariants import allocator_problems

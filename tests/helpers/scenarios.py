@@ -95,3 +95,13 @@ def scenario(
 
 def run(tmp_path: Path, name: str = "test", layouts=None, **sections: Any) -> RunResult:
     return run_scenario(scenario(tmp_path, name, **sections), layouts)
+
+
+# A server's workload of one tiny request: the tests send their own.
+NO_WORKLOAD = {
+    "trace": "synthetic",
+    "num_requests": 1,
+    "arrival": {"process": "constant", "rate_per_s": 1.0},
+    "prompt": {"distribution": "fixed", "tokens": 10},
+    "output": {"distribution": "fixed", "tokens": 1},
+}
