@@ -203,5 +203,20 @@ def add_override_argument(parser: argparse.ArgumentParser, scope: str = "") -> N
 
 
 def scenario_to_dict(scenario: Scenario) -> dict[str, Any]:
-    """The resolved scenario as plain data (written next to the results)."""
+    """The resolved scenario as plain data (written next to the results as
+    ``scenario.json``): every key, defaults included, so the record says
+    what ran whatever later versions default to. ``scenario_from_record``
+    loads it back to an equal scenario (docs/results.md)."""
     return scenario.model_dump(mode="json")
+
+
+def scenario_from_record(data: Any, source: str) -> Scenario:
+    """The scenario a results directory recorded (``scenario_to_dict``),
+    checked as strictly as a scenario file: a one-line ``ConfigError``
+    naming ``source`` and the key."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of scenario keys")
+    scenario = validate(Scenario, data, source)
+    scenario.check_against_model(scenario.load_model(), source)
+    scenario.step_time_config(source)
+    return scenario

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import yaml
-from helpers.replay_dirs import write_replay_dir
+from helpers.replay_dirs import DEFAULTS, RIG, write_replay_dir
 from helpers.scenarios import scenario as make_scenario
 
 from sim.analysis import calibrate as c
@@ -37,9 +37,6 @@ DECODE_ONLY = {
     "prompt": {"distribution": "uniform", "lo": 16, "hi": 48},
     "output": {"distribution": "uniform", "lo": 20, "hi": 60},
 }
-DEFAULTS = {"compute_efficiency": 0.12, "memory_efficiency": 0.35}  # docs/step-time-model.md
-# The rig: prefill 30 % slower than modelled, decode 25 % faster.
-RIG = {"compute_efficiency": 0.12 * 0.7, "memory_efficiency": 0.35 * 1.25}
 
 
 def _replay_of(tmp_path, workload, rig: dict[str, float], name: str = "rig"):

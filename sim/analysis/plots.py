@@ -434,8 +434,29 @@ def with_panel_columns(steps: pd.DataFrame) -> pd.DataFrame:
     return steps.assign(**{column: pd.Series(dtype="float64") for column in missing})
 
 
+# A replay's curves: what the server's /metrics gave at each scrape.
+MEASURED_PANELS = (
+    ("num_requests_running", "running (requests)"),
+    ("num_requests_waiting", "waiting (requests)"),
+    ("kv_cache_usage_perc", "KV cache usage\n(fraction)"),
+    ("num_preemptions_total", "preemptions, cumulative\n(count)"),
+)
+
+
+@_styled
+def measured_figure(samples: pd.DataFrame) -> Figure:
+    """A replay's scraped gauges and counters over time (no engine steps)."""
+    panels = [(column, label) for column, label in MEASURED_PANELS if column in samples]
+    fig = _steps_figure(samples, panels, "measured by the replay, by layout")
+    fig.axes[len(panels) - 1].set_xlabel("scenario time (s), as replayed")
+    return fig
+
+
 def standard_figures(frames: dict[str, pd.DataFrame]) -> dict[str, Figure]:
-    """Admission and eviction for any run; the gain when both layouts ran."""
+    """Admission and eviction for any run; the gain when both layouts ran;
+    a replay (no steps frame) gets its measured curves."""
+    if "steps" not in frames:
+        return {"measured": measured_figure(frames["samples"])}
     steps = with_panel_columns(frames["steps"])
     figures = {"admission": admission_figure(steps), "eviction": eviction_figure(steps)}
     if {"off", "on"} <= set(steps["layout"]):

@@ -87,12 +87,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _replayed_scenario(replay_dir: Path, replay: dict[str, pd.DataFrame], data: dict[str, Any]) -> Any:
-    from sim.config import validate
-    from sim.scenario import Scenario, SideCacheSwitch
+    from sim.scenario import SideCacheSwitch, scenario_from_record
 
     if not data:
         raise ConfigError(f"{replay_dir}: no scenario recorded (scenario.json)")
-    scenario = validate(Scenario, data, f"{replay_dir}/scenario.json")
+    scenario = scenario_from_record(data, f"{replay_dir}/scenario.json")
     layouts = tuple(cast(SideCacheSwitch, str(name)) for name in dict.fromkeys(replay["summary"]["layout"]))
     unknown = [name for name in layouts if name not in ("off", "on")]
     if unknown or not layouts:

@@ -30,19 +30,23 @@ def sweep_x(sweep: pd.DataFrame, path: Path) -> str:
 
 
 def _read(out_dir: Path) -> dict[str, pd.DataFrame]:
+    """The frames the manifest lists (a replay lists no steps); one it
+    lists that is missing (a directory from an older kvsim) is a one-line
+    error too."""
     from sim.analysis.plots import with_panel_columns
-    from sim.results import FRAMES, read_results
+    from sim.results import FRAMES, MEASURED_FRAMES, read_manifest, read_results
 
-    """The run's frames; one a directory from an older kvsim lacks is a
-    one-line error too."""
-    missing = [f"{name}.parquet" for name in FRAMES if not (out_dir / f"{name}.parquet").exists()]
-    if missing and (out_dir / "manifest.json").exists():
+    listed = read_manifest(out_dir).get("frames", [f"{name}.parquet" for name in FRAMES])
+    required = [f"{n}.parquet" for n in FRAMES if n in MEASURED_FRAMES or f"{n}.parquet" in listed]
+    missing = [name for name in required if not (out_dir / name).exists()]
+    if missing:
         raise ConfigError(f"{out_dir}: incomplete results directory: no {', '.join(missing)}")
     frames = read_results(out_dir)
-    try:
-        with_panel_columns(frames["steps"])
-    except ValueError as error:
-        raise ConfigError(f"{out_dir / 'steps.parquet'}: {error}") from None
+    if "steps" in frames:
+        try:
+            with_panel_columns(frames["steps"])
+        except ValueError as error:
+            raise ConfigError(f"{out_dir / 'steps.parquet'}: {error}") from None
     return frames
 
 
@@ -74,7 +78,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     plot = subparsers.add_parser("plot", help="draw the figures of a results directory")
     plot.add_argument(
-        "results_dir", metavar="RESULTS_DIR", help="a directory written by kvsim run, compare or sweep"
+        "results_dir",
+        metavar="RESULTS_DIR",
+        help="a directory written by kvsim run, compare, replay or sweep",
     )
     plot.add_argument(
         "--format",

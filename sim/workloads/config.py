@@ -172,7 +172,7 @@ class WorkloadConfig(StrictModel):
     def known_format(self) -> TraceFormat | None:
         """The format if the config alone settles it, else None (read the file)."""
         if self.format == "synthetic":
-            if "trace" in self.model_fields_set and self.trace != "synthetic":
+            if self.trace not in ("synthetic", _default("trace")):
                 raise ValueError("trace: must be 'synthetic' or left out")
             return "synthetic"
         named = _named_format(self.trace)
@@ -197,6 +197,18 @@ _SYNTHETIC_ONLY = (
 )
 
 
+def _default(key: str) -> object:
+    return WorkloadConfig.model_fields[key].default
+
+
+def _is_set(cfg: WorkloadConfig, key: str) -> bool:
+    """A key counts as set when its value differs from the default, however
+    it was written: a recorded scenario (``scenario.json``) names every key,
+    so validity must depend on the values alone for the record to load back
+    (docs/results.md, "The recorded scenario")."""
+    return bool(getattr(cfg, key) != _default(key))
+
+
 def check_keys_for_format(cfg: WorkloadConfig, fmt: TraceFormat) -> None:
     """Every key that is set must mean something for ``fmt``; ValueError names it."""
     required = {
@@ -212,11 +224,9 @@ def check_keys_for_format(cfg: WorkloadConfig, fmt: TraceFormat) -> None:
     elif fmt == "sharegpt":
         unusable = _SYNTHETIC_ONLY
     for key in unusable:
-        if key in cfg.model_fields_set and getattr(cfg, key) not in (None, 0):
+        if _is_set(cfg, key):
             raise ValueError(f"{key}: not used by {fmt} traces (they have their own)")
-    # The default is allowed anywhere: a resolved scenario (scenario.json) names it.
-    chunk_set = cfg.hash_chunk_tokens != TIMED_TRACE_CHUNK_TOKENS
-    if "hash_chunk_tokens" in cfg.model_fields_set and chunk_set and fmt != "timed_trace":
+    if _is_set(cfg, "hash_chunk_tokens") and fmt != "timed_trace":
         raise ValueError("hash_chunk_tokens: only for timed_trace traces")
     if cfg.spread_bursts and fmt != "mooncake":
         raise ValueError("spread_bursts: only for mooncake traces (3 s quantised stamps)")
