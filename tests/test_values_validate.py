@@ -177,13 +177,26 @@ def test_each_layout_is_read_from_its_own_rows():
     frames = hand_run({"off": other, "on": SIM})
     assert v.run_metrics(frames, "on") == pytest.approx(SIM_VALUES)
     off = v.run_metrics(frames, "off")
-    assert (off["num_admitted"], off["ttft_p50_s"], off["peak_running"], off["mean_running"]) == (7, 5.0, 9, 9)
+    assert (off["num_admitted"], off["ttft_p50_s"], off["peak_running"], off["mean_running"]) == (
+        7,
+        5.0,
+        9,
+        9,
+    )
 
 
 def test_curve_table_compares_each_gauge_per_layout():
     """The running gauge as above; the KV usage gauge its own hand ramp."""
-    sim_samples = {"time_s": [0.0, 1.0, 2.0], "num_requests_running": [1, 2, 3], "kv_cache_usage_perc": [0.1, 0.2, 0.3]}
-    replay_samples = {"time_s": [0.0, 1.0, 2.0], "num_requests_running": [1, 2, 5], "kv_cache_usage_perc": [0.2, 0.2, 0.2]}
+    sim_samples = {
+        "time_s": [0.0, 1.0, 2.0],
+        "num_requests_running": [1, 2, 3],
+        "kv_cache_usage_perc": [0.1, 0.2, 0.3],
+    }
+    replay_samples = {
+        "time_s": [0.0, 1.0, 2.0],
+        "num_requests_running": [1, 2, 5],
+        "kv_cache_usage_perc": [0.2, 0.2, 0.2],
+    }
     sim = hand_run({"on": {"summary": {}, "samples": sim_samples}})
     replay = hand_run({"on": {"summary": {}, "samples": replay_samples}})
     table = v.curve_table(sim, replay).set_index("curve")
@@ -222,6 +235,11 @@ def test_the_report_is_json_with_nan_as_null():
     rows = {row["metric"]: row for row in report["metrics"]}
     assert rows["num_preemptions"]["replay"] is None and rows["num_preemptions"]["error"] is None
     assert rows["num_admitted"] == {
-        "layout": "on", "metric": "num_admitted", "sim": 12, "replay": 11, "error": 1, "error_perc": pytest.approx(100 / 11)
+        "layout": "on",
+        "metric": "num_admitted",
+        "sim": 12,
+        "replay": 11,
+        "error": 1,
+        "error_perc": pytest.approx(100 / 11),
     }
     assert [row["curve"] for row in report["curves"]] == ["running", "kv_cache_usage"]

@@ -29,3 +29,31 @@ def hand_run(layouts: dict[str, dict[str, Any]]) -> dict[str, pd.DataFrame]:
 def numpy_percentile(values: list[float], q: float) -> float:
     """The oracle: numpy's default (linear) percentile of the values given."""
     return float(np.percentile(np.asarray(values, float), q))
+
+
+def step_state(**changes: Any) -> Any:
+    """A conformance ``StepState`` with every field at a neutral value but
+    those given."""
+    from sim.conformance.backends import StepState
+
+    fields: dict[str, Any] = {
+        "scheduled_tokens": (),
+        "admitted": (),
+        "resumed": (),
+        "preempted": (),
+        "finished": (),
+        "running": (),
+        "waiting": (),
+        "num_free_blocks": 0,
+        "prefix_cache_queries_tokens": 0,
+        "prefix_cache_hits_tokens": 0,
+    }
+    return StepState(**{**fields, **changes})
+
+
+def trajectory(name: str, free_blocks: list[int], stalled: bool = False) -> Any:
+    """A hand trajectory: one step per entry, told apart by its free blocks."""
+    from sim.conformance.driver import Trajectory
+
+    steps = tuple(step_state(num_free_blocks=n) for n in free_blocks)
+    return Trajectory(backend=name, steps=steps, times_s=tuple(range(len(steps))), stalled=stalled)
