@@ -243,3 +243,113 @@ def test_the_report_is_json_with_nan_as_null():
         "error_perc": pytest.approx(100 / 11),
     }
     assert [row["curve"] for row in report["curves"]] == ["running", "kv_cache_usage"]
+
+
+# ------------------------------------------------- frames missing a part
+def test_frames_without_their_columns_read_as_unmeasured():
+    """Samples without a layout column or without the running gauge fall
+    back to the summary; requests without ``finished_s`` or without a
+    latency column give NaN for what they lack, not an error."""
+    no_layout = hand_run({"on": {k: x for k, x in SIM.items() if k != "samples"}})
+    no_layout["samples"] = pd.DataFrame({"time_s": [0.0, 1.0], "num_requests_running": [5, 5]})
+    assert (
+        v.run_metrics(no_layout, "on")["peak_running"],
+        v.run_metrics(no_layout, "on")["mean_running"],
+    ) == (99, 98.0)
+    usage_only = {**SIM, "samples": {"time_s": [0.0, 1.0], "kv_cache_usage_perc": [0.1, 0.2]}}
+    assert v.run_metrics(hand_run({"on": usage_only}), "on")["peak_running"] == 99
+    unfinished = {**SIM, "requests": {k: x for k, x in SIM["requests"].items() if k != "finished_s"}}
+    assert math.isnan(v.run_metrics(hand_run({"on": unfinished}), "on")["ttft_p50_s"])
+    no_e2e = {**SIM, "requests": {k: x for k, x in SIM["requests"].items() if k != "e2e_s"}}
+    values = v.run_metrics(hand_run({"on": no_e2e}), "on")
+    assert math.isnan(values["e2e_p50_s"]) and values["ttft_p50_s"] == pytest.approx(SIM_VALUES["ttft_p50_s"])
+
+
+def test_no_finished_request_gives_nan_percentiles():
+    nobody = {**SIM, "requests": {**SIM["requests"], "finished_s": [NAN] * 12}}
+    values = v.run_metrics(hand_run({"on": nobody}), "on")
+    assert all(math.isnan(values[m]) for m, _, _ in v.LATENCY_METRICS)
+
+
+def test_unreadable_values_are_dropped_not_fatal():
+    """A cell that is not a number (a replay's text) is NaN: dropped from a
+    percentile, NaN as a summary value."""
+    garbled = {
+        **SIM,
+        "summary": {**SIM["summary"], "num_preemptions": "n/a"},
+        "requests": {**SIM["requests"], "ttft_s": ["n/a", *SIM_TTFT_S[1:], 50.0, 60.0]},
+    }
+    values = v.run_metrics(hand_run({"on": garbled}), "on")
+    assert math.isnan(values["num_preemptions"])
+    assert values["ttft_p50_s"] == pytest.approx(numpy_percentile(SIM_TTFT_S[1:], 50))
+    sim = pd.DataFrame({"time_s": [0.0, 1.0, 2.0], "g": [1.0, "n/a", 1.0]})
+    assert v.curve_error(sim, sim.iloc[[0, 2]], "g")["rmse"] == 0.0
+
+
+def test_tables_of_runs_without_a_common_layout_keep_their_columns():
+    sim, replay = hand_run({"on": SIM}), hand_run({"off": REPLAY})
+    assert list(v.metric_table(sim, replay).columns) == [
+        "layout",
+        "metric",
+        "sim",
+        "replay",
+        "error",
+        "error_perc",
+    ]
+    assert list(v.curve_table(sim, replay).columns) == [
+        "layout",
+        "curve",
+        "rmse",
+        "mape_perc",
+        "num_points",
+        "start_s",
+        "end_s",
+    ]
+    table = v.curve_table(hand_run({"off": SIM, "on": SIM}), hand_run({"off": REPLAY, "on": REPLAY}))
+    assert list(table["layout"]) == ["off", "off", "on", "on"]
+
+
+def test_a_curve_without_a_grid_is_all_nan_and_no_points():
+    sim = pd.DataFrame({"time_s": [0.0], "g": [1.0]})
+    error = v.curve_error(sim, sim, "g")
+    assert error["num_points"] == 0 and set(error) == {"rmse", "mape_perc", "num_points", "start_s", "end_s"}
+    assert all(math.isnan(error[k]) for k in ("rmse", "mape_perc", "start_s", "end_s"))
+
+
+def test_the_fewest_readings_that_make_a_grid():
+    """Two simulated readings and one measured one are enough."""
+    sim = pd.DataFrame({"time_s": [0.0, 1.0], "g": [2.0, 2.0]})
+    replay = pd.DataFrame({"time_s": [1.0], "g": [2.0]})
+    assert list(v.common_grid(sim, replay, "g")) == [0.0, 1.0]
+    assert v.curve_error(sim, replay, "g")["rmse"] == pytest.approx(
+        math.sqrt(4 / 2)
+    )  # 0 read before the replay's first
+
+
+def test_the_grid_ends_at_the_measured_runs_last_reading():
+    sim = pd.DataFrame({"time_s": [0.0, 1.0, 2.0], "g": [1.0] * 3})
+    replay = pd.DataFrame({"time_s": [0.0, 1.0, 2.0, 5.0], "g": [1.0] * 4})
+    assert list(v.common_grid(sim, replay, "g")) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_simulated_readings_all_at_one_time_have_no_interval_and_no_grid():
+    sim = pd.DataFrame({"time_s": [1.0, 1.0, 1.0], "g": [1.0] * 3})
+    replay = pd.DataFrame({"time_s": [0.0, 3.0], "g": [1.0] * 2})
+    assert len(v.common_grid(sim, replay, "g")) == 0
+
+
+def test_a_measurement_of_zero_everywhere_gives_nan_mape_without_a_warning():
+    import warnings
+
+    sim = pd.DataFrame({"time_s": [0.0, 1.0], "g": [1.0, 1.0]})
+    replay = pd.DataFrame({"time_s": [0.0, 1.0], "g": [0.0, 0.0]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert math.isnan(v.curve_error(sim, replay, "g")["mape_perc"])
+
+
+def test_the_report_keeps_fifteen_significant_digits():
+    precise = {**SIM, "summary": {**SIM["summary"], "num_admitted": 0.123456789012345}}
+    report = v.validation_report(hand_run({"on": precise}), hand_run({"on": REPLAY}))
+    row = next(r for r in report["metrics"] if r["metric"] == "num_admitted")
+    assert row["sim"] == 0.123456789012345
