@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from replay_fault_server import GOOD_METRICS, FaultOptions, FaultServer, app_in_thread
 from sim_helpers import scenario as make_scenario
 from sim_helpers import write_scenario
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from sim.analysis.runs import scenario_workload
 from sim.cli import main
@@ -186,9 +187,14 @@ def test_record_step_counts_as_vllm_defines_each_counter():
         prompt_tokens=0,
     )
     values = _values(metrics)
-    assert values["vllm:spec_decode_num_drafts"] == 3
-    assert values["vllm:spec_decode_num_draft_tokens"] == 8
-    assert values["vllm:spec_decode_num_accepted_tokens"] == 3
+    # vLLM's own accounting of the same drafts: step 1's two requests
+    # accepted 2 and 1 of their 3, step 2's none of its 2.
+    vllm_stats = SpecDecodingStats.new(num_spec_tokens=3)
+    for drafted, accepted in ((3, 2), (3, 1), (2, 0)):
+        vllm_stats.observe_draft(num_draft_tokens=drafted, num_accepted_tokens=accepted)
+    assert values["vllm:spec_decode_num_drafts"] == vllm_stats.num_drafts == 3
+    assert values["vllm:spec_decode_num_draft_tokens"] == vllm_stats.num_draft_tokens == 8
+    assert values["vllm:spec_decode_num_accepted_tokens"] == vllm_stats.num_accepted_tokens == 3
     assert values["vllm:num_preemptions"] == 2
     assert values["vllm:prefix_cache_queries"] == 640 and values["vllm:prefix_cache_hits"] == 128
     assert values["vllm:prompt_tokens"] == 97 and values["vllm:generation_tokens"] == 7
