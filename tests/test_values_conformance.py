@@ -116,7 +116,7 @@ def test_the_clock_runs_steps_back_to_back_and_idles_to_the_next_arrival():
     run = drive(backend, requests, HALF_SECOND)
     assert run.times_s == (0.5, 1.0, 3.5)
     assert [s.running for s in run.steps] == [("r1",), ("r1", "r3"), ("r2",)]
-    assert backend.added == ["r1", "r3", "r2"] and not run.stalled
+    assert backend.added == ["r1", "r3", "r2"] and run.stalled is False
 
 
 def test_requests_arriving_together_join_in_id_order():
@@ -249,3 +249,92 @@ def test_long_lists_are_cut_to_twelve_with_their_count():
     assert conform_command._short(tuple(range(13))) == f"{list(range(12))} ... (13 in all)"
     assert conform_command._short(tuple(range(12))) == str(list(range(12)))
     assert conform_command._short(7) == "7"
+
+
+# ------------------------------------------------------- the fence figure
+def test_the_fence_effect_is_kvsim_with_fenced_frees_off_against_on():
+    """Left: kvsim as compared with vLLM (frees at once), the same steps
+    ``drive`` gives it; right: the fork's fenced frees. Until the schedules
+    part, the fenced side never has more free blocks (a fenced free returns
+    a step later), and at some step it has fewer."""
+    from sim.analysis.runs import scenario_workload
+    from sim.conformance.driver import conformance_scenario, fence_effect, kvsim_backend, plan_for
+    from sim.paths import SCENARIOS_DIR
+    from sim.scenario import load_scenario
+    from sim.step_time import StepTimeModel
+
+    scenario = conformance_scenario(
+        load_scenario(str(SCENARIOS_DIR / "conformance" / "heavy-preemption.yaml"))
+    )
+    plan = plan_for(scenario, "off")
+    requests = scenario_workload(scenario).requests
+    step_time = StepTimeModel(scenario.step_time_config())
+    fence = fence_effect(scenario, plan, requests, step_time)
+    assert (fence.left.backend, fence.right.backend) == ("fence off", "fence on")
+    assert not scenario.scheduler.defer_block_free
+    assert (
+        fence.left.steps
+        == drive(kvsim_backend(scenario, plan), requests, step_time, scenario.simulation.max_time_s).steps
+    )
+    parted = next(
+        (
+            i
+            for i, (a, b) in enumerate(zip(fence.left.steps, fence.right.steps, strict=False))
+            if a.scheduled_tokens != b.scheduled_tokens
+        ),
+        min(len(fence.left.steps), len(fence.right.steps)),
+    )
+    pairs = list(zip(fence.left.steps[:parted], fence.right.steps[:parted], strict=True))
+    assert pairs and all(on.num_free_blocks <= off.num_free_blocks for off, on in pairs)
+    assert any(on.num_free_blocks < off.num_free_blocks for off, on in pairs)
+    assert fence.first_difference is not None
+
+
+def _long_chunked():
+    from sim.analysis.runs import scenario_workload
+    from sim.paths import SCENARIOS_DIR
+    from sim.scenario import load_scenario
+
+    scenario = load_scenario(str(SCENARIOS_DIR / "conformance" / "long-chunked.yaml"))
+    return scenario, scenario_workload(scenario).requests
+
+
+def test_the_compared_scenario_turns_fenced_frees_off_and_keeps_or_sets_the_hashing():
+    from sim.conformance.driver import conformance_scenario
+
+    scenario, _ = _long_chunked()
+    assert scenario.scheduler.defer_block_free
+    kept = conformance_scenario(scenario)
+    assert kept.scheduler.defer_block_free is False
+    assert kept.scheduler.mtp_hash_mode == scenario.scheduler.mtp_hash_mode == "eagle-drop"
+    assert conformance_scenario(scenario, "lookahead").scheduler.mtp_hash_mode == "lookahead"
+
+
+def test_a_conformance_run_stops_both_sides_at_the_horizon_and_adds_the_fence_only_when_asked():
+    """The horizon half-way through the full run: both trajectories stop
+    there, as ``drive`` stops each; the fence comparison only on request,
+    as kvsim fenced off against on."""
+    from sim.conformance.driver import run_conformance
+
+    scenario, requests = _long_chunked()
+    full = run_conformance(scenario, "off", requests, mode="lookahead")
+    assert full.fence is None and full.comparison.conforms
+    horizon_s = full.comparison.left.times_s[len(full.comparison.left.times_s) // 2]
+    section = scenario.simulation.model_copy(update={"max_time_s": horizon_s})
+    cut = run_conformance(
+        scenario.model_copy(update={"simulation": section}),
+        "off",
+        requests,
+        mode="lookahead",
+        with_fence_effect=True,
+    )
+    for side in (cut.comparison.left, cut.comparison.right):
+        assert side.times_s[-1] <= horizon_s < full.comparison.left.times_s[-1]
+        assert len(side.steps) == len(full.comparison.left.steps) // 2 + 1
+    assert cut.comparison.conforms
+    assert cut.fence is not None and (cut.fence.left.backend, cut.fence.right.backend) == (
+        "fence off",
+        "fence on",
+    )
+    assert cut.fence.left.steps == cut.comparison.left.steps
+    assert max(cut.fence.right.times_s) <= horizon_s
