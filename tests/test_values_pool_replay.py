@@ -43,6 +43,25 @@ def _written_cell(replay: PoolReplay, request_id: str):
     return None
 
 
+def _flip_a_written_word(replay: PoolReplay, request_id: str) -> dict[str, object]:
+    """Flip the first word of layer 0's cell of a cell the request wrote,
+    behind the allocator's back; what was flipped (empty if it wrote none)."""
+    found = _written_cell(replay, request_id)
+    if found is None:
+        return {}
+    group, _, word_set, layer, view_block, row = found
+    index = word_set.word_index(torch.tensor([view_block]), torch.tensor([row]))
+    replay.words[index[0, 0, 0]] ^= 1
+    return {
+        "request": request_id,
+        "group": group.index,
+        "layer": layer.name,
+        "span": layer.byte_range(view_block, row),
+        "view_block": view_block,
+        "row": row,
+    }
+
+
 @pytest.mark.parametrize("layout", ["off", "on"])
 def test_a_page_changed_behind_the_allocator_is_caught_when_its_owner_is_freed(small, layout, monkeypatch):
     """One word of one cell the first freed request wrote is flipped just
@@ -52,19 +71,7 @@ def test_a_page_changed_behind_the_allocator_is_caught_when_its_owner_is_freed(s
 
     def corrupt_then_free(self, request):
         if not corrupted:
-            found = _written_cell(self, request.request_id)
-            if found is not None:
-                group, _, word_set, layer, view_block, row = found
-                index = word_set.word_index(torch.tensor([view_block]), torch.tensor([row]))
-                self.words[index[0, 0, 0]] ^= 1  # the first word of layer 0's cell
-                corrupted.update(
-                    request=request.request_id,
-                    group=group.index,
-                    layer=layer.name,
-                    span=layer.byte_range(view_block, row),
-                    view_block=view_block,
-                    row=row,
-                )
+            corrupted.update(_flip_a_written_word(self, request.request_id))
         on_free(self, request)
 
     monkeypatch.setattr(PoolReplay, "_on_free", corrupt_then_free)
@@ -91,12 +98,8 @@ def test_control_without_the_free_time_check_that_free_reports_nothing(small, mo
 
     def corrupt_then_free_unchecked(self, request):
         if not corrupted:
-            found = _written_cell(self, request.request_id)
-            if found is not None:
-                _, _, word_set, _, view_block, row = found
-                index = word_set.word_index(torch.tensor([view_block]), torch.tensor([row]))
-                self.words[index[0, 0, 0]] ^= 1
-                corrupted["request"] = request.request_id
+            corrupted.update(_flip_a_written_word(self, request.request_id))
+            if corrupted:
                 self._verify = lambda *args, **kwargs: None  # this free checks nothing
                 try:
                     return on_free(self, request)
@@ -116,8 +119,9 @@ def test_control_without_the_free_time_check_that_free_reports_nothing(small, mo
 def test_a_block_two_requests_hold_is_caught_before_the_second_writes_it(small, layout, monkeypatch):
     """The sole-writer rule: at the first step where two running requests
     hold blocks of a full-attention group, the block the later one writes
-    first this step is replaced in its table by the earlier one's first (one page, two owners). The
-    write is refused naming the writer, the block and its other holder."""
+    first this step is replaced in its table by the earlier one's first
+    (one page, two owners). The write is refused naming the writer, the
+    block and its other holder."""
     replay_step = PoolReplay._replay_step
     shared: dict[str, object] = {}
 
