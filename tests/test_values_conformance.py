@@ -338,3 +338,27 @@ def test_a_conformance_run_stops_both_sides_at_the_horizon_and_adds_the_fence_on
     )
     assert cut.fence.left.steps == cut.comparison.left.steps
     assert max(cut.fence.right.times_s) <= horizon_s
+
+
+@pytest.mark.parametrize(
+    ("error_text", "shown"),
+    [
+        ("first line\nsecond line", "first line"),
+        ("x" * 300, "x" * 200),
+        ("", ""),
+    ],
+    ids=["first-line", "cut-at-200", "empty"],
+)
+def test_an_unbuildable_scheduler_is_named_by_the_first_line_of_its_error(monkeypatch, error_text, shown):
+    import sim.vllm_bridge.scheduler  # noqa: F401  (loaded, so it can be patched)
+    from sim.conformance.driver import BackendUnavailable, plan_for, vllm_backend
+
+    def refuse(**kwargs):
+        raise TypeError(error_text)
+
+    scenario, _ = _long_chunked()
+    plan = plan_for(scenario, "off")
+    monkeypatch.setattr("sim.vllm_bridge.scheduler.VllmSchedulerSettings", refuse)
+    with pytest.raises(BackendUnavailable) as caught:
+        vllm_backend(scenario, plan)
+    assert str(caught.value) == f"vLLM's Scheduler cannot be built (TypeError: {shown})"
