@@ -59,9 +59,11 @@ class ServerMetrics:
         )
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prefix_queries = counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of tokens."
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of tokens.")
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
         self.drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
         self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
@@ -128,7 +130,11 @@ def parse_metrics(text: str, warn: Callable[[str], None]) -> dict[str, float]:
             continue
         samples = [s for s in family.samples if s.name in (family.name, family.name + "_total")]
         if samples:
-            values[column] = float(sum(s.value for s in samples))
+            # The parser may hand one metric over as several families (a
+            # ``# TYPE name counter`` line followed by ``name_total`` samples
+            # gives one family per sample): add them up, never keep the last.
+            earlier = 0.0 if math.isnan(values[column]) else values[column]
+            values[column] = earlier + float(sum(s.value for s in samples))
     return values
 
 

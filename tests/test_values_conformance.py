@@ -1,0 +1,364 @@
+"""The conformance report's figures against hand trajectories: when it says
+"conforms", the identical share, the first difference, the clock that
+drives both backends, how victims are ordered before they are compared, and
+what the fenced-frees line compares. No vLLM: a scripted backend and hand
+step states stand in, so each figure is derived by hand."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+from helpers.values import step_state, trajectory
+
+from sim.commands import conform as conform_command
+from sim.conformance.backends import KvsimBackend
+from sim.conformance.driver import Comparison, ConformanceResult, Trajectory, compare, drive
+from sim.sched.output import ScheduledRequest, SchedulerOutput
+
+
+# ----------------------------------------------------------- the comparison
+@pytest.mark.parametrize(
+    ("left", "right", "identical", "share", "first", "conforms"),
+    [
+        ([3, 2, 1], [3, 2, 1], 3, 1.0, None, True),
+        ([3, 2, 1], [3, 9, 1], 2, 2 / 3, 2, False),  # one step differs, later ones match again
+        ([3, 2, 1], [3, 2], 2, 2 / 3, 3, False),  # the right side stopped a step early
+        ([3, 2], [3, 2, 1, 0], 2, 2 / 4, 3, False),  # the left side did
+        ([], [], 0, 1.0, None, True),  # nothing ran on either side
+        ([], [5], 0, 0.0, 1, False),
+    ],
+)
+def test_identical_steps_share_and_first_difference(left, right, identical, share, first, conforms):
+    comparison = compare(trajectory("kvsim", left), trajectory("vllm", right))
+    assert comparison.num_steps == max(len(left), len(right))
+    assert comparison.num_identical_steps == identical
+    assert comparison.identical_share == pytest.approx(share)
+    assert comparison.first_difference == first
+    assert comparison.conforms is conforms
+
+
+@pytest.mark.parametrize(("left_stalled", "right_stalled"), [(True, False), (False, True)])
+def test_identical_steps_with_one_backend_stalled_do_not_conform(left_stalled, right_stalled):
+    comparison = compare(trajectory("kvsim", [1, 2], left_stalled), trajectory("vllm", [1, 2], right_stalled))
+    assert comparison.first_difference is None and comparison.identical_share == 1.0
+    assert not comparison.conforms
+    both = compare(trajectory("kvsim", [1, 2], True), trajectory("vllm", [1, 2], True))
+    assert both.conforms  # both stalled alike: the same behaviour
+
+
+def test_differing_fields_name_exactly_the_fields_that_differ():
+    left = step_state(preempted=("a",), num_free_blocks=3, waiting=("a",))
+    right = step_state(preempted=("b",), num_free_blocks=3, waiting=("a",), prefix_cache_hits_tokens=64)
+    comparison = Comparison(
+        left=Trajectory(backend="kvsim", steps=(left,), times_s=(0.0,), stalled=False),
+        right=Trajectory(backend="vllm", steps=(right,), times_s=(0.0,), stalled=False),
+    )
+    assert comparison.differing_fields(1) == ["preempted", "prefix_cache_hits_tokens"]
+    short = compare(trajectory("kvsim", [1, 2]), trajectory("vllm", [1]))
+    assert short.differing_fields(2) == ["(step missing)"]
+    assert short.state(short.right, 2) is None and short.state(short.left, 2).num_free_blocks == 2
+
+
+# ---------------------------------------------------------------- the clock
+class ScriptedBackend:
+    """Each request needs ``steps`` steps; every step runs all that arrived
+    and have steps left. ``empty_steps`` empty outputs come first, each
+    answered by ``complete_in_flight`` (True: a fenced free returned)."""
+
+    name = "scripted"
+
+    def __init__(self, empty_steps: int = 0, complete_in_flight: bool = True, stall: bool = False):
+        self.left: dict[str, int] = {}
+        self.added: list[str] = []
+        self.empty_steps, self.complete_in_flight, self.stall = empty_steps, complete_in_flight, stall
+
+    def add_request(self, spec) -> bool:
+        self.added.append(spec.request_id)
+        self.left[spec.request_id] = spec.steps
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return any(self.left.values())
+
+    def schedule(self) -> SchedulerOutput:
+        if self.stall or self.empty_steps:
+            self.empty_steps = max(0, self.empty_steps - 1)
+            return SchedulerOutput(step_index=0, scheduled=())
+        running = [rid for rid, n in self.left.items() if n]
+        return SchedulerOutput(
+            step_index=0, scheduled=tuple(ScheduledRequest(r, 1, 0, 0, 0) for r in running)
+        )
+
+    def complete_in_flight_steps(self) -> bool:
+        return self.complete_in_flight
+
+    def execute(self, output: SchedulerOutput):
+        for item in output.scheduled:
+            self.left[item.request_id] -= 1
+        return step_state(running=tuple(item.request_id for item in output.scheduled))
+
+
+HALF_SECOND = SimpleNamespace(step_time_s=lambda output: 0.5)
+
+
+def _request(request_id: str, arrival_s: float, steps: int):
+    return SimpleNamespace(request_id=request_id, arrival_s=arrival_s, steps=steps)
+
+
+def test_the_clock_runs_steps_back_to_back_and_idles_to_the_next_arrival():
+    """r1 (0 s, two steps) ends at 1.0 s; the engine idles to r2's arrival at
+    3 s, whose step ends at 3.5 s. r3 arrives exactly as step 1 ends (0.5 s)
+    and joins step 2."""
+    requests = [_request("r2", 3.0, 1), _request("r3", 0.5, 1), _request("r1", 0.0, 2)]
+    backend = ScriptedBackend()
+    run = drive(backend, requests, HALF_SECOND)
+    assert run.times_s == (0.5, 1.0, 3.5)
+    assert [s.running for s in run.steps] == [("r1",), ("r1", "r3"), ("r2",)]
+    assert backend.added == ["r1", "r3", "r2"] and run.stalled is False
+
+
+def test_requests_arriving_together_join_in_id_order():
+    backend = ScriptedBackend()
+    drive(backend, [_request("b", 1.0, 1), _request("a", 1.0, 1), _request("c", 0.0, 1)], HALF_SECOND)
+    assert backend.added == ["c", "a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("horizon_s", "times_s"), [(0.9, (0.5,)), (1.0, (0.5, 1.0)), (0.5, (0.5,)), (3.2, (0.5, 1.0))]
+)
+def test_a_step_that_would_end_past_the_horizon_never_ends(horizon_s, times_s):
+    """A step ending exactly at the horizon counts; one ending past it does
+    not; none starts at or after the horizon (r2 arrives at 3 s)."""
+    run = drive(ScriptedBackend(), [_request("r1", 0.0, 2), _request("r2", 3.0, 1)], HALF_SECOND, horizon_s)
+    assert run.times_s == times_s and not run.stalled
+
+
+def test_an_empty_step_lets_steps_in_flight_complete_without_time_passing():
+    run = drive(ScriptedBackend(empty_steps=2), [_request("r1", 0.0, 1)], HALF_SECOND)
+    assert run.times_s == (0.5,) and not run.stalled
+
+
+def test_a_backend_that_schedules_nothing_with_nothing_to_wait_for_has_stalled():
+    run = drive(ScriptedBackend(complete_in_flight=False, stall=True), [_request("r1", 0.0, 1)], HALF_SECOND)
+    assert run.stalled and run.steps == ()
+    # With an arrival still to come the engine waits for it instead, then stalls.
+    backend = ScriptedBackend(complete_in_flight=False, stall=True)
+    run = drive(backend, [_request("r1", 0.0, 1), _request("r2", 2.0, 1)], HALF_SECOND)
+    assert run.stalled and backend.added == ["r1", "r2"]
+
+
+# ------------------------------------------------------------- the victims
+def test_victims_and_finished_requests_are_compared_in_id_order():
+    """vLLM reports its preempted requests as a set, so kvsim's backend puts
+    its victims (chosen newest first) in id order before comparing; the
+    finished ones likewise. Other lists keep queue order."""
+    backend = object.__new__(KvsimBackend)
+    output = SchedulerOutput(
+        step_index=1,
+        scheduled=(ScheduledRequest("r9", 1, 10, 0, 0), ScheduledRequest("r1", 2, 4, 0, 0)),
+        new_request_ids=("r9",),
+        preempted_request_ids=("r7", "r10", "r3"),
+        prefix_cache_queries=128,
+        prefix_cache_hits=64,
+    )
+    outcome = SimpleNamespace(finished={"r5": 3, "r2": 8})
+    backend._scheduled = SimpleNamespace(output=output)
+    backend.core = SimpleNamespace(complete=lambda step: outcome)
+    backend.scheduler = SimpleNamespace(
+        running=[SimpleNamespace(request_id=r) for r in ("r9", "r1")],
+        waiting=[SimpleNamespace(request_id=r) for r in ("r7", "r3")],
+    )
+    backend.kv_cache_manager = SimpleNamespace(block_pool=SimpleNamespace(get_num_free_blocks=lambda: 17))
+    state = backend.execute(output)
+    assert state == step_state(
+        scheduled_tokens=(("r9", 10, 1), ("r1", 4, 2)),
+        admitted=("r9",),
+        preempted=("r10", "r3", "r7"),
+        finished=("r2", "r5"),
+        running=("r9", "r1"),
+        waiting=("r7", "r3"),
+        num_free_blocks=17,
+        prefix_cache_queries_tokens=128,
+        prefix_cache_hits_tokens=64,
+    )
+
+
+# ---------------------------------------------------------------- the report
+def _report(monkeypatch, capsys, comparison: Comparison, fence: Comparison | None = None) -> tuple[int, str]:
+    hashing = SimpleNamespace(
+        use_eagle_block_drop=True, num_hash_lookahead_tokens=0, num_prefill_lookahead_tokens=1
+    )
+    result = ConformanceResult(
+        comparison=comparison,
+        kvsim_hashing=hashing,
+        vllm_hashing=hashing,
+        vllm_ring_slot_packing=True,
+        fence=fence,
+    )
+    scenario = SimpleNamespace(name="hand", scheduler=SimpleNamespace(mtp_hash_mode="eagle-drop"))
+    monkeypatch.setattr("sim.scenario.load_scenario", lambda *a, **k: scenario)
+    monkeypatch.setattr("sim.analysis.runs.scenario_workload", lambda s: SimpleNamespace(requests=()))
+    monkeypatch.setattr("sim.conformance.driver.run_conformance", lambda *a, **k: result)
+    args = argparse.Namespace(scenario="hand", set=[], layout="on", mode=None)
+    status = conform_command.cmd_conform(args)
+    return status, capsys.readouterr().out
+
+
+def test_the_report_says_conforms_only_when_every_step_is_identical(monkeypatch, capsys):
+    status, out = _report(
+        monkeypatch, capsys, compare(trajectory("kvsim", [4, 3]), trajectory("vllm", [4, 3]))
+    )
+    assert status == 0 and "identical steps: 2 of 2 (100.0 %) (kvsim 2 steps, vllm 2)" in out
+    assert out.rstrip().endswith("conforms: every step identical")
+    status, out = _report(
+        monkeypatch, capsys, compare(trajectory("kvsim", [4, 3, 2]), trajectory("vllm", [4, 5, 2]))
+    )
+    assert status == 1 and "conforms" not in out
+    assert "identical steps: 2 of 3 (66.7 %) (kvsim 3 steps, vllm 3)" in out
+    assert "first difference at step 2: num_free_blocks" in out
+    assert "  kvsim:\n" in out and "    num_free_blocks: 3" in out and "    num_free_blocks: 5" in out
+
+
+def test_the_report_names_a_stall_and_a_missing_step(monkeypatch, capsys):
+    stalled = compare(trajectory("kvsim", [4], stalled=True), trajectory("vllm", [4]))
+    status, out = _report(monkeypatch, capsys, stalled)
+    assert status == 1 and "differs: stalled kvsim=True vllm=False" in out
+    status, out = _report(monkeypatch, capsys, compare(trajectory("kvsim", [4]), trajectory("vllm", [4, 2])))
+    assert status == 1 and "first difference at step 2: (step missing)" in out
+    assert out.count("    (no such step)") == 1
+
+
+def test_the_fenced_frees_line_compares_fence_off_with_fence_on(monkeypatch, capsys):
+    """Off: 3 steps, free blocks 5, 2, 4; on: 4 steps, 5, 1, 3, 6 (step 1
+    identical): 3 of 4 steps change, first at step 2, min free 2 -> 1."""
+    fence = compare(trajectory("fence off", [5, 2, 4]), trajectory("fence on", [5, 1, 3, 6]))
+    same = compare(trajectory("kvsim", [1]), trajectory("vllm", [1]))
+    _, out = _report(monkeypatch, capsys, same, fence)
+    assert (
+        "fenced frees (kvsim only, the fork's setting): 3 of 4 steps change (first at step 2); "
+        "steps 3 -> 4; min free blocks 2 -> 1"
+    ) in out
+    unchanged = compare(trajectory("fence off", [5, 2]), trajectory("fence on", [5, 2]))
+    _, out = _report(monkeypatch, capsys, same, unchanged)
+    assert "0 of 2 steps change (none); steps 2 -> 2; min free blocks 2 -> 2" in out
+
+
+def test_long_lists_are_cut_to_twelve_with_their_count():
+    assert conform_command._short(tuple(range(13))) == f"{list(range(12))} ... (13 in all)"
+    assert conform_command._short(tuple(range(12))) == str(list(range(12)))
+    assert conform_command._short(7) == "7"
+
+
+# ------------------------------------------------------- the fence figure
+def test_the_fence_effect_is_kvsim_with_fenced_frees_off_against_on():
+    """Left: kvsim as compared with vLLM (frees at once), the same steps
+    ``drive`` gives it; right: the fork's fenced frees. Until the schedules
+    part, the fenced side never has more free blocks (a fenced free returns
+    a step later), and at some step it has fewer."""
+    from sim.analysis.runs import scenario_workload
+    from sim.conformance.driver import conformance_scenario, fence_effect, kvsim_backend, plan_for
+    from sim.paths import SCENARIOS_DIR
+    from sim.scenario import load_scenario
+    from sim.step_time import StepTimeModel
+
+    scenario = conformance_scenario(
+        load_scenario(str(SCENARIOS_DIR / "conformance" / "heavy-preemption.yaml"))
+    )
+    plan = plan_for(scenario, "off")
+    requests = scenario_workload(scenario).requests
+    step_time = StepTimeModel(scenario.step_time_config())
+    fence = fence_effect(scenario, plan, requests, step_time)
+    assert (fence.left.backend, fence.right.backend) == ("fence off", "fence on")
+    assert not scenario.scheduler.defer_block_free
+    assert (
+        fence.left.steps
+        == drive(kvsim_backend(scenario, plan), requests, step_time, scenario.simulation.max_time_s).steps
+    )
+    parted = next(
+        (
+            i
+            for i, (a, b) in enumerate(zip(fence.left.steps, fence.right.steps, strict=False))
+            if a.scheduled_tokens != b.scheduled_tokens
+        ),
+        min(len(fence.left.steps), len(fence.right.steps)),
+    )
+    pairs = list(zip(fence.left.steps[:parted], fence.right.steps[:parted], strict=True))
+    assert pairs and all(on.num_free_blocks <= off.num_free_blocks for off, on in pairs)
+    assert any(on.num_free_blocks < off.num_free_blocks for off, on in pairs)
+    assert fence.first_difference is not None
+
+
+def _long_chunked():
+    from sim.analysis.runs import scenario_workload
+    from sim.paths import SCENARIOS_DIR
+    from sim.scenario import load_scenario
+
+    scenario = load_scenario(str(SCENARIOS_DIR / "conformance" / "long-chunked.yaml"))
+    return scenario, scenario_workload(scenario).requests
+
+
+def test_the_compared_scenario_turns_fenced_frees_off_and_keeps_or_sets_the_hashing():
+    from sim.conformance.driver import conformance_scenario
+
+    scenario, _ = _long_chunked()
+    assert scenario.scheduler.defer_block_free
+    kept = conformance_scenario(scenario)
+    assert kept.scheduler.defer_block_free is False
+    assert kept.scheduler.mtp_hash_mode == scenario.scheduler.mtp_hash_mode == "eagle-drop"
+    assert conformance_scenario(scenario, "lookahead").scheduler.mtp_hash_mode == "lookahead"
+
+
+def test_a_conformance_run_stops_both_sides_at_the_horizon_and_adds_the_fence_only_when_asked():
+    """The horizon half-way through the full run: both trajectories stop
+    there, as ``drive`` stops each; the fence comparison only on request,
+    as kvsim fenced off against on."""
+    from sim.conformance.driver import run_conformance
+
+    scenario, requests = _long_chunked()
+    full = run_conformance(scenario, "off", requests, mode="lookahead")
+    assert full.fence is None and full.comparison.conforms
+    horizon_s = full.comparison.left.times_s[len(full.comparison.left.times_s) // 2]
+    section = scenario.simulation.model_copy(update={"max_time_s": horizon_s})
+    cut = run_conformance(
+        scenario.model_copy(update={"simulation": section}),
+        "off",
+        requests,
+        mode="lookahead",
+        with_fence_effect=True,
+    )
+    for side in (cut.comparison.left, cut.comparison.right):
+        assert side.times_s[-1] <= horizon_s < full.comparison.left.times_s[-1]
+        assert len(side.steps) == len(full.comparison.left.steps) // 2 + 1
+    assert cut.comparison.conforms
+    assert cut.fence is not None and (cut.fence.left.backend, cut.fence.right.backend) == (
+        "fence off",
+        "fence on",
+    )
+    assert cut.fence.left.steps == cut.comparison.left.steps
+    assert max(cut.fence.right.times_s) <= horizon_s
+
+
+@pytest.mark.parametrize(
+    ("error_text", "shown"),
+    [
+        ("first line\nsecond line", "first line"),
+        ("x" * 300, "x" * 200),
+        ("", ""),
+    ],
+    ids=["first-line", "cut-at-200", "empty"],
+)
+def test_an_unbuildable_scheduler_is_named_by_the_first_line_of_its_error(monkeypatch, error_text, shown):
+    import sim.vllm_bridge.scheduler  # noqa: F401  (loaded, so it can be patched)
+    from sim.conformance.driver import BackendUnavailable, plan_for, vllm_backend
+
+    def refuse(**kwargs):
+        raise TypeError(error_text)
+
+    scenario, _ = _long_chunked()
+    plan = plan_for(scenario, "off")
+    monkeypatch.setattr("sim.vllm_bridge.scheduler.VllmSchedulerSettings", refuse)
+    with pytest.raises(BackendUnavailable) as caught:
+        vllm_backend(scenario, plan)
+    assert str(caught.value) == f"vLLM's Scheduler cannot be built (TypeError: {shown})"

@@ -1,0 +1,154 @@
+"""Pool replay controls that reach the checks the corruption tests in
+tests/test_pool_replay.py do not: the check at free time and the
+sole-writer rule, each with a control that corrupts exactly the page the
+check guards, and the message naming that page (request, group, layer,
+byte range) derived from the corruption, not from the replay's report."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from sim.analysis.runs import scenario_workload
+from sim.pool_replay import PoolCorruption, PoolReplay, replay_pool
+from sim.scenario import load_scenario
+
+SMALL = Path(__file__).parent / "data" / "pool-replay.yaml"
+
+
+@pytest.fixture(scope="module")
+def small():
+    scenario = load_scenario(str(SMALL))
+    return scenario, scenario_workload(scenario)
+
+
+def _written_cell(replay: PoolReplay, request_id: str):
+    """A cell the request wrote (shadow known) in a group of one slot per
+    block: (group, word set, layer, view block, row)."""
+    for group in replay.groups:
+        if group.slots_per_block != 1:
+            continue
+        for view_block in sorted(set(replay._held_blocks(group.index, request_id))):
+            for row_class in group.classes:
+                codes = row_class.shadow[view_block]
+                number = replay.request_numbers[request_id]
+                # A shadow code is request number << 24 | position: this request's writes.
+                rows = torch.nonzero((codes >> 24) == number).flatten().tolist()
+                if rows:
+                    word_set = row_class.word_sets[0]
+                    return group, row_class, word_set, word_set.layers[0], view_block, rows[0]
+    return None
+
+
+def _flip_a_written_word(replay: PoolReplay, request_id: str) -> dict[str, object]:
+    """Flip the first word of layer 0's cell of a cell the request wrote,
+    behind the allocator's back; what was flipped (empty if it wrote none)."""
+    found = _written_cell(replay, request_id)
+    if found is None:
+        return {}
+    group, _, word_set, layer, view_block, row = found
+    index = word_set.word_index(torch.tensor([view_block]), torch.tensor([row]))
+    replay.words[index[0, 0, 0]] ^= 1
+    return {
+        "request": request_id,
+        "group": group.index,
+        "layer": layer.name,
+        "span": layer.byte_range(view_block, row),
+        "view_block": view_block,
+        "row": row,
+    }
+
+
+@pytest.mark.parametrize("layout", ["off", "on"])
+def test_a_page_changed_behind_the_allocator_is_caught_when_its_owner_is_freed(small, layout, monkeypatch):
+    """One word of one cell the first freed request wrote is flipped just
+    before its free: the free-time check names exactly that cell."""
+    on_free = PoolReplay._on_free
+    corrupted: dict[str, object] = {}
+
+    def corrupt_then_free(self, request):
+        if not corrupted:
+            corrupted.update(_flip_a_written_word(self, request.request_id))
+        on_free(self, request)
+
+    monkeypatch.setattr(PoolReplay, "_on_free", corrupt_then_free)
+    with pytest.raises(PoolCorruption) as caught:
+        replay_pool(*small[:1], layout, small[1])
+    message = str(caught.value)
+    c = corrupted
+    lo, hi = c["span"]
+    assert re.match(
+        rf"^step \d+: request {c['request']}, group {c['group']}, layer {re.escape(c['layer'])}, "
+        rf"bytes \[{lo}, {hi}\): view block {c['view_block']} row {c['row']} when {c['request']} is freed: "
+        r"expected its position \d+, found ",
+        message,
+    ), (message, corrupted)
+
+
+class _FreedUnchecked(Exception):
+    """The control's free went through: stop the run there."""
+
+
+def test_control_without_the_free_time_check_that_free_reports_nothing(small, monkeypatch):
+    """The same flip with that one free's check skipped: the free goes
+    through unreported (the run is stopped right after it), so the
+    free-time check is what names the page at the free."""
+    on_free = PoolReplay._on_free
+    corrupted: dict[str, object] = {}
+
+    def corrupt_then_free_unchecked(self, request):
+        if not corrupted:
+            corrupted.update(_flip_a_written_word(self, request.request_id))
+            if corrupted:
+                self._verify = lambda *args, **kwargs: None  # this free checks nothing
+                on_free(self, request)
+                raise _FreedUnchecked
+        return on_free(self, request)
+
+    monkeypatch.setattr(PoolReplay, "_on_free", corrupt_then_free_unchecked)
+    with pytest.raises(_FreedUnchecked):
+        replay_pool(*small[:1], "off", small[1])
+    assert corrupted
+
+
+@pytest.mark.parametrize("layout", ["off", "on"])
+def test_a_block_two_requests_hold_is_caught_before_the_second_writes_it(small, layout, monkeypatch):
+    """The sole-writer rule: at the first step where two running requests
+    hold blocks of a full-attention group, the block the later one writes
+    first this step is replaced in its table by the earlier one's first
+    (one page, two owners). The write is refused naming the writer, the
+    block and its other holder."""
+    replay_step = PoolReplay._replay_step
+    shared: dict[str, object] = {}
+
+    def share_a_block(self, output):
+        if not shared:
+            computed = {item.request_id: item.num_computed_tokens for item in output.scheduled}
+            for group in self.groups:
+                manager = self.managers[group.index]
+                if type(manager).__name__ != "FullAttentionManager":
+                    continue
+                tables = manager.req_to_blocks
+                holding = [r for r in computed if [b for b in tables.get(r, []) if not b.is_null]]
+                if len(holding) >= 2:
+                    first, second = holding[0], holding[1]
+                    block = next(b for b in tables[first] if not b.is_null)
+                    # The block the second writes its first token of the step into.
+                    tables[second][computed[second] // manager.block_size] = block
+                    shared.update(group=group.index, first=first, second=second, block=block.block_id)
+                    break
+        replay_step(self, output)
+
+    monkeypatch.setattr(PoolReplay, "_replay_step", share_a_block)
+    with pytest.raises(PoolCorruption) as caught:
+        replay_pool(*small[:1], layout, small[1])
+    message = str(caught.value)
+    s = shared
+    assert re.match(
+        rf"^step \d+: request {s['second']}, group {s['group']}, layer \S+, bytes \[\d+, \d+\): "
+        rf"writes view block {s['block']} held by {s['first']}$",
+        message,
+    ), (message, shared)
