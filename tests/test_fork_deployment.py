@@ -283,3 +283,28 @@ def test_the_model_file_is_unchanged():
     """The deployment keys are the engine's flags, not the model's: the
     shipped model description loads as before."""
     assert load_model(DEFAULT_MODEL).name == "flash-next"
+
+
+def test_partial_hits_conform_to_vllms_scheduler(tmp_path, monkeypatch):
+    """With a prefix-match unit finer than the block (partial hits, Mamba
+    copy-on-write), kvsim's scheduler is step for step vLLM 0.33.0's own
+    Scheduler built from a real VllmConfig with ``prefix_match_unit``.
+    CONTROL: kvsim's manager hashing on the block instead differs."""
+    import sim.conformance.backends as backends
+    from sim.analysis.runs import scenario_workload
+    from sim.conformance.driver import run_conformance
+
+    scenario = _partial_hit_scenario(tmp_path)
+    requests = scenario_workload(scenario).requests
+    result = run_conformance(scenario, "on", requests, mode="eagle-drop")
+    comparison = result.comparison
+    assert comparison.num_steps > 0 and comparison.conforms, comparison.first_difference
+    build = backends.build_kv_cache_manager
+
+    def on_the_block(plan, **kwargs):
+        from dataclasses import replace
+
+        return build(replace(plan, hash_block_size=plan.block_size), **kwargs)
+
+    monkeypatch.setattr(backends, "build_kv_cache_manager", on_the_block)
+    assert not run_conformance(scenario, "on", requests, mode="eagle-drop").comparison.conforms
