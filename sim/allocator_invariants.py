@@ -7,9 +7,10 @@ one shared ``BlockPool`` serving every KV-cache group:
   reference count is 0 (the free queue holds exactly the unreferenced blocks);
 * a block's reference count equals the number of its holders: block-table
   entries, retained Mamba checkpoints, ring slot pages, popped blocks waiting
-  for the fence;
+  for the fence, both ends of a pending copy-on-write copy (a sub-block
+  prefix hit's tail, vLLM's ``_apply_cow``);
 * a block id belongs to one group at a time, and a block with two holders is
-  a cached (hashed) block: no block has two exclusive owners;
+  a cached (hashed) block or a copy's end: no block has two exclusive owners;
 * ring slots are unique, single-owner, and lie in pages the ring holds; a
   page's live count is the number of its slots held;
 * free blocks + held blocks + the null block = the pool.
@@ -52,7 +53,14 @@ class _Holders:
             self.groups[block.block_id].add(group)
 
 
-def _collect(manager: KVCacheManager, deferred: Iterable[Sequence[KVCacheBlock]]) -> _Holders:
+COPY_HOLDER = "copy-on-write retention"
+
+
+def _collect(
+    manager: KVCacheManager,
+    deferred: Iterable[Sequence[KVCacheBlock]],
+    copy_retained: Iterable[Sequence[KVCacheBlock]] = (),
+) -> _Holders:
     pool = manager.block_pool
     holders = _Holders()
     for gid, mgr in enumerate(manager.managers):
@@ -68,6 +76,9 @@ def _collect(manager: KVCacheManager, deferred: Iterable[Sequence[KVCacheBlock]]
     for index, blocks in enumerate(deferred):
         for block in blocks:
             holders.add(block, f"deferred free #{index}", None, pool)
+    for index, blocks in enumerate(copy_retained):
+        for block in blocks:
+            holders.add(block, f"{COPY_HOLDER} #{index}", None, pool)
     return holders
 
 
@@ -100,7 +111,8 @@ def _check_pool(manager: KVCacheManager, holders: _Holders) -> list[str]:
             problems.append(
                 f"block {block.block_id} owned by groups {sorted(holders.groups[block.block_id])}"
             )
-        if len(held_by) > 1 and block.block_hash is None:
+        exclusive = [h for h in held_by if not h.startswith(COPY_HOLDER)]
+        if len(exclusive) > 1 and block.block_hash is None:
             problems.append(f"block {block.block_id} has two exclusive owners {held_by}")
     held = sum(1 for b in pool.blocks if not b.is_null and holders.pool.get(b.block_id))
     if len(free) + held + 1 != pool.num_gpu_blocks:
@@ -134,13 +146,18 @@ def _check_slots(slot_pool: RingSlotPool, holders: _Holders) -> list[str]:
     return problems
 
 
-def allocator_problems(manager: KVCacheManager, deferred: Iterable[Sequence[KVCacheBlock]] = ()) -> list[str]:
+def allocator_problems(
+    manager: KVCacheManager,
+    deferred: Iterable[Sequence[KVCacheBlock]] = (),
+    copy_retained: Iterable[Sequence[KVCacheBlock]] = (),
+) -> list[str]:
     """Every broken invariant, one line each (empty when all hold).
 
     ``deferred`` holds the blocks popped for a fenced free that the scheduler
-    has not drained yet: they are held, not free.
+    has not drained yet: they are held, not free. ``copy_retained`` holds the
+    ends of copy-on-write copies not yet known to have run.
     """
-    holders = _collect(manager, deferred)
+    holders = _collect(manager, deferred, copy_retained)
     problems = _check_pool(manager, holders)
     slot_pools = {id(p): p for p in manager.ring_slot_pools}
     for slot_pool in slot_pools.values():
@@ -151,8 +168,12 @@ def allocator_problems(manager: KVCacheManager, deferred: Iterable[Sequence[KVCa
     return problems
 
 
-def check_allocator(manager: KVCacheManager, deferred: Iterable[Sequence[KVCacheBlock]] = ()) -> None:
-    problems = allocator_problems(manager, deferred)
+def check_allocator(
+    manager: KVCacheManager,
+    deferred: Iterable[Sequence[KVCacheBlock]] = (),
+    copy_retained: Iterable[Sequence[KVCacheBlock]] = (),
+) -> None:
+    problems = allocator_problems(manager, deferred, copy_retained)
     if problems:
         raise AllocatorInvariantError(
             "; ".join(problems[:10]) + (f" (+{len(problems) - 10} more)" if len(problems) > 10 else "")

@@ -157,6 +157,18 @@ class DeploymentConfig(StrictModel):
     kv_connector: bool = False
     hisparse: bool = False
     decode_context_parallel_size: int = Field(1, gt=0)
+    # vLLM's --block-size: None lets the planner compute the hybrid block
+    # (3,200 tokens for Flash-Next at fp32); a forced size is a floor that
+    # the planner keeps when the largest Mamba page fits in its attention
+    # page (the fork's v2.5.1 serves 4,096).
+    block_size: int | None = Field(None, gt=0)
+    # vLLM's --prefix-match-unit (stock since 0.30): the token grid prefix
+    # hits land on (vLLM's hash_block_size); None = the block size.
+    prefix_match_unit: int | None = Field(None, gt=0)
+    # vLLM's --use-replayssm: with MTP the fork (patches 0071/0072) runs
+    # RecoverSSM for the GDN and PLE states (a replay record in each GDN
+    # page, no per-draft state blocks); without MTP it falls back (0085).
+    use_replayssm: bool = False
 
     @model_validator(mode="after")
     def _physical(self) -> DeploymentConfig:
@@ -166,9 +178,26 @@ class DeploymentConfig(StrictModel):
             ("tensor_parallel_size", MAX_PARALLEL_SIZE, "far past any deployment"),
             ("pipeline_parallel_size", MAX_PARALLEL_SIZE, "far past any deployment"),
             ("decode_context_parallel_size", MAX_PARALLEL_SIZE, "far past any deployment"),
+            ("block_size", MAX_REQUEST_TOKENS, "no request is longer"),
+            ("prefix_match_unit", MAX_REQUEST_TOKENS, "no request is longer"),
         )
         for field, bound, reason in bounded:
-            check_bound(field, getattr(self, field), bound, reason)
+            value = getattr(self, field)
+            if value is not None:
+                check_bound(field, value, bound, reason)
+        return self
+
+    @model_validator(mode="after")
+    def _unit_divides_block(self) -> DeploymentConfig:
+        """Prefix hits land on a grid inside each block (vLLM rejects a unit
+        that does not divide every prefix-cacheable group's block size; a
+        computed block size is checked when the pool is planned)."""
+        unit, block = self.prefix_match_unit, self.block_size
+        if unit is not None and block is not None and block % unit:
+            raise ValueError(
+                f"prefix_match_unit {unit} does not divide block_size {block}: prefix hits land on "
+                "a grid of prefix_match_unit tokens inside each block"
+            )
         return self
 
     @model_validator(mode="after")

@@ -221,7 +221,11 @@ class Simulation:
         names, values = flat_row(self.scheduler.make_stats(output, outcome))
         self.recording.steps.append_values(_with_clock(names), (now, step_s, *values))
         if self.scenario.simulation.check_invariants:
-            check_allocator(self.kv_cache_manager, self.scheduler.deferred_blocks())
+            check_allocator(
+                self.kv_cache_manager,
+                self.scheduler.deferred_blocks(),
+                self.scheduler.copy_retained_blocks(),
+            )
         self._advance_bar(len(outcome.finished))
 
     def _advance_bar(self, num_requests_done: int) -> None:

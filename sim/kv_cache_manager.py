@@ -200,8 +200,10 @@ def build_kv_cache_manager(
 ) -> KVCacheManager:
     """The fork scheduler's ``KVCacheManager`` for ``plan``.
 
-    Hash block = block (the deployment's prefix-cache granularity, so no
-    partial hits and no copy-on-write); MTP hashing as vLLM's scheduler
+    Hash block = the plan's prefix-match unit (vLLM's ``hash_block_size``;
+    the block size unless the deployment sets ``prefix_match_unit``, and
+    always the block size without prefix caching, as vLLM resolves it);
+    MTP hashing as vLLM's scheduler
     passes it (``use_eagle`` = the block drop, the hash and prefill
     lookaheads); default the EAGLE drop, which the fork runs.
     """
@@ -216,7 +218,7 @@ def build_kv_cache_manager(
         config,
         max_model_len=max_model_len,
         scheduler_block_size=plan.block_size,
-        hash_block_size=plan.block_size,
+        hash_block_size=plan.hash_block_size if enable_caching else plan.block_size,
         enable_caching=enable_caching,
         use_eagle=mtp_hashing.use_eagle_block_drop,
         num_hash_lookahead_tokens=mtp_hashing.num_hash_lookahead_tokens,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import os
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sim import kv_cache_utils as side
@@ -61,6 +61,10 @@ class KVCachePlan:
     worker_configs: list[KVCacheConfig] = field(repr=False)
     stage_ranks: tuple[int, ...]  # one rank per PP stage (TP rank 0)
     block_size: int
+    # The prefix-hit grid (vLLM's hash_block_size, resolved from
+    # --prefix-match-unit by ``resolve_kv_cache_block_sizes`` with prefix
+    # caching on); the block size when no unit is set.
+    hash_block_size: int
     block_bytes_per_stage: tuple[int, ...]
     num_blocks: int
     blocks_per_request: int
@@ -83,6 +87,7 @@ class KVCachePlan:
             "side_cache_layout": self.applied,
             "source": self.source,
             "block_size": self.block_size,
+            "hash_block_size": self.hash_block_size,
             "block_bytes_per_stage": list(self.block_bytes_per_stage),
             "num_blocks": self.num_blocks,
             "blocks_per_request": self.blocks_per_request,
@@ -95,9 +100,16 @@ class KVCachePlan:
 
 
 def build_engine(
-    model: ModelConfig, deployment: DeploymentConfig, num_gpu_blocks_override: int | None = None
+    model: ModelConfig,
+    deployment: DeploymentConfig,
+    num_gpu_blocks_override: int | None = None,
+    block_size: int | None = None,
 ) -> Any:
+    """The engine-config stand-in; ``block_size`` is the resolved block (the
+    planner's, after the hybrid alignment), as vLLM's cache config holds it."""
     return engine_config(
+        block_size=block_size or deployment.block_size or 16,
+        prefix_match_unit=deployment.prefix_match_unit,
         max_model_len=deployment.max_model_len,
         max_num_seqs=deployment.max_num_seqs,
         num_speculative_tokens=model.mtp.num_speculative_tokens,
@@ -127,12 +139,13 @@ def plan_kv_cache(
     naming the deployment's parallel fields, like the planner's ValueErrors."""
     try:
         layer_specs, workers = build_worker_specs(model, deployment)
-        engine = build_engine(model, deployment, num_gpu_blocks_override)
+        engine = build_engine(model, deployment, num_gpu_blocks_override, layer_specs.block_size)
         memory = [deployment.kv_cache_memory_bytes] * len(workers)
         if fork_planning_module() is not None:
             configs, applied, notes, source = _plan_with_fork(engine, workers, memory, side_cache_layout)
         else:
             configs, applied, notes, source = _plan_upstream(engine, workers, memory, side_cache_layout)
+        hash_block_size = _hash_block_size(engine, configs)
     except ConfigError:
         raise
     except ValueError as error:  # the planner's own "does not fit" checks
@@ -145,7 +158,18 @@ def plan_kv_cache(
             f"{deployment.pipeline_parallel_size}: vLLM cannot shard {model.name!r} this way "
             f"({_without_advice(error) or 'an assertion failed'})"
         ) from None
-    return _summarise(engine, layer_specs, configs, deployment, side_cache_layout, applied, notes, source)
+    plan = _summarise(engine, layer_specs, configs, deployment, side_cache_layout, applied, notes, source)
+    return replace(plan, hash_block_size=hash_block_size)
+
+
+def _hash_block_size(engine: Any, configs: list[KVCacheConfig]) -> int:
+    """vLLM's ``resolve_kv_cache_block_sizes`` on the scheduler's view, as
+    the engine core resolves it before building the scheduler. A unit that
+    does not divide a prefix-cacheable block, or that cuts a compressed-key
+    state, is its ValueError (a one-line ``ConfigError`` above)."""
+    scheduler_view = kv_cache_utils.generate_scheduler_kv_cache_config(configs)
+    _, hash_block_size = kv_cache_utils.resolve_kv_cache_block_sizes(scheduler_view, engine)
+    return int(hash_block_size)
 
 
 def _raised_in_vllm(error: BaseException) -> bool:
@@ -267,6 +291,7 @@ def _summarise(
         worker_configs=configs,
         stage_ranks=stage_ranks,
         block_size=layer_specs.block_size,
+        hash_block_size=layer_specs.block_size,  # resolved by plan_kv_cache
         block_bytes_per_stage=tuple(
             planning._get_kv_cache_bytes_per_block(configs[r].kv_cache_groups, kv_cache_layout)
             for r in stage_ranks
@@ -291,9 +316,11 @@ def format_plan(plan: KVCachePlan, deployment: DeploymentConfig) -> list[str]:
     """The lines the fork's boot log prints for this layout."""
     switch = "1" if plan.side_cache_layout else "0"
     stages = "  ".join(f"PP{stage} {nbytes:,} B" for stage, nbytes in enumerate(plan.block_bytes_per_stage))
+    grid = plan.hash_block_size
+    hits = f"; prefix hits on a {grid}-token grid" if grid < plan.block_size else ""
     lines = [
         f"[{plan.label}] side-cache layout {plan.label} ({SIDE_CACHE_SWITCH}={switch}; {plan.source})",
-        f"  attention block size: {plan.block_size} tokens (Mamba pages padded to the attention page)",
+        f"  attention block size: {plan.block_size} tokens (Mamba pages padded to the attention page){hits}",
         f"  block bytes per stage: {stages}",
         f"  num_gpu_blocks: {plan.num_blocks}",
         f"  blocks one {deployment.max_model_len:,}-token request holds: {plan.blocks_per_request}",

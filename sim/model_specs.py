@@ -42,16 +42,57 @@ LAYER_PREFIX = "language_model.model.layers"
 MTP_PREFIX = "mtp.layers"
 
 
-def hybrid_block_size(mamba_page_bytes: int, attn_page_bytes_per_token: int, alignment: int) -> int:
+def hybrid_block_size(
+    mamba_page_bytes: int, attn_page_bytes_per_token: int, alignment: int, requested: int | None = None
+) -> int:
     """Smallest multiple of ``alignment`` whose attention page holds the
     largest Mamba state page (vLLM's hybrid block-size rule, non-"all" modes).
+
+    A requested ``--block-size`` becomes the alignment when it is larger
+    (``Platform._align_hybrid_block_size`` takes the max of the kernel's
+    block and the configured one), so it is kept when the Mamba page fits
+    and doubled, tripled, ... when it does not; the result is then a
+    multiple of the kernel alignment.
 
     >>> hybrid_block_size(1_634_304, 512, 16)   # Flash-Next, fp32 SSM state
     3200
     >>> hybrid_block_size(847_872, 512, 16)     # fp16 SSM state
     1664
+    >>> hybrid_block_size(1_732_992, 512, 16)   # fp32 with RecoverSSM's replay record
+    3392
+    >>> hybrid_block_size(1_732_992, 512, 16, requested=4096)  # the fork's --block-size 4096
+    4096
+    >>> hybrid_block_size(1_732_992, 512, 16, requested=2048)  # too small: two of them
+    4096
     """
-    return alignment * cdiv(mamba_page_bytes, alignment * attn_page_bytes_per_token)
+    step = max(alignment, requested or 0)
+    block = step * cdiv(mamba_page_bytes, step * attn_page_bytes_per_token)
+    return alignment * cdiv(block, alignment)
+
+
+def uses_recoverssm(model: ModelConfig, deployment: DeploymentConfig) -> bool:
+    """The fork's predicate (patch 0072): ``--use-replayssm`` with MTP drafts.
+    Without drafts the fork falls back to the stock state path (patch 0085)."""
+    return deployment.use_replayssm and model.mtp.num_speculative_tokens > 0
+
+
+def recoverssm_replay_shape(model: ModelConfig, deployment: DeploymentConfig) -> tuple[int, int, int]:
+    """The per-layer replay record RecoverSSM adds to a GDN state page
+    (patch 0072, fp32): per value head on this rank, per position of the
+    verify window (K drafts + 1), the correction (V floats), the normalised
+    key (K floats) and the log-decay (1 float).
+
+    >>> from sim.paths import DEFAULT_MODEL
+    >>> from sim.config import load_model
+    >>> recoverssm_replay_shape(load_model(DEFAULT_MODEL), DeploymentConfig())
+    (24, 4, 257)
+    """
+    gdn = model.gdn
+    return (
+        gdn.num_value_heads // deployment.tensor_parallel_size,
+        model.mtp.num_speculative_tokens + 1,
+        gdn.value_head_dim + gdn.key_head_dim + 1,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,24 +127,36 @@ def _mamba_specs(
 ) -> tuple[MambaSpec, MambaSpec | None]:
     k = model.mtp.num_speculative_tokens
     gdn = model.gdn
+    shapes = tuple(
+        MambaStateShapeCalculator.gated_delta_net_state_shape(
+            deployment.tensor_parallel_size,
+            gdn.num_key_heads,
+            gdn.num_value_heads,
+            gdn.key_head_dim,
+            gdn.value_head_dim,
+            gdn.conv_kernel,
+            k,
+        )
+    )
+    dtypes: tuple[torch.dtype, ...] = (
+        TORCH_DTYPES[gdn.conv_state_dtype],
+        TORCH_DTYPES[model.ssm_state_dtype],
+    )
+    recoverssm = uses_recoverssm(model, deployment)
+    if recoverssm:
+        shapes += (recoverssm_replay_shape(model, deployment),)
+        dtypes += (torch.float32,)
+    # RecoverSSM verifies drafts from one checkpoint: no per-draft state
+    # blocks for any Mamba layer (patch 0071, MambaBase.get_kv_cache_spec).
+    spec_blocks = 0 if recoverssm else k
     gdn_spec = MambaSpec(
-        shapes=tuple(
-            MambaStateShapeCalculator.gated_delta_net_state_shape(
-                deployment.tensor_parallel_size,
-                gdn.num_key_heads,
-                gdn.num_value_heads,
-                gdn.key_head_dim,
-                gdn.value_head_dim,
-                gdn.conv_kernel,
-                k,
-            )
-        ),
-        dtypes=(TORCH_DTYPES[gdn.conv_state_dtype], TORCH_DTYPES[model.ssm_state_dtype]),
+        shapes=shapes,
+        dtypes=dtypes,
         block_size=block_size,
         page_size_padded=padded,
         mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
         mamba_cache_mode=model.mamba_cache_mode,
-        num_speculative_blocks=k,
+        num_speculative_blocks=spec_blocks,
     )
     if model.ple is None:
         return gdn_spec, None
@@ -123,7 +176,7 @@ def _mamba_specs(
         mamba_type=MambaAttentionBackendEnum.SHORT_CONV,
         mamba_cache_mode=model.mamba_cache_mode,
         tp_replicated=ple.tp_replicated,
-        num_speculative_blocks=k,
+        num_speculative_blocks=spec_blocks,
     )
     return gdn_spec, ple_spec
 
@@ -133,7 +186,9 @@ def layer_specs(model: ModelConfig, deployment: DeploymentConfig) -> LayerSpecs:
     attn_per_token = _attention_spec(model, deployment, 1).page_size_bytes
     gdn, ple = _mamba_specs(model, deployment, -1, None)
     mamba_page = max(s.page_size_bytes for s in (gdn, ple) if s is not None)
-    block = hybrid_block_size(mamba_page, attn_per_token, model.kernel_block_alignment)
+    block = hybrid_block_size(
+        mamba_page, attn_per_token, model.kernel_block_alignment, requested=deployment.block_size
+    )
     attn_page = block * attn_per_token
     gdn, ple = _mamba_specs(model, deployment, block, attn_page)
     attention = _attention_spec(model, deployment, block)

@@ -51,6 +51,18 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-connector", action="store_true", default=None, help="a KV connector is configured"
     )
+    parser.add_argument(
+        "--block-size", type=int, metavar="TOKENS", help="force the attention block size (vLLM --block-size)"
+    )
+    parser.add_argument(
+        "--prefix-match-unit", type=int, metavar="TOKENS", help="prefix-hit grid inside a block (vLLM's)"
+    )
+    parser.add_argument(
+        "--use-replayssm",
+        action="store_true",
+        default=None,
+        help="RecoverSSM GDN/PLE states with MTP (the fork's v2.5.1 flag)",
+    )
 
 
 # Flag attribute -> DeploymentConfig field.
@@ -63,6 +75,9 @@ _DEPLOYMENT_FLAGS = {
     "layer_partition": "layer_partition",
     "kv_cache_layout": "kv_cache_layout",
     "kv_connector": "kv_connector",
+    "block_size": "block_size",
+    "prefix_match_unit": "prefix_match_unit",
+    "use_replayssm": "use_replayssm",
 }
 
 

@@ -143,7 +143,7 @@ class VllmBackend:
         self.vllm_config = vllm_scheduler.build_vllm_config(settings)
         kv_cache_config = scheduler_kv_cache_config(plan, retain_mamba_checkpoint=retain_mamba_checkpoint)
         self.scheduler = vllm_scheduler.build_vllm_scheduler(self.vllm_config, kv_cache_config)
-        self._hasher = vllm_scheduler.request_block_hasher(self.vllm_config)
+        self._hasher = vllm_scheduler.request_block_hasher(self.vllm_config, self.scheduler.hash_block_size)
         self.runner = runner
         self.max_model_len = settings.max_model_len
         self.num_speculative_tokens = settings.num_speculative_tokens

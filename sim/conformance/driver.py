@@ -163,6 +163,7 @@ def vllm_backend(scenario: Scenario, plan: KVCachePlan) -> VllmBackend:
             num_speculative_tokens=scenario.load_model().mtp.num_speculative_tokens,
             enable_prefix_caching=scenario.allocator.enable_prefix_caching,
             mtp_hash_mode=s.mtp_hash_mode,
+            prefix_match_unit=d.prefix_match_unit,
         )
         return VllmBackend(
             plan,

@@ -152,15 +152,22 @@ class Scheduler:
             use_eagle_block_drop=config.mtp_hashing.use_eagle_block_drop,
             num_hash_lookahead_tokens=config.mtp_hashing.num_hash_lookahead_tokens,
             num_prefill_lookahead_tokens=config.mtp_hashing.num_prefill_lookahead_tokens,
+            hash_block_size=kv_cache_manager.block_pool.hash_block_size,
+            partial_hash_hits=kv_cache_manager.coordinator.enable_partial_hash_hits,
         )
-        # vLLM's engine core builds each request's hasher the same way.
+        # vLLM's engine core builds each request's hasher the same way, on
+        # the hash block (the prefix-match unit).
         self._hasher = get_request_block_hasher(
-            config.block_size, sha256, config.mtp_hashing.num_hash_lookahead_tokens
+            kv_cache_manager.block_pool.hash_block_size, sha256, config.mtp_hashing.num_hash_lookahead_tokens
         )
+        # Sub-block prefix hits (a prefix-match unit finer than the block):
+        # their copy-on-write blocks are released once copied.
+        self._partial_hash_hits = kv_cache_manager.coordinator.enable_partial_hash_hits
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request | RequestSpec] = deque()
         self.running: list[Request] = []
-        self.deferred_frees: deque[tuple[int, list[KVCacheBlock]]] = deque()
+        # (fence step, blocks, is a copy-on-write retention), in free order.
+        self.deferred_frees: deque[tuple[int, list[KVCacheBlock], bool]] = deque()
         self.last_sched_seq: dict[str, int] = {}
         self.sched_step_seq = 0
         self.processed_step_seq = 0
@@ -417,6 +424,8 @@ class Scheduler:
         request.spec_token_ids = []  # new drafts arrive with the step's output
 
     def _finish_schedule(self, step: _StepState) -> SchedulerOutput:
+        if self._partial_hash_hits:
+            self._release_cow_copies()
         if step.scheduled:
             self.sched_step_seq += 1
         taken = step.steady.taken
@@ -480,11 +489,26 @@ class Scheduler:
             return
         blocks = self.kv_cache_manager.pop_blocks_for_free(request)
         if blocks:
-            self.deferred_frees.append((self.sched_step_seq, blocks))
+            self.deferred_frees.append((self.sched_step_seq, blocks, False))
+
+    def _release_cow_copies(self) -> None:
+        """vLLM's ``schedule()``: a partial (sub-block) prefix hit copies the
+        hit's tail block into a private one (copy-on-write), and both ends of
+        the copy stay referenced until the step that runs it completes (the
+        first step at or after this one: ``sched_step_seq + 1``)."""
+        copies, retained = self.kv_cache_manager.take_kv_cache_block_copies()
+        if not copies:
+            return
+        self.fast_path.allocator_changes()
+        fence = self.sched_step_seq + 1
+        if not self.config.defer_block_free or fence <= self.processed_step_seq:
+            self.kv_cache_manager.block_pool.free_blocks(retained)
+            return
+        self.deferred_frees.append((fence, retained[::-1], True))
 
     def _drain_deferred_frees(self) -> None:
         while self.deferred_frees and self.deferred_frees[0][0] <= self.processed_step_seq:
-            _, blocks = self.deferred_frees.popleft()
+            _, blocks, _ = self.deferred_frees.popleft()
             self.fast_path.allocator_changes()
             self.kv_cache_manager.block_pool.free_blocks(reversed(blocks))
 
@@ -500,7 +524,13 @@ class Scheduler:
         return self._advance_processed(self.sched_step_seq)
 
     def deferred_blocks(self) -> list[list[KVCacheBlock]]:
-        return [blocks for _, blocks in self.deferred_frees]
+        """Blocks popped for a fenced free (their owners are gone)."""
+        return [blocks for _, blocks, copy in self.deferred_frees if not copy]
+
+    def copy_retained_blocks(self) -> list[list[KVCacheBlock]]:
+        """Both ends of pending copy-on-write copies: an extra reference on
+        blocks a request may still hold, until the copying step completes."""
+        return [blocks for _, blocks, copy in self.deferred_frees if copy]
 
     # ------------------------------------------------------------------ output
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> StepOutcome:
@@ -655,7 +685,7 @@ class Scheduler:
         return len(self.waiting)
 
     def num_deferred_blocks(self) -> int:
-        return sum(len(blocks) for _, blocks in self.deferred_frees)
+        return sum(len(blocks) for _, blocks, _ in self.deferred_frees)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting)

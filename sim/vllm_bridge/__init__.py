@@ -184,6 +184,9 @@ def engine_config(
     hisparse_config: Any = None,
     decode_context_parallel_size: int = 1,
     total_num_hidden_layers: int = 48,
+    block_size: int = 16,
+    prefix_match_unit: int | None = None,
+    enable_prefix_caching: bool = True,
 ) -> SimpleNamespace:
     """The engine-config object vLLM's planner and capacity code read.
 
@@ -194,6 +197,11 @@ def engine_config(
     """
     layout = KVCacheLayout[kv_cache_layout]
     cache = SimpleNamespace(
+        # The resolved block and the prefix-hit grid, as
+        # ``resolve_kv_cache_block_sizes`` reads them.
+        block_size=block_size,
+        prefix_match_unit=prefix_match_unit,
+        enable_prefix_caching=enable_prefix_caching,
         kv_cache_layout=kv_cache_layout,
         num_gpu_blocks_override=num_gpu_blocks_override,
         prefix_cache_retention_interval=0,
@@ -245,9 +253,10 @@ class MambaAlignedSplit:
     attributes they read (0.33.0), so kvsim's scheduler clips prefill chunks
     exactly where vLLM's does without building a whole ``Scheduler``.
 
-    Hash block = block (no partial hits), no prefill checkpoint blocks and no
-    shared-prefix junction: the Flash-Next deployment's settings. The MTP
-    hashing (EAGLE block drop or lookahead hashes) is the caller's.
+    No prefill checkpoint blocks and no shared-prefix junction: the
+    Flash-Next deployment's settings. The hash block (the prefix-match unit)
+    and whether the managers take partial hits on it are the caller's, as
+    are the MTP hashing (EAGLE block drop or lookahead hashes).
     """
 
     def __init__(
@@ -259,17 +268,21 @@ class MambaAlignedSplit:
         use_eagle_block_drop: bool = True,
         num_hash_lookahead_tokens: int = 0,
         num_prefill_lookahead_tokens: int = 0,
+        hash_block_size: int | None = None,
+        partial_hash_hits: bool = False,
     ) -> None:
+        hash_block_size = block_size if hash_block_size is None else hash_block_size
         self._scheduler = SimpleNamespace(
             block_size=block_size,
-            hash_block_size=block_size,
+            hash_block_size=hash_block_size,
             cache_config=SimpleNamespace(block_size=block_size),
             use_eagle_block_drop=use_eagle_block_drop,
             num_hash_lookahead_tokens=num_hash_lookahead_tokens,
             num_prefill_lookahead=num_prefill_lookahead_tokens,
             max_num_scheduled_tokens=max_num_scheduled_tokens,
             scheduler_config=SimpleNamespace(long_prefill_token_threshold=long_prefill_token_threshold),
-            mamba_partial_cache_hit=False,
+            # Scheduler.__init__'s rule (align mode is the model's only mode).
+            mamba_partial_cache_hit=partial_hash_hits and hash_block_size < block_size,
             mamba_shared_prefix_checkpoint=False,
             mamba_has_prefill_checkpoint_blocks=False,
             mamba_prefill_checkpoint_alignment=None,

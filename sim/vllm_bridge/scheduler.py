@@ -48,6 +48,7 @@ from sim.vllm_bridge import (
     Scheduler,
     get_request_block_hasher,
     init_none_hash,
+    kv_cache_utils,
 )
 
 __all__ = [
@@ -91,6 +92,8 @@ class VllmSchedulerSettings:
     num_speculative_tokens: int
     enable_prefix_caching: bool
     mtp_hash_mode: Literal["eagle-drop", "lookahead"]
+    # --prefix-match-unit (None: hits on the block).
+    prefix_match_unit: int | None = None
 
 
 # The stand-in's target and draft classes: registered already imported, so
@@ -164,6 +167,7 @@ def _build_vllm_config(settings: VllmSchedulerSettings) -> VllmConfig:
             block_size=settings.block_size,
             mamba_cache_mode="align",
             enable_prefix_caching=settings.enable_prefix_caching,
+            prefix_match_unit=settings.prefix_match_unit,
         ),
         scheduler_config=VllmSchedulerConfig(
             max_num_seqs=settings.max_num_seqs,
@@ -183,23 +187,28 @@ def build_vllm_scheduler(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
     core builds it (the pool size set on the cache config first)."""
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     block_size = vllm_config.cache_config.block_size
+    # The hash block (the prefix-match unit) as the engine core resolves it.
+    _, hash_block_size = kv_cache_utils.resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     with _vllm_log_level():
         return Scheduler(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=block_size,
-            hash_block_size=block_size,
+            hash_block_size=hash_block_size,
             log_stats=True,
         )
 
 
-def request_block_hasher(vllm_config: VllmConfig) -> Any:
-    """The block hasher vLLM's engine core gives every request."""
+def request_block_hasher(vllm_config: VllmConfig, hash_block_size: int | None = None) -> Any:
+    """The block hasher vLLM's engine core gives every request (on the
+    scheduler's hash block; the block size when not given)."""
     cache = vllm_config.cache_config
     caching_hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
     init_none_hash(caching_hash_fn)
-    return get_request_block_hasher(cache.block_size, caching_hash_fn, vllm_config.num_hash_lookahead_tokens)
+    return get_request_block_hasher(
+        hash_block_size or cache.block_size, caching_hash_fn, vllm_config.num_hash_lookahead_tokens
+    )
 
 
 def make_request(
