@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from sim_helpers import write_scenario
+from helpers.scenarios import write_scenario
 
 from sim.cli import main
 from sim.config import ConfigError, DeploymentConfig, load_model
