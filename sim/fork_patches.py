@@ -26,9 +26,6 @@ class ForkPatches:
     # Patch 0023 (port of vLLM #48532): a deferred free returns a request's
     # blocks in the same per-group order as an immediate free.
     deferred_free_eviction_order: bool = True
-    # Patch 0094: with a hash unit finer than the block, the prompt tail key
-    # that lands on a block end is hashed (then held like any checkpoint).
-    block_aligned_prompt_tail: bool = True
 
     @classmethod
     def upstream(cls) -> ForkPatches:

@@ -46,15 +46,11 @@ class RingSlotsSpec(CircularBufferSpec):
 
 @dataclass(frozen=True)
 class RetainedCheckpointMambaSpec(MambaSpec):
-    """A Mamba group served by kvsim's twin of the fork's Mamba manager,
-    with the fork's checkpoint patches it runs: ``retain_checkpoint``
-    (``VLLM_E2_MAMBA_RETAIN_CHECKPOINT``, patches 0086/0087) and
-    ``block_aligned_prompt_tail`` (patch 0094). Scheduler-side only: the
-    worker sees the same block tables either way.
+    """A Mamba group whose manager keeps each request's newest cached
+    checkpoint state (the fork's ``VLLM_E2_MAMBA_RETAIN_CHECKPOINT``,
+    patches 0086/0087). Scheduler-side only: the worker sees the same block
+    tables either way.
     """
-
-    retain_checkpoint: bool = True
-    block_aligned_prompt_tail: bool = True
 
 
 @dataclass

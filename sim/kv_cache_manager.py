@@ -183,13 +183,8 @@ def _scheduler_group(group: KVCacheGroupSpec, fork: ForkPatches) -> KVCacheGroup
     spec = group.kv_cache_spec
     if isinstance(spec, CircularBufferSpec):
         spec = convert_spec(spec, RingSlotsSpec, slots_per_block=group_slots_per_block(group))
-    elif isinstance(spec, MambaSpec) and (fork.mamba_retain_checkpoint or fork.block_aligned_prompt_tail):
-        spec = convert_spec(
-            spec,
-            RetainedCheckpointMambaSpec,
-            retain_checkpoint=fork.mamba_retain_checkpoint,
-            block_aligned_prompt_tail=fork.block_aligned_prompt_tail,
-        )
+    elif isinstance(spec, MambaSpec) and fork.mamba_retain_checkpoint:
+        spec = convert_spec(spec, RetainedCheckpointMambaSpec)
     return replace(group, kv_cache_spec=spec)
 
 
@@ -197,9 +192,9 @@ def scheduler_kv_cache_config(
     plan: KVCachePlan, *, fork: ForkPatches = AS_SHIPPED, num_gpu_blocks: int | None = None
 ) -> KVCacheConfig:
     """The scheduler's view of ``plan`` (vLLM's ``generate_scheduler_kv_cache_config``)
-    with every ring served by kvsim's ring manager and, when a Mamba patch
-    of the fork is on, every Mamba group by kvsim's twin of the fork's
-    Mamba manager (with every such patch off, vLLM's own).
+    with every ring served by kvsim's ring manager and, when the fork's
+    retention is on, every Mamba group by kvsim's retaining manager (off:
+    vLLM's own).
 
     ``num_gpu_blocks`` overrides the pool size (tests size pools exactly).
     """

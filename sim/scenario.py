@@ -85,7 +85,6 @@ class ForkSection(StrictModel):
     # One key per ForkPatches field (a test keeps them equal).
     mamba_retain_checkpoint: bool | None = None
     deferred_free_eviction_order: bool | None = None
-    block_aligned_prompt_tail: bool | None = None
 
     @model_validator(mode="before")
     @classmethod

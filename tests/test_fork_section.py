@@ -33,9 +33,8 @@ def test_one_patch_off_or_on_over_either_base(tmp_path):
     one_off = scenario(tmp_path, fork={"mamba_retain_checkpoint": False}).fork.patches()
     assert one_off == ForkPatches(mamba_retain_checkpoint=False)
     one_on = scenario(tmp_path, overrides=["fork.base=upstream", "fork.deferred_free_eviction_order=true"])
-    assert one_on.fork.patches() == ForkPatches(
-        mamba_retain_checkpoint=False, deferred_free_eviction_order=True, block_aligned_prompt_tail=False
-    )
+    expected = ForkPatches(mamba_retain_checkpoint=False, deferred_free_eviction_order=True)
+    assert one_on.fork.patches() == expected
 
 
 @pytest.mark.parametrize("section", [{"retain_everything": True}, {"base": "v2.2"}, "newest"])
