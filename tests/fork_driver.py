@@ -80,9 +80,18 @@ def tokens(seed: int, n: int) -> list[int]:
     return [seed * 10_000 + i for i in range(n)]
 
 
-def prefill(manager: KVCacheManager, req: Request, budget: int = 8192) -> int:
-    """The prompt in split chunks; returns the prefix hit it was admitted with."""
-    split = MambaAlignedSplit(block_size=BLOCK, max_num_scheduled_tokens=8192)
+def prefill(
+    manager: KVCacheManager,
+    req: Request,
+    budget: int = 8192,
+    split: Callable[[Request, int, int], int] | None = None,
+    chunks: list[int] | None = None,
+) -> int:
+    """The prompt in split chunks (vLLM's Mamba-aligned split unless
+    ``split`` is given; each chunk appended to ``chunks``); returns the
+    prefix hit it was admitted with."""
+    if split is None:
+        split = MambaAlignedSplit(block_size=BLOCK, max_num_scheduled_tokens=8192)
     computed, num_hit = manager.get_computed_blocks(req)[:2]
     first = True
     while req.num_computed_tokens < req.num_tokens:
@@ -99,6 +108,8 @@ def prefill(manager: KVCacheManager, req: Request, budget: int = 8192) -> int:
         assert blocks is not None, "a prefill chunk did not fit"
         req.num_computed_tokens = start + num_new
         manager.new_step_starts()
+        if chunks is not None:
+            chunks.append(num_new)
         first = False
     return num_hit
 

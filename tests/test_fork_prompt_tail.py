@@ -15,7 +15,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from fork_driver import BLOCK, K, decode, hybrid_manager, tokens
+from fork_driver import BLOCK, decode, hybrid_manager, prefill, tokens
 
 from sim.fork_patches import ForkPatches
 from sim.vllm_bridge import Request, SamplingParams, Scheduler, get_request_block_hasher, sha256
@@ -53,23 +53,8 @@ def _split(req: Request, num_new: int, num_hit: int, unit: int) -> int:
 
 
 def _prefill(manager, req: Request, unit: int = UNIT) -> list[int]:
-    computed, num_hit = manager.get_computed_blocks(req)[:2]
-    chunks, first = [], True
-    while req.num_computed_tokens < req.num_tokens:
-        start = req.num_computed_tokens + (num_hit if first else 0)
-        num_new = _split(req, req.num_tokens - start, num_hit if first else 0, unit)
-        blocks = manager.allocate_slots(
-            req,
-            num_new,
-            num_new_computed_tokens=num_hit if first else 0,
-            new_computed_blocks=computed if first else None,
-            num_lookahead_tokens=K,
-        )
-        assert blocks is not None
-        req.num_computed_tokens = start + num_new
-        manager.new_step_starts()
-        chunks.append(num_new)
-        first = False
+    chunks: list[int] = []
+    prefill(manager, req, split=lambda r, n, hit: _split(r, n, hit, unit), chunks=chunks)
     return chunks
 
 
