@@ -73,7 +73,10 @@ class Simulation:
         self.plan: KVCachePlan = plan_kv_cache(model, scenario.deployment, side_cache_layout=layout == "on")
         config = scheduler_config(scenario, model, self.plan)
         self.kv_cache_manager = build_kv_cache_manager(
-            self.plan, **allocator_options(scenario.allocator), mtp_hashing=config.mtp_hashing
+            self.plan,
+            **allocator_options(scenario.allocator),
+            fork=scenario.fork.patches(),
+            mtp_hashing=config.mtp_hashing,
         )
         self.scheduler = Scheduler(config, self.kv_cache_manager, fast_path=scenario.simulation.fast_path)
         acceptance = AcceptanceModel(conditional_rates=scenario.mtp.acceptance_rates)
@@ -287,7 +290,6 @@ def scheduler_config(scenario: Scenario, model: ModelConfig, plan: KVCachePlan) 
 
 # The ``allocator:`` section's fields -> ``build_kv_cache_manager``'s arguments.
 _ALLOCATOR_ARGUMENTS = {
-    "retain_mamba_checkpoint": "retain_mamba_checkpoint",
     "enable_prefix_caching": "enable_caching",
 }
 

@@ -46,9 +46,10 @@ class RingSlotsSpec(CircularBufferSpec):
 
 @dataclass(frozen=True)
 class RetainedCheckpointMambaSpec(MambaSpec):
-    """A Mamba group whose manager keeps each request's latest cached
-    checkpoint state (the fork's ``VLLM_E2_MAMBA_RETAIN_CHECKPOINT``).
-    Scheduler-side only: the worker sees the same block tables either way.
+    """A Mamba group whose manager keeps each request's newest cached
+    checkpoint state (the fork's ``VLLM_E2_MAMBA_RETAIN_CHECKPOINT``,
+    patches 0086/0087). Scheduler-side only: the worker sees the same block
+    tables either way.
     """
 
 

@@ -15,6 +15,7 @@ from functools import cached_property
 from typing import Any
 
 from sim.config import MTP_HASH_MODES, MTPHashMode
+from sim.fork_patches import AS_SHIPPED, ForkPatches
 from sim.kv_cache_interface import (
     RetainedCheckpointMambaSpec,
     RingSlotsSpec,
@@ -116,17 +117,23 @@ class BlockObserver:
 
 
 class KVCacheManager(_VllmKVCacheManager):
-    """vLLM's manager plus the fork's ring claim record and a block observer."""
+    """vLLM's manager plus the fork's ring claim record and the fork's
+    coordinator changes to freeing, with a block observer (kvsim has no coordinator of its own:
+    the free paths are twinned here, where vLLM's manager calls them).
 
+    - Retained checkpoints go back last (patch 0086): ``free`` and
+      ``pop_blocks_for_free`` release every group's table first, then the
+      checkpoints, so a finished request's checkpoint is never evicted
+      ahead of the attention prefix it resumes.
+    - ``deferred_free_eviction_order`` (patch 0023, port of vLLM #48532):
+      a deferred free evicts in the same order as an immediate one (each
+      group's tail first, group after group). Upstream 0.33.0 returns the
+      groups' blocks concatenated and the caller reverses the whole list,
+      which frees the last group first.
+    """
+
+    deferred_free_eviction_order: bool = True
     observer: BlockObserver = BlockObserver()
-
-    def free(self, request: Request) -> None:
-        self.observer.blocks_freed(request)
-        super().free(request)
-
-    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
-        self.observer.blocks_freed(request)
-        return super().pop_blocks_for_free(request)
 
     @property
     def managers(self) -> tuple[SingleTypeKVCacheManager, ...]:
@@ -159,30 +166,52 @@ class KVCacheManager(_VllmKVCacheManager):
     def num_retained_checkpoints(self) -> int:
         return sum(m.num_retained_checkpoints() for m in self._retaining_managers)
 
+    def _pop_retained_checkpoints(self, request_id: str) -> list[KVCacheBlock]:
+        return [b for m in self._retaining_managers for b in m.pop_retained_checkpoints(request_id)]
 
-def _scheduler_group(group: KVCacheGroupSpec, retain_mamba_checkpoint: bool) -> KVCacheGroupSpec:
+    def free(self, request: Request) -> None:
+        self.observer.blocks_freed(request)
+        retained = self._pop_retained_checkpoints(request.request_id)
+        super().free(request)
+        if retained:
+            self.block_pool.free_blocks(retained)
+
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        """The request's blocks, not yet freed, under vLLM's contract: the
+        caller frees the list reversed. With patch 0023 that reversal is
+        ``free``'s eviction order exactly (e.g. two groups of blocks 1-3 and
+        4-6 evict as 3, 2, 1, 6, 5, 4); upstream's is 6, 5, 4, 3, 2, 1."""
+        self.observer.blocks_freed(request)
+        retained = self._pop_retained_checkpoints(request.request_id)
+        if not self.deferred_free_eviction_order:
+            return retained + super().pop_blocks_for_free(request)
+        request_id = request.request_id
+        eviction_order = [b for m in self.managers for b in reversed(m.pop_blocks_for_free(request_id))]
+        return (eviction_order + retained)[::-1]
+
+
+def _scheduler_group(group: KVCacheGroupSpec, fork: ForkPatches) -> KVCacheGroupSpec:
     """One group of the scheduler's view with kvsim's scheduler-side spec type."""
     spec = group.kv_cache_spec
     if isinstance(spec, CircularBufferSpec):
         spec = convert_spec(spec, RingSlotsSpec, slots_per_block=group_slots_per_block(group))
-    elif isinstance(spec, MambaSpec) and retain_mamba_checkpoint:
+    elif isinstance(spec, MambaSpec) and fork.mamba_retain_checkpoint:
         spec = convert_spec(spec, RetainedCheckpointMambaSpec)
     return replace(group, kv_cache_spec=spec)
 
 
 def scheduler_kv_cache_config(
-    plan: KVCachePlan, *, retain_mamba_checkpoint: bool = True, num_gpu_blocks: int | None = None
+    plan: KVCachePlan, *, fork: ForkPatches = AS_SHIPPED, num_gpu_blocks: int | None = None
 ) -> KVCacheConfig:
     """The scheduler's view of ``plan`` (vLLM's ``generate_scheduler_kv_cache_config``)
-    with every ring served by kvsim's ring manager and, when the fork's retain
-    switch is on, every Mamba group by kvsim's retaining manager.
+    with every ring served by kvsim's ring manager and, when the fork's
+    retention is on, every Mamba group by kvsim's retaining manager (off:
+    vLLM's own).
 
     ``num_gpu_blocks`` overrides the pool size (tests size pools exactly).
     """
     config = copy.copy(plan.scheduler_config())
-    config.kv_cache_groups = [
-        _scheduler_group(group, retain_mamba_checkpoint) for group in config.kv_cache_groups
-    ]
+    config.kv_cache_groups = [_scheduler_group(group, fork) for group in config.kv_cache_groups]
     if num_gpu_blocks is not None:
         config.num_blocks = num_gpu_blocks
     config.prefix_cache_retention_interval = 0
@@ -192,7 +221,7 @@ def scheduler_kv_cache_config(
 def build_kv_cache_manager(
     plan: KVCachePlan,
     *,
-    retain_mamba_checkpoint: bool = True,
+    fork: ForkPatches = AS_SHIPPED,
     enable_caching: bool = True,
     num_gpu_blocks: int | None = None,
     log_stats: bool = True,
@@ -210,11 +239,9 @@ def build_kv_cache_manager(
     init_none_hash(sha256)
     if mtp_hashing is None:
         mtp_hashing = MTPHashing.for_engine("eagle-drop", plan.engine, enable_prefix_caching=enable_caching)
-    config = scheduler_kv_cache_config(
-        plan, retain_mamba_checkpoint=retain_mamba_checkpoint, num_gpu_blocks=num_gpu_blocks
-    )
+    config = scheduler_kv_cache_config(plan, fork=fork, num_gpu_blocks=num_gpu_blocks)
     max_model_len = int(plan.engine.model_config.max_model_len)
-    return KVCacheManager(
+    manager = KVCacheManager(
         config,
         max_model_len=max_model_len,
         scheduler_block_size=plan.block_size,
@@ -228,3 +255,5 @@ def build_kv_cache_manager(
         # (BlockRemoved when a cached block is reused).
         enable_kv_cache_events=log_stats,
     )
+    manager.deferred_free_eviction_order = fork.deferred_free_eviction_order
+    return manager

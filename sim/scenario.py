@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +29,7 @@ from sim.config import (
     read_yaml,
     validate,
 )
+from sim.fork_patches import ForkPatches
 from sim.paths import DEFAULT_MODEL, SCENARIOS_DIR
 from sim.step_time import StepTimeConfig
 from sim.workloads import WorkloadConfig
@@ -66,9 +68,32 @@ class MTPSection(StrictModel):
 
 
 class AllocatorSection(StrictModel):
-    # The fork's VLLM_E2_MAMBA_RETAIN_CHECKPOINT (default on).
-    retain_mamba_checkpoint: bool = True
     enable_prefix_caching: bool = True
+
+
+ForkBase = Literal["fork", "upstream"]
+
+
+class ForkSection(StrictModel):
+    """The fork's decision-changing patches (``sim.fork_patches``): ``base``
+    ``fork`` (as shipped, the default) or ``upstream`` (vLLM 0.33.0, every
+    patch off), then any patch key set on or off. ``fork: upstream`` is
+    ``fork: {base: upstream}``."""
+
+    base: ForkBase = "fork"
+    # One key per ForkPatches field (a test keeps them equal).
+    mamba_retain_checkpoint: bool | None = None
+    deferred_free_eviction_order: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _base_alone(cls, data: Any) -> Any:
+        return {"base": data} if isinstance(data, str) else data
+
+    def patches(self) -> ForkPatches:
+        base = ForkPatches() if self.base == "fork" else ForkPatches.upstream()
+        chosen = self.model_dump(exclude={"base"}, exclude_none=True)
+        return replace(base, **chosen)
 
 
 # The samples frame holds at most this many rows (~50 MB of gauges; 28 h of
@@ -117,6 +142,7 @@ class Scenario(StrictModel):
     scheduler: SchedulerSection = SchedulerSection()
     mtp: MTPSection = MTPSection()
     allocator: AllocatorSection = AllocatorSection()
+    fork: ForkSection = ForkSection()
     workload: WorkloadConfig = WorkloadConfig()
     step_time: dict[str, Any] = {}
     simulation: SimulationSection = SimulationSection()

@@ -10,7 +10,7 @@ registry, from the kvsim spec types in ``sim.kv_cache_interface``.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sim.kv_cache_interface import RetainedCheckpointMambaSpec, RingSlotsSpec
@@ -167,66 +167,125 @@ class RingCircularBufferManager(CircularBufferManager):
 
 
 class RetainingMambaManager(MambaManager):
-    """vLLM's Mamba manager plus the fork's retained checkpoint.
+    """vLLM's align-mode Mamba manager plus the fork's checkpoint retention
+    (patches 0086/0087, ``VLLM_E2_MAMBA_RETAIN_CHECKPOINT``).
 
-    In align mode upstream frees a request's cached checkpoint state (the
-    prompt's replay-boundary state) back to the free queue once the running
-    state has moved past it; under pool pressure it can then be evicted while
-    its owner still runs, and the owner's resume finds no hit. The fork keeps
-    it: the latest cached state a request's table drops is held outside the
-    table, one per request, until the request is freed (through the same
-    free paths, the deferred one included). A running request then holds
-    ``2 + K`` blocks per Mamba group, the checkpoint included.
+    Upstream frees a state block as soon as the request has computed one
+    block past it; when that block is hashed it is the request's prefix
+    checkpoint, and freed mid-request it is the first block a concurrent
+    prefill evicts. The fork keeps the newest hashed retired state
+    referenced, at most one per request (a superseded one is freed then),
+    until the request is freed; the coordinator twin
+    (``sim.kv_cache_manager.KVCacheManager``) frees it after every group's
+    table. Full-sequence admission reserves it
+    (``retained_checkpoint_blocks_to_reserve``).
     """
 
     def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, block_pool, **kwargs)
-        # request id -> its retained checkpoint block
-        self._retained_checkpoints: dict[str, KVCacheBlock] = {}
+        # request id -> (logical block index, its retained checkpoint block)
+        self._retained_checkpoints: dict[str, tuple[int, KVCacheBlock]] = {}
 
     def retained_checkpoints(self) -> dict[str, KVCacheBlock]:
         """Each request's retained checkpoint (a copy: read, not change)."""
-        return dict(self._retained_checkpoints)
+        return {request_id: block for request_id, (_, block) in self._retained_checkpoints.items()}
 
     def retained_blocks(self) -> list[KVCacheBlock]:
-        return list(self._retained_checkpoints.values())
+        return [block for _, block in self._retained_checkpoints.values()]
 
     def num_retained_checkpoints(self) -> int:
         return len(self._retained_checkpoints)
 
+    # ------------------------------------------------------------ retention
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
+        """Upstream's skip, then the fork's retirement rule on the hashed
+        states it dropped from the table. Upstream freed them already;
+        taking the newest back (``touch``) leaves the free queue exactly as
+        if it had never been freed, the others in upstream's order."""
         table = self.req_to_blocks.get(request_id)
         before = list(table) if table else []
         super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
-        dropped = [
-            block
+        retired = [
+            (index, block)
             for index, block in enumerate(before)
-            if not block.is_null
-            and table is not None
+            if table is not None
             and table[index].is_null
+            and not block.is_null
             and block.block_hash is not None
         ]
-        if dropped:
-            self._retain(request_id, dropped[-1])
+        if retired:
+            self._retain_newest(request_id, *retired[-1])
 
-    def _retain(self, request_id: str, block: KVCacheBlock) -> None:
-        """Take ``block`` back from the free queue (or share it, if another
-        request holds it) and release the checkpoint it replaces."""
+    def _retain_newest(self, request_id: str, index: int, block: KVCacheBlock) -> None:
+        """Hold ``block`` (logical ``index``) unless the request holds a
+        newer one; release the checkpoint it supersedes."""
+        held = self._retained_checkpoints.get(request_id)
+        if held is not None and index <= held[0]:
+            return
         self.block_pool.touch([block])
-        previous = self._retained_checkpoints.get(request_id)
-        self._retained_checkpoints[request_id] = block
-        if previous is not None:
-            self.block_pool.free_blocks([previous])
+        self._retained_checkpoints[request_id] = (index, block)
+        if held is not None:
+            self.block_pool.free_blocks([held[1]])  # superseded: ages like any cached free block
+
+    def pop_retained_checkpoints(self, request_id: str) -> list[KVCacheBlock]:
+        """The request's held checkpoint, no longer held and not yet freed."""
+        held = self._retained_checkpoints.pop(request_id, None)
+        return [] if held is None else [held[1]]
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
-        blocks = super().pop_blocks_for_free(request_id)
-        retained = self._retained_checkpoints.pop(request_id, None)
-        if retained is None:
-            return blocks
-        # First in table order, so it is freed last (evicted after the tail).
-        return [retained, *blocks]
+        # A direct caller frees in reverse: first here, so it is freed last
+        # of this group. The coordinator twin pops it before this call.
+        return self.pop_retained_checkpoints(request_id) + super().pop_blocks_for_free(request_id)
+
+    # ------------------------------------------------------------ admission
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        """Upstream's estimate; the full-sequence gate (``apply_admission_cap``)
+        adds the checkpoint the request will hold outside its table. The fork
+        adds that term in the coordinator, after this estimate; the sum the
+        gate reads is the same."""
+        num_blocks = super().get_num_blocks_to_allocate(
+            request_id,
+            num_tokens,
+            new_computed_blocks,
+            total_computed_tokens,
+            num_local_computed_tokens,
+            num_tokens_main_model,
+            apply_admission_cap=apply_admission_cap,
+            prefill_end=prefill_end,
+        )
+        if apply_admission_cap:
+            num_blocks += self.retained_checkpoint_blocks_to_reserve(
+                request_id, num_tokens_main_model, new_computed_blocks
+            )
+        return num_blocks
+
+    def retained_checkpoint_blocks_to_reserve(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = ()
+    ) -> int:
+        """1 when the request will come to hold a checkpoint it does not hold
+        yet: a state behind the running one to retire
+        (``num_tokens > block_size``, 0086), and no hit block or hashed
+        state in its table that already is that block (0087)."""
+        if num_tokens <= self.block_size:
+            return 0
+        if request_id in self._retained_checkpoints:
+            return 0
+        if any(not block.is_null for block in new_computed_blocks):
+            return 0
+        table = self.req_to_blocks.get(request_id, ())
+        return 0 if any(not b.is_null and b.block_hash is not None for b in table) else 1
 
 
 def _register() -> None:

@@ -289,7 +289,7 @@ def test_each_holder_is_named():
     a retained checkpoint, a ring page, a deferred free."""
     manager = _healthy(False)
     retaining = next(m for m in manager.managers if hasattr(m, "_retained_checkpoints"))
-    checkpoint = retaining._retained_checkpoints["R0"]
+    checkpoint = retaining.retained_checkpoints()["R0"]
     checkpoint.ref_cnt += 1
     with pytest.raises(AllocatorInvariantError, match=r"\['group \d+ checkpoint of R0'\]"):
         check_allocator(manager)
@@ -324,7 +324,7 @@ def test_checkpoints_and_ring_pages_belong_to_their_group(holder):
     manager = _healthy(holder == "ring page")
     if holder == "checkpoint":
         retaining = next(m for m in manager.managers if hasattr(m, "_retained_checkpoints"))
-        block = retaining._retained_checkpoints["R0"]
+        block = retaining.retained_checkpoints()["R0"]
     else:
         [block] = manager.ring_slot_pools[0].pages()
     block.ref_cnt += 1

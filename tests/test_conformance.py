@@ -105,8 +105,10 @@ def test_the_shapes_exercise_what_they_are_named_for(layout, mode):
     hits = _steps(_reference("prefix-hits", layout, mode)).steps
     assert sum(s.prefix_cache_hits_tokens for s in hits) >= 5 * 3200
     preemption = _steps(_reference("heavy-preemption", layout, mode)).steps
-    assert sum(len(s.preempted) for s in preemption) >= 10
-    assert sum(len(s.resumed) for s in preemption) >= 10
+    # Upstream (conformance runs every fork patch off): 7 to 49 preemptions
+    # across the layouts and modes at the shape's 0.8 GB pool.
+    assert sum(len(s.preempted) for s in preemption) >= 5
+    assert sum(len(s.resumed) for s in preemption) >= 5
     prompts = {r.request_id: r.prompt_len for r in _requests("long-chunked")}
     chunks = [
         (rid, done)

@@ -583,6 +583,8 @@ def test_preemptions_and_sampled_drafts_are_vllms(hand_scenario_file, monkeypatc
             "deployment.max_model_len=6400",
             "mtp.acceptance_rates=[0.5,0.5,0.5]",
             "scheduler.defer_block_free=false",
+            # vLLM's own Scheduler is the oracle for upstream only.
+            "fork=upstream",
         ],
     )
     plan = plan_kv_cache(

@@ -175,7 +175,7 @@ def test_new_layout_admitting_fewer_fails_even_under_update(
         plan = real(model, deployment, side_cache_layout=side_cache_layout, **kw)
         if not side_cache_layout:
             return plan
-        return real(model, deployment, side_cache_layout=True, num_gpu_blocks_override=plan.num_blocks // 2)
+        return real(model, deployment, side_cache_layout=True, num_gpu_blocks_override=plan.num_blocks // 3)
 
     monkeypatch.setattr(sim.engine, "plan_kv_cache", smaller_on_pool)
     assert cli(str(gates_file), "--update", "--report", str(tmp_path)) == 1

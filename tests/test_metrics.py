@@ -241,10 +241,10 @@ def test_a_scheduler_field_the_scheduler_lacks_is_an_error(tmp_path) -> None:
 def test_every_allocator_section_field_reaches_the_manager(tmp_path) -> None:
     sc = scenario(
         tmp_path,
-        overrides=["allocator.retain_mamba_checkpoint=false", "allocator.enable_prefix_caching=false"],
+        overrides=["fork=upstream", "allocator.enable_prefix_caching=false"],
         workload=TINY,
     )
-    assert set(allocator_options(sc.allocator)) == {"retain_mamba_checkpoint", "enable_caching"}
+    assert set(allocator_options(sc.allocator)) == {"enable_caching"}
     manager = Simulation(sc, "on", workload=None).kv_cache_manager  # type: ignore[arg-type]
     assert manager.enable_caching is False
     assert manager.num_retained_checkpoints() == 0 and not any(

@@ -22,10 +22,16 @@ from helpers.allocator import MAX_LEN, TINY_MODEL, K, tiny_plan
 from helpers.scheduler import CheckedEngine, tiny_scheduler, tiny_spec
 
 from sim.config import DeploymentConfig, load_model
+from sim.fork_patches import ForkPatches
 from sim.kv_cache_manager import MTPHashing, build_kv_cache_manager
 from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
 from sim.sched.output import ScheduledRequest, SchedulerOutput
 from sim.sched.scheduler import Scheduler, SchedulerConfig
+
+# vLLM's own admission and victim rules, derived by hand from vLLM 0.33.0:
+# run upstream (the fork's admission also reserves each Mamba group's
+# checkpoint; tests/test_fork_retention.py pins that).
+UPSTREAM = ForkPatches.upstream()
 
 # A 60-token prompt: 60 + K = 63 tokens span 2 attention blocks; 2 + 3 x 4 = 14
 # blocks of its own, and one slot of the ring page.
@@ -58,7 +64,7 @@ def test_a_request_preempted_right_after_its_first_step_waits_for_its_fence(
     r001's blocks cannot be freed, nothing is preempted and nothing runs
     (an empty step, during which the step in flight completes); step 3
     preempts."""
-    scheduler = tiny_scheduler(num_blocks=30, batches=batches, defer=defer, budget=512)
+    scheduler = tiny_scheduler(num_blocks=30, batches=batches, defer=defer, budget=512, fork=UPSTREAM)
     engine = CheckedEngine(scheduler, rates=(0.0,))
     scheduler.add_request(tiny_spec(0, 60, output=5))
     scheduler.add_request(tiny_spec(1, 60, output=5))
@@ -348,7 +354,7 @@ def test_a_request_that_is_its_own_victim_is_not_scheduled():
     request, r000 itself: preempted, and not scheduled in that step (all
     its 14 blocks and the ring page back: 15 free). Step 3 resumes it: 59 tokens (prompt and the one
     output) recomputed."""
-    scheduler = tiny_scheduler(num_blocks=16, budget=512, batches=1)
+    scheduler = tiny_scheduler(num_blocks=16, budget=512, batches=1, fork=UPSTREAM)
     engine = CheckedEngine(scheduler, rates=(0.0,))
     scheduler.add_request(tiny_spec(0, 58))
     engine.step()
@@ -365,7 +371,7 @@ def test_admission_needs_the_lookahead_slots_too(prompt, admitted):
     """A 16-block pool holds one request's 12 Mamba blocks, the ring page and
     2 attention blocks (64 tokens). vLLM admits a prompt with K = 3
     lookahead slots: 61 + 3 = 64 fits; 62 + 3 = 65 needs a third block."""
-    scheduler = tiny_scheduler(num_blocks=16, budget=512, batches=1)
+    scheduler = tiny_scheduler(num_blocks=16, budget=512, batches=1, fork=UPSTREAM)
     scheduler.add_request(tiny_spec(0, prompt))
     output = scheduler.schedule()
     assert (output.new_request_ids == ("r000",)) is admitted

@@ -201,7 +201,8 @@ def test_launch_command_is_the_scenario_deployment_as_vllm_reads_it(tmp_path):
         workload=NO_WORKLOAD,
         deployment={"max_num_seqs": 12, "max_model_len": 65536},
         scheduler={"max_num_batched_tokens": 4096},
-        allocator={"enable_prefix_caching": False, "retain_mamba_checkpoint": False},
+        allocator={"enable_prefix_caching": False},
+        fork={"mamba_retain_checkpoint": False},
     )
     command = vllm_serve_command(sc, "/models/flash-next", port=8123)
     assert command[:3] == ["vllm", "serve", "/models/flash-next"]

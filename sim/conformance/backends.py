@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from sim.fork_patches import ForkPatches
 from sim.kv_cache_manager import (
     MTPHashing,
     RingCircularBufferManager,
@@ -76,12 +77,12 @@ class KvsimBackend:
         config: SchedulerConfig,
         runner: ModelRunner,
         *,
-        retain_mamba_checkpoint: bool,
+        fork: ForkPatches,
         enable_caching: bool,
     ) -> None:
         self.kv_cache_manager = build_kv_cache_manager(
             plan,
-            retain_mamba_checkpoint=retain_mamba_checkpoint,
+            fork=fork,
             enable_caching=enable_caching,
             mtp_hashing=config.mtp_hashing,
         )
@@ -135,13 +136,13 @@ class VllmBackend:
         settings: Any,
         runner: ModelRunner,
         *,
-        retain_mamba_checkpoint: bool,
+        fork: ForkPatches,
     ) -> None:
         from sim.vllm_bridge import scheduler as vllm_scheduler
 
         self._api = vllm_scheduler
         self.vllm_config = vllm_scheduler.build_vllm_config(settings)
-        kv_cache_config = scheduler_kv_cache_config(plan, retain_mamba_checkpoint=retain_mamba_checkpoint)
+        kv_cache_config = scheduler_kv_cache_config(plan, fork=fork)
         self.scheduler = vllm_scheduler.build_vllm_scheduler(self.vllm_config, kv_cache_config)
         self._hasher = vllm_scheduler.request_block_hasher(self.vllm_config, self.scheduler.hash_block_size)
         self.runner = runner

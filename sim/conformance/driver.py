@@ -29,7 +29,7 @@ from sim.conformance.backends import (
 from sim.engine import scheduler_config
 from sim.kv_cache_manager import MTPHashing, MTPHashMode
 from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
-from sim.scenario import Scenario, SideCacheSwitch
+from sim.scenario import ForkSection, Scenario, SideCacheSwitch
 from sim.sched.scheduler import RequestSpec
 from sim.step_time import StepTimeModel
 
@@ -139,7 +139,7 @@ def kvsim_backend(scenario: Scenario, plan: KVCachePlan) -> KvsimBackend:
         plan,
         scheduler_config(scenario, scenario.load_model(), plan),
         model_runner(scenario.mtp.acceptance_rates, scenario.seed),
-        retain_mamba_checkpoint=scenario.allocator.retain_mamba_checkpoint,
+        fork=scenario.fork.patches(),
         enable_caching=scenario.allocator.enable_prefix_caching,
     )
 
@@ -169,7 +169,7 @@ def vllm_backend(scenario: Scenario, plan: KVCachePlan) -> VllmBackend:
             plan,
             settings,
             model_runner(scenario.mtp.acceptance_rates, scenario.seed),
-            retain_mamba_checkpoint=scenario.allocator.retain_mamba_checkpoint,
+            fork=scenario.fork.patches(),
         )
     except Exception as error:  # any failure of a vLLM we cannot drive
         first_line = (str(error).strip().splitlines() or [""])[0][:200]
@@ -180,11 +180,14 @@ def vllm_backend(scenario: Scenario, plan: KVCachePlan) -> VllmBackend:
 
 def conformance_scenario(scenario: Scenario, mode: MTPHashMode | None = None) -> Scenario:
     """The scenario as compared: fenced frees off (vLLM fences only with a
-    KV-consumer connector), the requested MTP hashing mode."""
+    KV-consumer connector), the requested MTP hashing mode, and upstream
+    vLLM 0.33.0 (every fork patch off: vLLM's Scheduler is the oracle only
+    for what vLLM itself does; the fork's patches are pinned by their own
+    tests, ``tests/test_fork_*.py``)."""
     section = scenario.scheduler.model_copy(
         update={"defer_block_free": False, **({"mtp_hash_mode": mode} if mode else {})}
     )
-    return scenario.model_copy(update={"scheduler": section})
+    return scenario.model_copy(update={"scheduler": section, "fork": ForkSection(base="upstream")})
 
 
 @dataclass(frozen=True, kw_only=True)

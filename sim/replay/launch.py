@@ -48,7 +48,7 @@ def server_env(scenario: Scenario, layout: SideCacheSwitch) -> dict[str, str]:
     """The fork's switches for this layout and the scenario's allocator."""
     return {
         "VLLM_E2_SIDE_CACHE_LAYOUT": "1" if layout == "on" else "0",
-        "VLLM_E2_MAMBA_RETAIN_CHECKPOINT": "1" if scenario.allocator.retain_mamba_checkpoint else "0",
+        "VLLM_E2_MAMBA_RETAIN_CHECKPOINT": "1" if scenario.fork.patches().mamba_retain_checkpoint else "0",
         "VLLM_PP_LAYER_PARTITION": ",".join(str(n) for n in scenario.deployment.layer_partition),
     }
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from sim.allocator_invariants import check_allocator
 from sim.config import DeploymentConfig, load_model
+from sim.fork_patches import ForkPatches
 from sim.kv_cache_manager import KVCacheManager, build_kv_cache_manager
 from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
 from sim.single_type_kv_cache_manager import RetainingMambaManager, RingCircularBufferManager
@@ -42,7 +43,9 @@ def tiny_plan(on: bool) -> KVCachePlan:
 
 
 def tiny_manager(on: bool, num_blocks: int = 400, *, retain: bool = True) -> KVCacheManager:
-    return build_kv_cache_manager(tiny_plan(on), retain_mamba_checkpoint=retain, num_gpu_blocks=num_blocks)
+    return build_kv_cache_manager(
+        tiny_plan(on), fork=ForkPatches(mamba_retain_checkpoint=retain), num_gpu_blocks=num_blocks
+    )
 
 
 def request(rid: str, tokens: list[int]) -> Request:

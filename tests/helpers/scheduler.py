@@ -8,6 +8,7 @@ import numpy as np
 
 from helpers.allocator import K, tiny_plan
 from sim.allocator_invariants import check_allocator
+from sim.fork_patches import AS_SHIPPED, ForkPatches
 from sim.kv_cache_manager import build_kv_cache_manager
 from sim.sched.engine_core import EngineCore
 from sim.sched.model_runner import AcceptanceModel, ModelRunner, accepted_drafts
@@ -37,8 +38,9 @@ def tiny_scheduler(
     defer: bool = True,
     budget: int = 64,
     seqs: int = 8,
+    fork: ForkPatches = AS_SHIPPED,
 ) -> Scheduler:
-    manager = build_kv_cache_manager(tiny_plan(on), num_gpu_blocks=num_blocks)
+    manager = build_kv_cache_manager(tiny_plan(on), num_gpu_blocks=num_blocks, fork=fork)
     config = SchedulerConfig(
         max_num_seqs=seqs,
         max_num_batched_tokens=budget,

@@ -1,0 +1,41 @@
+"""Which of the fork's decision-changing patches a run applies.
+
+No twin in vLLM: the fork (``halt95/qwen38-flash-next-3090s``, release
+v2.5.1) reads one environment switch for its Mamba checkpoint retention and
+has no switch for its other patches; kvsim gives each modelled patch a key so
+a scenario can run the fork as shipped (the defaults), upstream vLLM 0.33.0
+(``ForkPatches.upstream()``: every patch off), or the fork with any patch
+off. ``docs/fidelity.md`` has a row per patch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForkPatches:
+    """One switch per modelled patch, named after the fork's own switch
+    where it has one, else after the patch's subject; default = as shipped.
+    """
+
+    # VLLM_E2_MAMBA_RETAIN_CHECKPOINT (patches 0086, 0087; default 1): a
+    # running request keeps its newest hashed Mamba checkpoint, freed last,
+    # and full-sequence admission reserves it.
+    mamba_retain_checkpoint: bool = True
+    # Patch 0023 (port of vLLM #48532): a deferred free returns a request's
+    # blocks in the same per-group order as an immediate free.
+    deferred_free_eviction_order: bool = True
+
+    @classmethod
+    def upstream(cls) -> ForkPatches:
+        """vLLM 0.33.0 as released: every patch off."""
+        return cls(**{f.name: False for f in fields(cls)})
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+# The fork as shipped (v2.5.1): every modelled patch on.
+AS_SHIPPED = ForkPatches()

@@ -1,0 +1,169 @@
+"""Drive a small hybrid ``KVCacheManager`` the way the fork's patch tests do
+(``tests/v1/core/test_mamba_checkpoint_retention.py`` of
+``halt95/qwen38-flash-next-3090s``): block 32, MTP K=3 with the EAGLE drop,
+one attention group and two align-mode Mamba groups, prefix caching with
+retention interval 0, prefill chunks cut by vLLM's own Mamba-aligned split,
+decode steps of the last token plus K drafts with K lookahead slots.
+
+The manager is kvsim's (``sim.kv_cache_manager.KVCacheManager`` with kvsim's
+Mamba manager, built through vLLM's spec registry), configured by
+``ForkPatches``; the pool sizes and token counts are the fork tests'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+from helpers.allocator import request  # noqa: F401 (the tests take it from here)
+
+from sim.fork_patches import ForkPatches
+from sim.kv_cache_interface import RetainedCheckpointMambaSpec
+from sim.kv_cache_manager import KVCacheManager
+from sim.vllm_bridge import (
+    FullAttentionSpec,
+    KVCacheBlock,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaAlignedSplit,
+    MambaSpec,
+    Request,
+    init_none_hash,
+    sha256,
+)
+
+BLOCK = 32
+K = 3
+ATTN = 0
+MAMBA_GROUPS = (1, 2)
+
+
+def mamba_spec(fork: ForkPatches, block_size: int = BLOCK) -> MambaSpec:
+    values = dict(
+        block_size=block_size,
+        shapes=((1, 1),),
+        dtypes=(torch.float32,),
+        mamba_cache_mode="align",
+        num_speculative_blocks=K,
+    )
+    return RetainedCheckpointMambaSpec(**values) if fork.mamba_retain_checkpoint else MambaSpec(**values)
+
+
+def hybrid_manager(
+    num_blocks: int,
+    fork: ForkPatches,
+    *,
+    num_mamba_groups: int = 2,
+    hash_block_size: int = BLOCK,
+    num_prefill_lookahead: int = 0,
+) -> KVCacheManager:
+    init_none_hash(sha256)
+    attention = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float16)
+    groups = [KVCacheGroupSpec(["attn"], attention)]
+    groups += [KVCacheGroupSpec([f"gdn_{i}"], mamba_spec(fork)) for i in range(num_mamba_groups)]
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    manager = KVCacheManager(
+        replace(config, prefix_cache_retention_interval=0),
+        max_model_len=8192,
+        scheduler_block_size=BLOCK,
+        hash_block_size=hash_block_size,
+        enable_caching=True,
+        use_eagle=True,
+        num_prefill_lookahead=num_prefill_lookahead,
+    )
+    manager.deferred_free_eviction_order = fork.deferred_free_eviction_order
+    return manager
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return [seed * 10_000 + i for i in range(n)]
+
+
+def prefill(
+    manager: KVCacheManager,
+    req: Request,
+    budget: int = 8192,
+    split: Callable[[Request, int, int], int] | None = None,
+    chunks: list[int] | None = None,
+) -> int:
+    """The prompt in split chunks (vLLM's Mamba-aligned split unless
+    ``split`` is given; each chunk appended to ``chunks``); returns the
+    prefix hit it was admitted with."""
+    if split is None:
+        split = MambaAlignedSplit(block_size=BLOCK, max_num_scheduled_tokens=8192)
+    computed, num_hit = manager.get_computed_blocks(req)[:2]
+    first = True
+    while req.num_computed_tokens < req.num_tokens:
+        start = req.num_computed_tokens + (num_hit if first else 0)
+        num_new = split(req, min(req.num_tokens - start, budget), num_hit if first else 0)
+        assert num_new > 0
+        blocks = manager.allocate_slots(
+            req,
+            num_new,
+            num_new_computed_tokens=num_hit if first else 0,
+            new_computed_blocks=computed if first else None,
+            num_lookahead_tokens=K,
+        )
+        assert blocks is not None, "a prefill chunk did not fit"
+        req.num_computed_tokens = start + num_new
+        manager.new_step_starts()
+        if chunks is not None:
+            chunks.append(num_new)
+        first = False
+    return num_hit
+
+
+def decode(
+    manager: KVCacheManager,
+    req: Request,
+    steps: int,
+    accepted: Callable[[int], int] = lambda step: 0,
+    on_step: Callable[[], None] | None = None,
+) -> None:
+    """MTP decode steps: the last token and K drafts, K lookahead slots;
+    ``accepted(step)`` drafts accepted."""
+    next_token = 50_000 + len(req.output_token_ids)
+    if req.num_computed_tokens == req.num_tokens:
+        req.append_output_token_ids(next_token)  # sampled by the prefill
+        next_token += 1
+    for step in range(steps):
+        req.spec_token_ids = [next_token + i for i in range(K)]
+        blocks = manager.allocate_slots(req, 1 + K, num_lookahead_tokens=K)
+        assert blocks is not None, "a decode step did not fit"
+        num_accepted = accepted(step)
+        req.spec_token_ids = []
+        req.num_computed_tokens += 1 + num_accepted
+        req.append_output_token_ids(list(range(next_token, next_token + num_accepted + 1)))
+        next_token += num_accepted + 1
+        manager.new_step_starts()
+        if on_step is not None:
+            on_step()
+
+
+def free_queue_ids(manager: KVCacheManager) -> list[int]:
+    return [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()]
+
+
+def cached_state(
+    manager: KVCacheManager, req: Request, num_tokens: int, group_id: int
+) -> KVCacheBlock | None:
+    """The group's block keyed at ``num_tokens`` of ``req`` (hash unit = block)."""
+    cached = manager.block_pool.get_cached_block(req.block_hashes[num_tokens // BLOCK - 1], [group_id])
+    return None if cached is None else cached[0]
+
+
+def admission_need(manager: KVCacheManager, req: Request, computed=None, num_hit: int = 0) -> int:
+    """The full-sequence gate's block count (vLLM's ``allocate_slots`` with
+    ``full_sequence_must_fit``)."""
+    blocks = manager.empty_kv_cache_blocks.blocks if computed is None else computed.blocks
+    return manager.coordinator.get_num_blocks_to_allocate(
+        request_id=req.request_id,
+        num_tokens=req.num_tokens,
+        new_computed_blocks=blocks,
+        num_encoder_tokens=0,
+        total_computed_tokens=num_hit,
+        num_local_computed_tokens=num_hit,
+        num_tokens_main_model=req.num_tokens,
+        apply_admission_cap=True,
+    )

@@ -1,0 +1,81 @@
+"""Patch 0023 (port of vLLM #48532): a deferred free (the fence's
+``pop_blocks_for_free``, drained reversed as vLLM's scheduler drains it)
+evicts a request's blocks in the same order as an immediate ``free``: each
+group's tail first, group after group. The fork's test value: two groups
+holding blocks 1-3 and 4-6 evict as [3, 2, 1, 6, 5, 4]; upstream 0.33.0's
+flat reversal gives [6, 5, 4, 3, 2, 1] (the failing control)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fork_driver import BLOCK, decode, free_queue_ids, hybrid_manager, prefill, request, tokens
+
+from sim.fork_patches import ForkPatches
+from sim.kv_cache_manager import KVCacheManager
+from sim.vllm_bridge import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, init_none_hash, sha256
+
+
+def _two_attention_groups(eviction_order: bool) -> KVCacheManager:
+    init_none_hash(sha256)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float16)
+    groups = [KVCacheGroupSpec(["a"], spec), KVCacheGroupSpec(["b"], spec)]
+    manager = KVCacheManager(
+        KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups),
+        max_model_len=1024,
+        scheduler_block_size=BLOCK,
+        hash_block_size=BLOCK,
+    )
+    manager.deferred_free_eviction_order = eviction_order
+    return manager
+
+
+def _freed_order(manager: KVCacheManager, deferred: bool) -> list[int]:
+    req = request("R", tokens(1, 3 * BLOCK))
+    assert manager.allocate_slots(req, 3 * BLOCK) is not None
+    assert manager.get_block_ids("R") == ([1, 2, 3], [4, 5, 6])
+    before = len(free_queue_ids(manager))
+    if deferred:
+        manager.block_pool.free_blocks(reversed(manager.pop_blocks_for_free(req)))
+    else:
+        manager.free(req)
+    return free_queue_ids(manager)[before:]
+
+
+@pytest.mark.parametrize(
+    "eviction_order, deferred_order", [(True, [3, 2, 1, 6, 5, 4]), (False, [6, 5, 4, 3, 2, 1])]
+)
+def test_a_deferred_free_evicts_group_by_group(eviction_order, deferred_order):
+    manager = _two_attention_groups(eviction_order)
+    assert _freed_order(manager, deferred=True) == deferred_order
+    # An immediate free is the same in both worlds.
+    assert _freed_order(_two_attention_groups(eviction_order), deferred=False) == [3, 2, 1, 6, 5, 4]
+
+
+@pytest.mark.parametrize(
+    "retain, eviction_order",
+    [(True, True), (False, True), (True, False)],
+    ids=["as-shipped", "retain-off", "upstream-order-control"],
+)
+def test_the_fence_and_free_agree_on_the_fork_hybrid(retain, eviction_order):
+    """On the fork's hybrid (attention + two Mamba groups, retained
+    checkpoints freed last) the fenced free queues the cached blocks (the
+    LRU part of the free queue) exactly as the immediate one does. Uncached
+    blocks go to the queue's head in each ``free_blocks`` call's order, so
+    one drain call and one call per group place them differently, in the
+    fork as here. CONTROL: upstream's order with checkpoints held (two
+    groups with cached blocks at the end) differs."""
+    orders = []
+    for deferred in (False, True):
+        fork = ForkPatches(mamba_retain_checkpoint=retain, deferred_free_eviction_order=eviction_order)
+        manager = hybrid_manager(64, fork)
+        a = request("A", tokens(1, 150))
+        prefill(manager, a)
+        decode(manager, a, steps=4)
+        if deferred:
+            manager.block_pool.free_blocks(reversed(manager.pop_blocks_for_free(a)))
+        else:
+            manager.free(a)
+        pool = manager.block_pool
+        orders.append([i for i in free_queue_ids(manager) if pool.blocks[i].block_hash is not None])
+    assert (orders[0] == orders[1]) is eviction_order
