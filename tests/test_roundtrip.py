@@ -231,7 +231,12 @@ _SCENARIO_KEYS = {
         "mtp_hash_mode": st.sampled_from(["eagle-drop", "lookahead"]),
     }),
     "mtp": _subset({"acceptance_rates": st.lists(st.floats(0, 1), min_size=3, max_size=3)}),
-    "allocator": _subset({"retain_mamba_checkpoint": st.booleans(), "enable_prefix_caching": st.booleans()}),
+    "allocator": _subset({"enable_prefix_caching": st.booleans()}),
+    "fork": _subset({
+        "base": st.sampled_from(["fork", "upstream"]),
+        "mamba_retain_checkpoint": st.booleans(),
+        "deferred_free_eviction_order": st.booleans(),
+    }),
     "step_time": _subset({"step_overhead_s": st.floats(1e-4, 0.1), "memory_efficiency": st.floats(0.05, 1)}),
     "simulation": _subset({
         "max_time_s": st.one_of(st.none(), _positive),
