@@ -13,7 +13,7 @@ SIM = Path(__file__).resolve().parents[1] / "sim"
 
 # Lowest first. A module may import only modules of its own or a lower layer.
 LAYERS: list[tuple[str, ...]] = [
-    ("sim.config", "sim.paths", "sim.metrics"),
+    ("sim.config", "sim.paths", "sim.metrics", "sim.model_arch"),
     ("sim.vllm_bridge",),
     ("sim.model_specs", "sim.kv_cache_interface", "sim.kv_cache_utils", "sim.kv_cache_plan"),
     (
