@@ -20,5 +20,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "export_trace",
     "validate",
     "calibrate",
+    "published",
     "replay_pool",
 )
