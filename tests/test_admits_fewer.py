@@ -9,7 +9,7 @@ import pytest
 from sim.analysis.runs import run_scenario
 from sim.scenario import load_scenario
 
-HORIZON_S = 90.0  # the shipped run stops at 150 s; the reversal shows by 90 s
+HORIZON_S = 180.0  # the shipped run stops at 300 s; the reversal shows by 180 s
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,6 @@ def test_the_new_layout_admits_fewer(requests):
 def test_before_the_outputs_grow_the_new_layout_admits_more(requests):
     """Control: the reversal is not a constant handicap of the new layout.
     While the first requests still fit their prompt's blocks (admission is
-    causal, so counting admissions before 30 s is a 30 s run) it admits more."""
+    causal, so counting admissions before 60 s is a 60 s run) it admits more."""
     frame, _ = requests
-    assert _admitted_by(frame, "on", 30.0) > _admitted_by(frame, "off", 30.0)
+    assert _admitted_by(frame, "on", 60.0) > _admitted_by(frame, "off", 60.0)
