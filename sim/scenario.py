@@ -31,6 +31,7 @@ from sim.config import (
 )
 from sim.fork_patches import ForkPatches
 from sim.paths import DEFAULT_MODEL, SCENARIOS_DIR
+from sim.rig import check_rig_names
 from sim.step_time import StepTimeConfig
 from sim.workloads import WorkloadConfig
 
@@ -56,9 +57,24 @@ class SchedulerSection(StrictModel):
 
 
 class MTPSection(StrictModel):
-    """Draft acceptance: P(draft i accepted | drafts before it accepted)."""
+    """Draft acceptance: P(draft i accepted | drafts before it accepted),
+    given as rates or as a profile measured on the rig
+    (``scenarios/rig/acceptance.yaml``; ``sim.rig``)."""
 
     acceptance_rates: tuple[float, ...] = (0.8, 0.7, 0.6)
+    acceptance_profile: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rates_of_the_profile(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("acceptance_profile") is None:
+            return data
+        if "acceptance_rates" in data:
+            raise ValueError("give acceptance_rates or acceptance_profile, not both")
+        from sim.rig import acceptance_profile
+
+        rates = acceptance_profile(str(data["acceptance_profile"])).acceptance_rates()
+        return {**data, "acceptance_rates": rates}
 
     @model_validator(mode="after")
     def _rates_are_probabilities(self) -> MTPSection:
@@ -178,9 +194,13 @@ class Scenario(StrictModel):
         values = {
             "tensor_parallel_size": self.deployment.tensor_parallel_size,
             "pipeline_parallel_size": self.deployment.pipeline_parallel_size,
+            "layer_partition": self.deployment.layer_partition,
+            "num_speculative_tokens": self.load_model().mtp.num_speculative_tokens,
             **self.step_time,
         }
-        return validate(StepTimeConfig, values, f"{source}: step_time")
+        config = validate(StepTimeConfig, values, f"{source}: step_time")
+        check_rig_names(config, source)
+        return config
 
 
 def resolve_scenario_path(name_or_path: str) -> Path:

@@ -1,183 +1,375 @@
-"""How long one engine step takes on the rig: a pure function of what the
-step scheduled. No twin in vLLM (the real engine measures time; kvsim
-models it). The derivation of every default is in docs/step-time-model.md.
+"""How long one micro-batch takes on each pipeline stage of the rig: a pure
+function of what the scheduler put in it. No twin in vLLM (the real engine
+measures time; kvsim models it). The derivation of every default is in
+docs/step-time-model.md.
 
-A step is priced as a roofline per pipeline stage. The step's requests are
-split over ``m = min(pp, requests)`` micro-batches (PP keeps that many
-batches in flight). Every request passes every stage once per step, and a
-stage works on one micro-batch at a time, so the step period is ``pp``
-stage-times of one micro-batch (the pipeline is full when ``m = pp``; with
-fewer micro-batches the stages wait for each other):
+The engine loop asks two things (the PP pipeline is built from them):
 
-    step_s = overhead_s + pp * stage_s(step / m)
-    stage_s(b) = max(bytes(b) / stage_bandwidth, flops(b) / stage_flops) + comm_s(b)
+    stage_s(output, stage)  seconds stage ``stage`` spends on the micro-batch
+    handoff_s(output)       the activation hand-off from one stage to the next
 
-``bytes`` counts the weights a micro-batch touches (dense weights plus the
-distinct MoE experts its tokens route to), the attention KV its decode tokens
-read (QSA reads compressed keys over the whole context and the top-k raw
-entries), and the GDN/PLE states read and written. ``flops`` is two per
-active parameter per token plus attention over the context. ``comm_s`` is
-two TP all-reduces per layer and one PP hand-off.
+A stage's time is a roofline of the layers it owns, per TP rank (the ranks
+of a stage work in parallel):
+
+    stage_s = max(bytes / (bandwidth x memory_efficiency),
+                  flops / (tensor_flops x clock fraction x compute_efficiency))
+              + layers x (kernel overhead + 2 TP all-reduces)
+              + the first stage's host gathers (token embedding, PLE rows)
+              + the last stage's sampling, MTP draft passes and step overhead
+
+``bytes``: the stage's dense weights, the distinct routed experts the
+micro-batch's tokens touch (expert parallel: each rank holds 1/tp of them),
+the QSA KV a decode reads (the indexer's compressed keys of the whole
+context, the top-k selected entries), the GDN states read and written.
+``flops``: two per active parameter per token, the QSA indexer over the
+compressed keys and attention over the top-k selected keys, the GDN
+recurrence. ``step_time_s`` is what a synchronous engine waits for: the
+step's micro-batches pushed through the stages (``pipeline_s``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from sim import model_arch
 from sim.config import StrictModel
+from sim.rig import GPU, Quantization, gpu, quantization
 from sim.sched.output import ScheduledRequest, SchedulerOutput
+
+# Groups every TP rank holds whole (the others are sharded over TP): vLLM's
+# qwen4_exp builds the hyper-connections, the router, the indexer (one key
+# head) and the PLE module as replicated layers.
+REPLICATED = frozenset({"hyper_connections", "router", "indexer", "ple_module", "final_mixer"})
 
 
 class StepTimeConfig(StrictModel):
     """Coefficients of the step-time model; defaults: the Flash-Next
-    deployment on 4x RTX 3090 (TP2 x PP2). Every key can be overridden from
-    a scenario's ``step_time:`` section."""
+    deployment on 4x RTX 3090 (TP2 x PP2, layers 25/23). Every key can be
+    overridden from a scenario's ``step_time:`` section."""
 
-    gpu_memory_bandwidth_bytes_per_s: float = Field(936.2e9, gt=0)
-    memory_efficiency: float = Field(0.35, gt=0, le=1)
-    gpu_peak_flops: float = Field(71.0e12, gt=0)
-    compute_efficiency: float = Field(0.12, gt=0, le=1)
-    # Weights (Qwen3-Next-80B-A3B class MoE, 4-bit weights with scales).
-    weight_bits: float = Field(4.5, gt=0)
-    dense_params: float = Field(1.49e9, ge=0)  # non-expert params, read every step
-    active_params_per_token: float = Field(3.0e9, gt=0)
-    num_moe_layers: int = Field(49, ge=0)  # 48 layers + the MTP layer
-    experts_per_layer: int = Field(512, gt=0)
-    experts_per_token: int = Field(10, ge=0)
-    params_per_expert: float = Field(3 * 2048 * 512, ge=0)
-    # Attention (13 QSA layers incl. MTP; bytes per token per TP rank).
-    num_attention_layers: int = Field(13, ge=0)
-    kv_bytes_per_token: float = Field(512.0, ge=0)  # fp8 K+V, 1 KV head x 256
-    compressed_key_bytes_per_token: float = Field(64.0, ge=0)  # 128 x bf16 / 4 tokens
-    qsa_topk_tokens: int = Field(2048, ge=0)
-    compressed_tokens_per_state: int = Field(4, gt=0)
-    attention_flops_per_token_pair: float = Field(4 * 8 * 256, ge=0)  # 4 x q-heads x head per rank
-    # Recurrent state read and written per request per step (per TP rank).
-    num_gdn_layers: int = Field(36, ge=0)
-    gdn_state_bytes: float = Field(1_634_304.0, ge=0)
-    ple_state_bytes: float = Field(245_760.0, ge=0)
-    # Interconnect (PCIe 4.0 x16 between the cards, no NVLink).
-    hidden_size: int = Field(2048, gt=0)
-    activation_bytes: int = Field(2, gt=0)
-    interconnect_bandwidth_bytes_per_s: float = Field(12.0e9, gt=0)
-    allreduce_latency_s: float = Field(20e-6, ge=0)
+    gpu: str = "rtx3090-220w"  # scenarios/rig/gpus.yaml
+    quantization: str = "w4a16-merlin"  # scenarios/rig/quantizations.yaml
+    architecture: str | None = None  # an architecture file; None: the shipped Flash-Next
+    memory_efficiency: float = Field(0.76, gt=0, le=1)
+    compute_efficiency: float = Field(0.74, gt=0, le=1)
+    p2p_bandwidth_bytes_per_s: float = Field(20.0e9, gt=0)
+    allreduce_latency_s: float = Field(18e-6, ge=0)
     pp_send_latency_s: float = Field(30e-6, ge=0)
-    # Scheduler, sampling, MTP draft and launch overhead per step.
-    step_overhead_s: float = Field(5.0e-3, ge=0)
+    host_read_efficiency: float = Field(0.3, gt=0, le=1)
+    host_gather_latency_s: float = Field(30e-6, ge=0)
+    kernel_overhead_per_layer_s: float = Field(40e-6, ge=0)
+    sampling_s: float = Field(0.3e-3, ge=0)
+    step_overhead_s: float = Field(1.0e-3, ge=0)
+    gdn_flops_per_state_entry: float = Field(8.0, ge=0)
     tensor_parallel_size: int = Field(2, gt=0)
     pipeline_parallel_size: int = Field(2, gt=0)
+    layer_partition: tuple[int, ...] | None = None  # None: as even as it goes
+    num_speculative_tokens: int = Field(3, ge=0)
+    # A linear clock instead of the roofline (tests, what-ifs): a step is
+    # step_overhead_s + tokens x seconds_per_token, spread over the stages.
+    seconds_per_token: float | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _partition_matches_pp(self) -> StepTimeConfig:
+        if self.layer_partition is not None and len(self.layer_partition) != self.pipeline_parallel_size:
+            raise ValueError(
+                f"layer_partition: {len(self.layer_partition)} stages for pp {self.pipeline_parallel_size}"
+            )
+        return self
 
 
 @dataclass(frozen=True, kw_only=True)
-class _MicroBatch:
-    num_tokens: float
-    num_decode_requests: float
-    decode_context_tokens: float  # sum of decode requests' contexts
-    decode_topk_tokens: float  # sum of min(context, top-k)
-    prefill_attention_pairs: float  # query x key pairs of prefill tokens
-    num_requests: float
+class _Batch:
+    """What a micro-batch asks of every layer (sums over its requests)."""
+
+    tokens: float
+    requests: float
+    logit_rows: float  # decode tokens, one per prefill chunk
+    decode_index_keys: float  # compressed keys the decode requests' indexers read
+    decode_topk: float  # selected KV entries the decode requests read
+    query_index_keys: float  # sum over query tokens of the keys each one's indexer scores
+    query_topk: float  # sum over query tokens of the keys each attends to
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Stage:
+    """Per TP rank: the weights a stage owns and what a token multiplies."""
+
+    num_layers: int
+    num_qsa: int
+    num_gdn: int
+    dense_bytes: float
+    dense_params: float  # active per token, experts excluded
+    is_first: bool
+    is_last: bool
 
 
 class StepTimeModel:
-    """``step_time_s(output)``: seconds one scheduled step takes."""
+    """``stage_s``/``handoff_s`` per micro-batch; ``step_time_s`` per step."""
 
     def __init__(self, config: StepTimeConfig) -> None:
-        self.config = config
-        c = config
-        self._stage_bandwidth = (
-            c.tensor_parallel_size * c.gpu_memory_bandwidth_bytes_per_s * c.memory_efficiency
+        self.config = c = config
+        path = Path(c.architecture) if c.architecture else model_arch.DEFAULT_ARCHITECTURE
+        self.arch = a = model_arch.load_architecture(path)
+        self.gpu: GPU = gpu(c.gpu)
+        self.quant: Quantization = quantization(c.quantization)
+        self._bandwidth = self.gpu.memory_bandwidth_bytes_per_s * c.memory_efficiency
+        self._flops = self.gpu.sustained_flops * c.compute_efficiency
+        tp = c.tensor_parallel_size
+        self._expert_params = model_arch.layer_params(a, 0)["routed_experts"]
+        self._expert_bytes = self._bytes("routed_experts", self._expert_params) / tp
+        self._stages = _stages(self, partition(c, a.num_hidden_layers))
+        mtp = model_arch.mtp_layer_params(a)
+        self._mtp_bytes = self._dense_bytes(mtp)
+        self._mtp_params = self._dense_params(mtp)
+        head = model_arch.model_params(a)
+        self._lm_head_bytes = self._dense_bytes(
+            {"lm_head": head["lm_head"], "final_mixer": head["final_mixer"]}
         )
-        self._stage_flops = c.tensor_parallel_size * c.gpu_peak_flops * c.compute_efficiency
-        self._bytes_per_param = c.weight_bits / 8
+        self._lm_head_params = head["lm_head"] / tp
 
-    def step_time_s(self, output: SchedulerOutput) -> float:
+    # ---------------------------------------------------------- interface
+    def stage_s(self, output: SchedulerOutput, stage: int) -> float:
+        """Seconds stage ``stage`` spends on the micro-batch ``output``."""
         if output.is_empty:
             return 0.0
+        c = self.config
+        if c.seconds_per_token is not None:
+            work = output.total_num_scheduled_tokens * c.seconds_per_token / c.pipeline_parallel_size
+            return work + (c.step_overhead_s if stage == c.pipeline_parallel_size - 1 else 0.0)
+        batch = _batch(output.scheduled, self.arch)
+        st = self._stages[stage]
+        seconds = self._layers_s(st, batch) + st.num_layers * self._layer_fixed_s(batch.tokens)
+        if st.is_first:
+            seconds += self._host_gather_s(batch)
+        if st.is_last:
+            seconds += self._last_stage_extra_s(batch, output)
+        return seconds
+
+    def handoff_s(self, output: SchedulerOutput) -> float:
+        """The hidden states (every hyper-connection stream, BF16) sent
+        from one stage to the next over PCIe P2P."""
+        c = self.config
+        if c.seconds_per_token is not None or c.pipeline_parallel_size == 1:
+            return 0.0
+        message = output.total_num_scheduled_tokens * self.arch.hc_hidden_size * 2
+        return c.pp_send_latency_s + message / c.p2p_bandwidth_bytes_per_s
+
+    def step_time_s(self, output: SchedulerOutput) -> float:
+        """A synchronous step: the step's requests in ``min(pp, requests)``
+        micro-batches pushed through the pipeline (``pipeline_s``)."""
+        if output.is_empty:
+            return 0.0
+        return self.pipeline_s(split(output, min(self.config.pipeline_parallel_size, len(output.scheduled))))
+
+    def pipeline_s(self, micro_batches: list[SchedulerOutput]) -> float:
+        """When the last micro-batch leaves the last stage: micro-batch j
+        enters stage s when it has left stage s-1 (and crossed the
+        hand-off) and stage s has finished micro-batch j-1."""
         pp = self.config.pipeline_parallel_size
-        micro_batches = min(pp, len(output.scheduled))
-        micro = _micro_batch(
-            output.scheduled,
-            self.config.qsa_topk_tokens,
-            1 / self.config.compressed_tokens_per_state,
-            micro_batches,
+        free_at = [0.0] * pp
+        for micro in micro_batches:
+            ready = 0.0
+            for stage in range(pp):
+                ready = max(ready, free_at[stage]) + self.stage_s(micro, stage)
+                free_at[stage] = ready
+                ready += self.handoff_s(micro) if stage < pp - 1 else 0.0
+        return free_at[-1]
+
+    # ------------------------------------------------------------- pieces
+    def _bytes(self, group: str, params: float) -> float:
+        return params * self.quant.bytes_per_param(group)
+
+    def _dense_bytes(self, groups: dict[str, int]) -> float:
+        """Per TP rank, routed experts excluded."""
+        tp = self.config.tensor_parallel_size
+        return sum(
+            self._bytes(g, n) / (1 if g in REPLICATED else tp)
+            for g, n in groups.items()
+            if g != "routed_experts"
         )
-        return self.config.step_overhead_s + pp * self.stage_s(micro)
 
-    def stage_s(self, micro: _MicroBatch) -> float:
-        memory_s = self._stage_bytes(micro) / self._stage_bandwidth
-        compute_s = self._stage_flops_needed(micro) / self._stage_flops
-        return max(memory_s, compute_s) + self._comm_s(micro)
+    def _dense_params(self, groups: dict[str, int]) -> float:
+        tp = self.config.tensor_parallel_size
+        return sum(n / (1 if g in REPLICATED else tp) for g, n in groups.items() if g != "routed_experts")
 
-    def _stage_bytes(self, micro: _MicroBatch) -> float:
+    def _distinct_experts(self, tokens: float) -> float:
+        """Experts a batch of ``tokens`` routes to, per layer (top-k of N,
+        independent tokens)."""
+        a = self.arch
+        return a.num_experts * (1 - (1 - a.num_experts_per_tok / a.num_experts) ** tokens)
+
+    def _roofline_s(self, bytes_read: float, flops: float) -> float:
+        return max(bytes_read / self._bandwidth, flops / self._flops)
+
+    def _layers_s(self, st: _Stage, b: _Batch) -> float:
+        a, c = self.arch, self.config
+        tp = c.tensor_parallel_size
+        experts = self._distinct_experts(b.tokens) * self._expert_bytes
+        bytes_read = st.dense_bytes + st.num_layers * experts + st.num_qsa * self._kv_bytes(b)
+        bytes_read += st.num_gdn * b.requests * 2 * self._gdn_state_bytes()
+        token_params = st.dense_params + st.num_layers * a.num_experts_per_tok * self._expert_params / tp
+        flops = 2 * b.tokens * token_params + st.num_qsa * self._attention_flops(b)
+        flops += st.num_gdn * b.tokens * self._gdn_flops_per_token()
+        return self._roofline_s(bytes_read, flops)
+
+    def _kv_bytes(self, b: _Batch) -> float:
+        """One QSA layer, one rank: compressed keys (BF16, one head, on every
+        rank) and the selected FP8 K and V of the rank's KV heads."""
+        a, tp = self.arch, self.config.tensor_parallel_size
+        kv_heads = max(1, a.num_key_value_heads // tp)
+        selected = 2 * kv_heads * a.head_dim * self.quant.kv_cache_bits / 8
+        return b.decode_index_keys * a.indexer_head_dim * 2 + b.decode_topk * selected
+
+    def _attention_flops(self, b: _Batch) -> float:
+        """One QSA layer, one rank: the indexer scores compressed keys
+        (replicated), attention scores and mixes the top-k (QK and PV)."""
+        a, tp = self.arch, self.config.tensor_parallel_size
+        indexer = 2 * a.indexer_n_heads * a.indexer_head_dim * b.query_index_keys
+        return indexer + 4 * (a.num_attention_heads / tp) * a.head_dim * b.query_topk
+
+    def _gdn_state_bytes(self) -> float:
+        """One request's GDN state on one rank: the FP32 recurrent state of
+        its value heads and the BF16 conv window."""
+        a, tp = self.arch, self.config.tensor_parallel_size
+        heads = a.linear_num_value_heads / tp
+        conv = (
+            2 * a.linear_num_key_heads * a.linear_key_head_dim
+            + a.linear_num_value_heads * a.linear_value_head_dim
+        )
+        return (
+            heads * a.linear_key_head_dim * a.linear_value_head_dim * 4
+            + conv / tp * (a.linear_conv_kernel_dim - 1) * 2
+        )
+
+    def _gdn_flops_per_token(self) -> float:
+        a, tp = self.arch, self.config.tensor_parallel_size
+        heads = a.linear_num_value_heads / tp
+        return self.config.gdn_flops_per_state_entry * heads * a.linear_key_head_dim * a.linear_value_head_dim
+
+    def _layer_fixed_s(self, tokens: float) -> float:
+        """Per layer: kernel gaps and two TP all-reduces (attention and MoE
+        outputs, BF16 hidden) over PCIe P2P, a ring of tp ranks."""
         c = self.config
-        pp, tp = c.pipeline_parallel_size, c.tensor_parallel_size
-        experts = c.experts_per_layer * (
-            1 - (1 - c.experts_per_token / c.experts_per_layer) ** micro.num_tokens
+        if c.tensor_parallel_size == 1:
+            return c.kernel_overhead_per_layer_s
+        ring = 2 * (c.tensor_parallel_size - 1) / c.tensor_parallel_size
+        message = tokens * self.arch.hidden_size * 2
+        return c.kernel_overhead_per_layer_s + 2 * (
+            c.allreduce_latency_s + ring * message / c.p2p_bandwidth_bytes_per_s
         )
-        weights = (
-            (c.dense_params + c.num_moe_layers * experts * c.params_per_expert) * self._bytes_per_param / pp
+
+    def _host_gather_s(self, b: _Batch) -> float:
+        """Token-embedding rows (BF16, the rank's shard) and the PLE n-gram
+        rows (one per head) pulled from host memory over PCIe."""
+        a, c = self.arch, self.config
+        row = a.ple_embed_dim // a.ngram_heads
+        bytes_read = (
+            b.tokens * a.hidden_size * self.quant.bytes_per_param("embed_tokens") / c.tensor_parallel_size
         )
-        # KV and state bytes are per TP rank; the stage has tp ranks reading.
-        kv = (
-            (c.num_attention_layers / pp)
-            * tp
-            * (
-                micro.decode_context_tokens * c.compressed_key_bytes_per_token
-                + micro.decode_topk_tokens * c.kv_bytes_per_token
+        if a.ple_layer_ids:
+            bytes_read += b.tokens * a.ngram_heads * row * self.quant.bytes_per_param("ple_table")
+        bandwidth = self.gpu.pcie_bandwidth_bytes_per_s * c.host_read_efficiency
+        return c.host_gather_latency_s + bytes_read / bandwidth
+
+    def _last_stage_extra_s(self, b: _Batch, output: SchedulerOutput) -> float:
+        """LM head and sampling of the step's rows, then the K MTP draft
+        passes (the first over every token, the others one per request),
+        each with the draft LM head and sampling; then the step overhead."""
+        c = self.config
+        seconds = self._head_s(b.logit_rows) + c.sampling_s + c.step_overhead_s
+        k = c.num_speculative_tokens
+        for draft in range(k if self.arch.mtp_num_hidden_layers else 0):
+            tokens = b.tokens if draft == 0 else b.requests
+            seconds += self._draft_pass_s(tokens, b)
+        return seconds
+
+    def _head_s(self, rows: float) -> float:
+        return self._roofline_s(self._lm_head_bytes, 2 * rows * self._lm_head_params)
+
+    def _draft_pass_s(self, tokens: float, b: _Batch) -> float:
+        """One MTP pass: its QSA layer over ``tokens`` (reading the
+        requests' draft KV like any QSA layer), the LM head for one row per
+        request, draft sampling."""
+        a, tp = self.arch, self.config.tensor_parallel_size
+        bytes_read = self._mtp_bytes + self._distinct_experts(tokens) * self._expert_bytes + self._kv_bytes(b)
+        params = self._mtp_params + a.num_experts_per_tok * self._expert_params / tp
+        layer = self._roofline_s(bytes_read, 2 * tokens * params) + self._layer_fixed_s(tokens)
+        return layer + self._head_s(b.requests) + self.config.sampling_s
+
+
+def partition(c: StepTimeConfig, num_layers: int) -> tuple[int, ...]:
+    """Layers per stage: the configured partition, else vLLM's even split
+    (the first stages take the remainder)."""
+    if c.layer_partition is not None:
+        return c.layer_partition
+    pp = c.pipeline_parallel_size
+    return tuple(num_layers // pp + (1 if s < num_layers % pp else 0) for s in range(pp))
+
+
+def _stages(model: StepTimeModel, layers_per_stage: tuple[int, ...]) -> list[_Stage]:
+    a = model.arch
+    stages: list[_Stage] = []
+    first = 0
+    for index, count in enumerate(layers_per_stage):
+        layers = range(first, min(first + count, a.num_hidden_layers))
+        groups: dict[str, float] = {}
+        for layer in layers:
+            for group, n in model_arch.layer_params(a, layer).items():
+                groups[group] = groups.get(group, 0) + n
+            if a.is_ple_layer(layer):
+                groups["ple_module"] = groups.get("ple_module", 0) + model_arch.ple_params(a)["ple_module"]
+        stages.append(
+            _Stage(
+                num_layers=len(layers),
+                num_qsa=sum(a.is_qsa_layer(i) for i in layers),
+                num_gdn=sum(not a.is_qsa_layer(i) for i in layers),
+                dense_bytes=model._dense_bytes(groups),  # type: ignore[arg-type]
+                dense_params=model._dense_params(groups),  # type: ignore[arg-type]
+                is_first=index == 0,
+                is_last=index == len(layers_per_stage) - 1,
             )
         )
-        state = 2 * micro.num_requests * tp * (c.num_gdn_layers * c.gdn_state_bytes + c.ple_state_bytes) / pp
-        return weights + kv + state
-
-    def _stage_flops_needed(self, micro: _MicroBatch) -> float:
-        c = self.config
-        pp, tp = c.pipeline_parallel_size, c.tensor_parallel_size
-        linear = 2 * c.active_params_per_token * micro.num_tokens / pp
-        pairs = micro.prefill_attention_pairs + micro.decode_topk_tokens
-        attention = (c.num_attention_layers / pp) * tp * c.attention_flops_per_token_pair * pairs
-        return linear + attention
-
-    def _comm_s(self, micro: _MicroBatch) -> float:
-        c = self.config
-        layers_per_stage = (c.num_gdn_layers + c.num_attention_layers) / c.pipeline_parallel_size
-        message = micro.num_tokens * c.hidden_size * c.activation_bytes
-        allreduce = 0.0
-        if c.tensor_parallel_size > 1:
-            ring = 2 * (c.tensor_parallel_size - 1) / c.tensor_parallel_size
-            allreduce = (
-                2
-                * layers_per_stage
-                * (c.allreduce_latency_s + ring * message / c.interconnect_bandwidth_bytes_per_s)
-            )
-        send = c.pp_send_latency_s + message / c.interconnect_bandwidth_bytes_per_s
-        return allreduce + send
+        first += count
+    return stages
 
 
-def _micro_batch(
-    scheduled: tuple[ScheduledRequest, ...], topk: int, states_per_token: float, micro_batches: int
-) -> _MicroBatch:
-    """One of ``micro_batches`` equal shares of the step's totals."""
-    tokens = decode_requests = context = topk_tokens = pairs = 0.0
+def _batch(scheduled: tuple[ScheduledRequest, ...], a: model_arch.Architecture) -> _Batch:
+    tokens = rows = decode_keys = decode_topk = query_keys = query_topk = 0.0
+    ratio, budget = a.indexer_compress_ratio, a.indexer_budget
     for item in scheduled:
-        n = item.num_scheduled_tokens
-        computed = item.num_computed_tokens
+        n, context = item.num_scheduled_tokens, item.num_computed_tokens
         tokens += n
+        # Query tokens see on average the context plus half the new tokens.
+        keys = context + (n + 1) / 2
+        query_keys += n * keys / ratio
+        query_topk += n * min(keys, budget)
         if item.is_decode:
-            decode_requests += 1
-            context += computed * n
-            topk_tokens += min(computed, topk) * n
+            rows += n
+            decode_keys += (context + n) / ratio  # read once for the request's tokens
+            decode_topk += min(context + n, budget)
         else:
-            # QSA: each query attends to its top-k keys of the causal context,
-            # and the indexer scores every compressed key of that context.
-            keys = computed + (n + 1) / 2
-            pairs += n * (min(keys, topk) + keys * states_per_token)
-    return _MicroBatch(
-        num_tokens=tokens / micro_batches,
-        num_decode_requests=decode_requests / micro_batches,
-        decode_context_tokens=context / micro_batches,
-        decode_topk_tokens=topk_tokens / micro_batches,
-        prefill_attention_pairs=pairs / micro_batches,
-        num_requests=float(len(scheduled)) / micro_batches,
+            rows += 1
+            decode_keys += (context + n) / ratio  # a prefill chunk reads its context's keys once too
+    return _Batch(
+        tokens=tokens,
+        requests=float(len(scheduled)),
+        logit_rows=rows,
+        decode_index_keys=decode_keys,
+        decode_topk=decode_topk,
+        query_index_keys=query_keys,
+        query_topk=query_topk,
     )
+
+
+def split(output: SchedulerOutput, parts: int) -> list[SchedulerOutput]:
+    """The step's requests dealt round-robin into ``parts`` micro-batches."""
+    if parts <= 1:
+        return [output]
+    return [
+        SchedulerOutput(step_index=output.step_index, scheduled=output.scheduled[part::parts])
+        for part in range(parts)
+    ]

@@ -83,7 +83,7 @@ def test_screening_sees_a_coefficient_that_has_an_effect(tmp_path):
 
     requests = read_run(replay)[0]["requests"]
     names = ("step_overhead_s", "compute_efficiency")
-    start = {"step_overhead_s": 0.005, "compute_efficiency": 0.12}
+    start = {"step_overhead_s": 0.005, "compute_efficiency": 0.74}
     error = c.RequestTimeError(modelled, c.finished_times(requests), names, start)
     bounds = [c.log_bounds(name, start[name]) for name in names]
     effects = c.screen(error, bounds)
@@ -92,18 +92,18 @@ def test_screening_sees_a_coefficient_that_has_an_effect(tmp_path):
 
 
 def test_coefficients_that_act_alike_are_reported(tmp_path):
-    """The peak FLOPs and the compute efficiency act only as their product:
-    their effects are parallel (cosine 1), so a replay cannot tell them
-    apart. Control: the memory efficiency acts on other steps, not alike."""
+    """The kernel gaps and the all-reduce latency are both a fixed time per
+    layer: their effects are parallel (cosine 1), so a replay cannot tell
+    them apart. Control: the compute efficiency acts on prefills, not alike."""
     modelled, replay = _replay_of(tmp_path, PREFILL_AND_DECODE, RIG)
     from sim.results import read_run
 
-    names = ("gpu_peak_flops", "compute_efficiency", "memory_efficiency")
-    start = {"gpu_peak_flops": 71.0e12, **DEFAULTS}
+    names = ("kernel_overhead_per_layer_s", "allreduce_latency_s", "compute_efficiency")
+    start = {"kernel_overhead_per_layer_s": 40e-6, "allreduce_latency_s": 18e-6, **DEFAULTS}
     error = c.RequestTimeError(modelled, c.finished_times(read_run(replay)[0]["requests"]), names, start)
     effects = c.screen(error, [c.log_bounds(name, start[name]) for name in names])
     pairs = c.alike_pairs(effects)
-    assert [(a, b) for a, b, _ in pairs] == [("gpu_peak_flops", "compute_efficiency")]
+    assert [(a, b) for a, b, _ in pairs] == [("kernel_overhead_per_layer_s", "allreduce_latency_s")]
     assert pairs[0][2] == pytest.approx(1.0)
 
 

@@ -13,7 +13,7 @@ SIM = Path(__file__).resolve().parents[1] / "sim"
 
 # Lowest first. A module may import only modules of its own or a lower layer.
 LAYERS: list[tuple[str, ...]] = [
-    ("sim.config", "sim.paths", "sim.metrics", "sim.fork_patches"),
+    ("sim.config", "sim.paths", "sim.metrics", "sim.fork_patches", "sim.model_arch"),
     ("sim.vllm_bridge",),
     ("sim.model_specs", "sim.kv_cache_interface", "sim.kv_cache_utils", "sim.kv_cache_plan"),
     (
@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
         "sim.allocator_invariants",
     ),
     ("sim.sched",),
-    ("sim.workloads", "sim.step_time", "sim.scenario", "sim.engine"),
+    ("sim.workloads", "sim.rig", "sim.step_time", "sim.scenario", "sim.engine"),
     ("sim.analysis", "sim.results", "sim.bench", "sim.conformance", "sim.pool_replay"),
     ("sim.replay",),
     ("sim.commands",),

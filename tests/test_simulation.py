@@ -189,7 +189,7 @@ def test_new_layout_admits_more_only_where_the_pool_binds(tmp_path, max_num_seqs
     result = run(
         tmp_path,
         workload=POOL_BINDS,
-        simulation={"max_time_s": 30},
+        simulation={"max_time_s": 45},
         deployment={"max_num_seqs": max_num_seqs},
     )
     admitted = result.summary.set_index("layout")["num_admitted"]

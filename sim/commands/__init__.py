@@ -22,5 +22,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "export_trace",
     "validate",
     "calibrate",
+    "published",
     "replay_pool",
 )

@@ -36,26 +36,14 @@ POOL_BINDS = {
 
 
 # A step-time model whose step duration is hand-computable (the engine
-# timeline's derivation, tests/test_engine_timeline.py): TP = PP = 1, no
-# weights, attention or state bytes, 2 FLOPs per 0.5 active parameters per
-# token over 1,000 FLOP/s, so step_s = 0.2 + num_scheduled_tokens / 1000.
+# timeline's derivation, tests/test_engine_timeline.py): TP = PP = 1 and the
+# linear clock, so step_s = 0.2 + num_scheduled_tokens / 1000.
 HAND_STEP_TIME = {
     "tensor_parallel_size": 1,
     "pipeline_parallel_size": 1,
+    "layer_partition": None,
     "step_overhead_s": 0.2,
-    "gpu_peak_flops": 1000.0,
-    "compute_efficiency": 1.0,
-    "active_params_per_token": 0.5,
-    "dense_params": 0,
-    "num_moe_layers": 0,
-    "num_attention_layers": 0,
-    "num_gdn_layers": 0,
-    "ple_state_bytes": 0,
-    "interconnect_bandwidth_bytes_per_s": 1e30,
-    "pp_send_latency_s": 0,
-    "allreduce_latency_s": 0,
-    "hidden_size": 1,
-    "activation_bytes": 1,
+    "seconds_per_token": 0.001,
 }
 
 
