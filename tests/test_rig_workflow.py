@@ -22,6 +22,7 @@ from helpers.replay_dirs import DEFAULTS, RIG
 from helpers.scenarios import write_scenario
 
 from sim.cli import main
+from sim.step_time import StepTimeConfig
 from sim.scenario import load_scenario, scenario_from_record
 
 # The shipped Mooncake conversation slice: its first 20 requests, the 3 s
@@ -160,7 +161,8 @@ def test_calibrate_reads_a_compare_directory(compare_dir, tmp_path, capsys):
     out = tmp_path / "fitted.yaml"
     argv = ["calibrate", str(compare_dir), "--fit", "step_overhead_s", "--max-simulations", "4"]
     assert main([*argv, "--out", str(out)]) == 0, capsys.readouterr().err
-    assert yaml.safe_load(out.read_text())["step_time"]["step_overhead_s"] == pytest.approx(0.005)
+    start = StepTimeConfig().step_overhead_s  # the default the compare ran with
+    assert yaml.safe_load(out.read_text())["step_time"]["step_overhead_s"] == pytest.approx(start)
 
 
 def test_sweep_resume_runs_nothing_again(scenario_path, sweep_dir, capsys):
