@@ -103,9 +103,29 @@ class StepTimeModel:
             1 / self.config.compressed_tokens_per_state,
             micro_batches,
         )
-        return self.config.step_overhead_s + pp * self.stage_s(micro)
+        return self.config.step_overhead_s + pp * self._roofline_stage_s(micro)
 
-    def stage_s(self, micro: _MicroBatch) -> float:
+    # ----------------------------------------------- the pipeline clock's view
+    def stage_s(self, output: SchedulerOutput, stage: int) -> float:
+        """Seconds PP stage ``stage`` spends on one micro-batch (``output``,
+        one engine step), its TP all-reduces included, the hand-off not.
+        The step overhead (sampling, the MTP draft, launch) falls on the
+        last stage, which samples (``pipeline_clock.py``)."""
+        if output.is_empty:
+            return 0.0
+        micro = self._whole(output)
+        overhead_s = self.config.step_overhead_s if stage == self.config.pipeline_parallel_size - 1 else 0.0
+        return self._roofline_stage_s(micro) - self._send_s(micro) + overhead_s
+
+    def handoff_s(self, output: SchedulerOutput) -> float:
+        """Seconds the PP hand-off of one micro-batch's activations takes."""
+        return 0.0 if output.is_empty else self._send_s(self._whole(output))
+
+    def _whole(self, output: SchedulerOutput) -> _MicroBatch:
+        c = self.config
+        return _micro_batch(output.scheduled, c.qsa_topk_tokens, 1 / c.compressed_tokens_per_state, 1)
+
+    def _roofline_stage_s(self, micro: _MicroBatch) -> float:
         memory_s = self._stage_bytes(micro) / self._stage_bandwidth
         compute_s = self._stage_flops_needed(micro) / self._stage_flops
         return max(memory_s, compute_s) + self._comm_s(micro)
@@ -151,8 +171,12 @@ class StepTimeModel:
                 * layers_per_stage
                 * (c.allreduce_latency_s + ring * message / c.interconnect_bandwidth_bytes_per_s)
             )
-        send = c.pp_send_latency_s + message / c.interconnect_bandwidth_bytes_per_s
-        return allreduce + send
+        return allreduce + self._send_s(micro)
+
+    def _send_s(self, micro: _MicroBatch) -> float:
+        c = self.config
+        message = micro.num_tokens * c.hidden_size * c.activation_bytes
+        return c.pp_send_latency_s + message / c.interconnect_bandwidth_bytes_per_s
 
 
 def _micro_batch(

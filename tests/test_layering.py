@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
         "sim.worker_views",
     ),
     ("sim.sched",),
-    ("sim.workloads", "sim.step_time", "sim.scenario", "sim.engine"),
+    ("sim.workloads", "sim.step_time", "sim.pipeline_clock", "sim.scenario", "sim.engine"),
     ("sim.analysis", "sim.results", "sim.bench", "sim.conformance", "sim.pool_replay"),
     ("sim.replay",),
     ("sim.commands",),
