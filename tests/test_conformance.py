@@ -302,7 +302,7 @@ def test_a_scheduler_that_cannot_be_built_gives_one_line_and_exit_2(break_it, mo
     assert lines[0].startswith("kvsim: error: vLLM's Scheduler cannot be built (")
 
 
-def test_only_the_conformance_backend_imports_the_vllm_scheduler_bridge():
+def test_only_the_conformance_backends_import_the_vllm_scheduler_and_engine_bridges():
     """Nothing else in kvsim depends on the second backend."""
     importers = set()
     for path in SIM.rglob("*.py"):
@@ -312,6 +312,11 @@ def test_only_the_conformance_backend_imports_the_vllm_scheduler_bridge():
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
-            if any(n == "sim.vllm_bridge.scheduler" for n in names):
+            if any(n in ("sim.vllm_bridge.scheduler", "sim.vllm_bridge.engine_core") for n in names):
                 importers.add(path.relative_to(SIM).as_posix())
-    assert importers == {"conformance/driver.py", "conformance/backends.py"}
+    assert importers == {
+        "conformance/driver.py",
+        "conformance/backends.py",
+        "conformance/async_engine.py",
+        "vllm_bridge/engine_core.py",  # the engine core is built on the scheduler bridge
+    }

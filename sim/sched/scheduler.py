@@ -251,15 +251,27 @@ class Scheduler:
         computed = request.num_computed_tokens + num_hit
         return self.split.reserve_prefill_lookahead(request, computed, num_new_tokens)
 
+    # Async scheduling's running and waiting skips (``async_scheduler.py``);
+    # None here, so the synchronous loops pay one test per step.
+    _skips_running: Callable[[Request], bool] | None = None
+    _skips_waiting: Callable[[Request], bool] | None = None
+
     def _schedule_running(self, step: _StepState) -> None:
         index = 0
+        skips = self._skips_running
         while index < len(self.running) and step.token_budget > 0:
             if step.steady is not None:
                 index = self._take_steady(index, step)
                 if index == len(self.running) or step.token_budget <= 0:
                     break
             request = self.running[index]
-            num_new = request.num_tokens_with_spec - request.num_computed_tokens
+            if skips is not None and skips(request):
+                index += 1
+                continue
+            # Output placeholders (async scheduling) count as computed and known.
+            num_new = (
+                request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
+            )
             num_new = self._clip(request, num_new, step.token_budget)
             if num_new == 0:
                 index += 1  # not strictly FCFS, as in vLLM
@@ -376,9 +388,20 @@ class Scheduler:
         )
 
     def _admit_waiting(self, step: _StepState) -> bool:
+        skipped: list[Request] = []
+        admitted = self._admit_waiting_requests(step, skipped)
+        # Skipped requests go back to the front, in their order (vLLM's prepend).
+        self.waiting.extendleft(reversed(skipped))
+        return admitted
+
+    def _admit_waiting_requests(self, step: _StepState, skipped: list[Request]) -> bool:
         admitted = False
+        skips = self._skips_waiting
         while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._peek_waiting()
+            if skips is not None and skips(request):
+                skipped.append(self.waiting.popleft())
+                continue
             blocks, num_hit, boundary = self.kv_cache_manager.get_computed_blocks(request)
             request.shared_prefix_boundary = boundary
             num_new = request.num_tokens - num_hit
@@ -436,7 +459,7 @@ class Scheduler:
         self._record_scheduled(request, num_new, num_hit, step)
 
     def _record_scheduled(self, request: Request, num_new: int, computed: int, step: _StepState) -> None:
-        num_spec = max(num_new + computed - request.num_tokens, 0)
+        num_spec = max(num_new + computed - request.num_tokens - request.num_output_placeholders, 0)
         step.scheduled[request.request_id] = ScheduledRequest(
             request_id=request.request_id,
             num_scheduled_tokens=num_new,
@@ -458,7 +481,9 @@ class Scheduler:
                 continue  # the lane keeps its requests' computed tokens
             request = self.requests[request_id]
             request.num_computed_tokens += item.num_scheduled_tokens
-            request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
+            request.is_prefill_chunk = request.num_computed_tokens < (
+                request.num_tokens + request.num_output_placeholders
+            )
         queries, hits = self._take_prefix_cache_stats()
         evicted = sum(
             len(e.block_hashes) for e in self.kv_cache_manager.take_events() if isinstance(e, BlockRemoved)
@@ -622,6 +647,9 @@ class Scheduler:
 
     def _finish(self, request: Request) -> None:
         self.running.remove(request)
+        self._release_finished(request)
+
+    def _release_finished(self, request: Request) -> None:
         self._free_request_blocks(request)
         del self.requests[request.request_id]
         self.last_sched_seq.pop(request.request_id, None)
