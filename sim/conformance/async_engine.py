@@ -355,16 +355,24 @@ def run_async_conformance(
     mode: MTPHashMode | None = None,
     stagger: int | None = None,
     depth: int | None = None,
+    fenced: bool = False,
 ) -> Comparison:
-    """kvsim's async engine loop against vLLM's on the same trace (fenced
-    frees off, as vLLM without a KV-consumer connector). ``stagger`` and
-    ``depth`` change kvsim's side only (the controls)."""
+    """kvsim's async engine loop against vLLM's on the same trace. Fenced
+    frees are off, as in vLLM without a KV-consumer connector; ``fenced``
+    turns on vLLM's own deferral (``defer_block_free``, what it does with a
+    KV-consumer connector under overlapping batches) and kvsim's fence
+    (the fork's). ``stagger`` and ``depth`` change kvsim's side only (the
+    controls)."""
     compared = conformance_scenario(scenario, mode)
+    if fenced:
+        section = compared.scheduler.model_copy(update={"defer_block_free": True})
+        compared = compared.model_copy(update={"scheduler": section})
     requests = tuple(requests)
     plan = plan_for(compared, layout)
     pp = compared.deployment.pipeline_parallel_size
     with vllm_unavailable_as_one_line("EngineCore"):
         vllm = vllm_engine(compared, plan, vllm_settings(compared, plan))
+    vllm.scheduler.defer_block_free = fenced
     kvsim = kvsim_engine(
         compared, plan, depth=depth or max_concurrent_batches(compared), stagger=stagger or pp
     )
