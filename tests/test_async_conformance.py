@@ -14,6 +14,7 @@ from functools import cache
 import pytest
 
 from sim.analysis.runs import scenario_workload
+from sim.cli import main
 from sim.conformance.async_engine import EngineTrajectory, run_async_conformance
 from sim.conformance.driver import Comparison
 from sim.paths import SCENARIOS_DIR
@@ -219,3 +220,24 @@ def _vllm_fenced_run_with_depth_two_views(shape: str) -> list[bool]:
     step_time = async_engine.StepTimeModel(scenario.step_time_config())
     async_engine.drive_engine(engine, _requests(shape), async_engine.async_clock(scenario, step_time))
     return views
+
+
+# -------------------------------------------------------------------- CLI
+def test_conform_engine_async_exits_0_when_identical(capsys):
+    status = main(["conform", str(CONFORMANCE / "long-chunked.yaml"), "--engine", "async", "--layout", "off"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "identical engine steps: 100 of 100 (100.0 %)" in out and "3 micro-batches in flight" in out
+
+
+def test_conform_engine_async_exits_1_and_prints_the_first_difference(capsys, monkeypatch):
+    """CONTROL for the exit status: no stagger, through the CLI (the first
+    decode two steps after its final chunk is one step early)."""
+    reference = _reference("long-chunked", "on", "eagle-drop")
+    decoded = _decode_steps(reference)
+    expected = min(steps[0] for steps in decoded.values()) + 1
+    monkeypatch.setattr(AsyncScheduler, "_skips_running", lambda self, request: False)
+    status = main(["conform", str(CONFORMANCE / "long-chunked.yaml"), "--engine", "async"])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert f"first difference at step {expected}: scheduled_tokens" in out

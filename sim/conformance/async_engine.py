@@ -102,6 +102,9 @@ class _KvsimEngine:
     def only_empty_in_flight(self) -> bool:
         return all(output.is_empty for output, _ in self.core.batch_queue)
 
+    def last_step_samples(self) -> bool:
+        return any(self.scheduler.last_samples.values())
+
     def step(self) -> tuple[BatchStep, EngineStepState]:
         call = self.core.step()
         scheduled = call.scheduled
@@ -184,6 +187,7 @@ class _VllmEngine:
         self.max_model_len = settings.max_model_len
         self._in_flight: deque[SchedulerOutput] = deque()
         self._scheduled: SchedulerOutput | None = None
+        self._samples = False
 
     def add_request(self, spec: RequestSpec) -> None:
         if spec.prompt_len >= self.max_model_len:
@@ -203,6 +207,9 @@ class _VllmEngine:
     def only_empty_in_flight(self) -> bool:
         return all(output.is_empty for output in self._in_flight)
 
+    def last_step_samples(self) -> bool:
+        return self._samples
+
     def _on_schedule(self, out: Any) -> None:
         self._scheduled = converted = self._convert(out)
         self._in_flight.append(converted)
@@ -212,6 +219,7 @@ class _VllmEngine:
         converted = self._scheduled
         assert converted is not None
         samples = {rid: not self.scheduler.requests[rid].is_prefill_chunk for rid in out.num_scheduled_tokens}
+        self._samples = any(samples.values())
         sampled = self.runner.execute(converted, sampling_counts(converted, samples)).sampled_token_ids
         req_ids = list(out.num_scheduled_tokens)
         return self._api.ModelRunnerOutput(
@@ -251,7 +259,7 @@ class _VllmEngine:
         )
 
     def step(self) -> tuple[BatchStep, EngineStepState]:
-        self._scheduled = None
+        self._scheduled, self._samples = None, False
         outputs, executed = self.core.step_with_batch_queue()
         self.core.post_step(executed)
         scheduled = self._scheduled
@@ -307,7 +315,7 @@ def drive_engine(
             continue
         call, state = engine.step()
         if call.scheduled is not None:
-            clock.schedule(call.scheduled)
+            clock.schedule(call.scheduled, samples=engine.last_step_samples())
         if call.processed is not None:
             clock.wait()
         states.append(state)

@@ -115,6 +115,19 @@ class BatchQueueEngineCore:
         output, sampled = self.batch_queue.pop()
         return BatchStep(scheduled, output, self.scheduler.update_from_output(output, sampled))
 
+    def idle(self, call: BatchStep) -> bool:
+        """The call scheduled and applied nothing, and only empty steps are
+        in flight: nothing but a new request can change the engine now."""
+        scheduled, processed = call.scheduled, call.processed
+        return (
+            (scheduled is None or scheduled.is_empty)
+            and (processed is None or processed.is_empty)
+            and all(output.is_empty for output, _ in self.batch_queue)
+        )
+
+    def flush(self) -> None:
+        """Nothing kept aside (no steady lane in async mode)."""
+
     def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """What the workers will sample: a request samples unless its chunk
         ends short of the prompt (judged when scheduled)."""
