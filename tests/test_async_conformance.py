@@ -9,16 +9,13 @@ run alone.
 
 from __future__ import annotations
 
-from functools import cache
-
 import pytest
+from sim_helpers import conformance_requests, conformance_shape
 
-from sim.analysis.runs import scenario_workload
 from sim.cli import main
 from sim.conformance.async_engine import EngineTrajectory, run_async_conformance
 from sim.conformance.driver import Comparison
 from sim.paths import SCENARIOS_DIR
-from sim.scenario import Scenario, load_scenario
 from sim.sched import scheduler as scheduler_module
 from sim.sched.async_scheduler import AsyncScheduler
 
@@ -27,14 +24,7 @@ SHAPES = ("prefix-hits", "heavy-preemption", "long-chunked")
 BUDGET = 8192  # the shapes' max_num_batched_tokens (the scenario default)
 
 
-@cache
-def _scenario(shape: str) -> Scenario:
-    return load_scenario(str(CONFORMANCE / f"{shape}.yaml"))
-
-
-@cache
-def _requests(shape: str) -> tuple:
-    return scenario_workload(_scenario(shape)).requests
+_scenario, _requests = conformance_shape, conformance_requests
 
 
 def _conform(shape: str, layout: str, mode: str, **kwargs) -> Comparison:

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import ast
 import sys
-from functools import cache
 from pathlib import Path
 
 import pytest
+from sim_helpers import conformance_requests, conformance_shape
 
-from sim.analysis.runs import scenario_workload
 from sim.cli import main
 from sim.conformance.driver import (
     ConformanceResult,
@@ -29,7 +28,6 @@ from sim.conformance.driver import (
     vllm_backend,
 )
 from sim.paths import SCENARIOS_DIR
-from sim.scenario import Scenario, load_scenario
 from sim.sched.scheduler import Scheduler
 from sim.step_time import StepTimeModel
 
@@ -38,14 +36,7 @@ SHAPES = ("prefix-hits", "heavy-preemption", "long-chunked")
 SIM = Path(__file__).resolve().parents[1] / "sim"
 
 
-@cache
-def _scenario(shape: str) -> Scenario:
-    return load_scenario(str(CONFORMANCE / f"{shape}.yaml"))
-
-
-@cache
-def _requests(shape: str) -> tuple:
-    return scenario_workload(_scenario(shape)).requests
+_scenario, _requests = conformance_shape, conformance_requests
 
 
 def _conform(shape: str, layout: str, mode: str) -> ConformanceResult:

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sim.conformance.backends import model_runner
+from sim.conformance.backends import StepState, model_runner, scheduled_request
 from sim.conformance.driver import (
     Comparison,
     compare,
@@ -48,22 +48,15 @@ from sim.step_time import StepTimeModel
 
 
 @dataclass(frozen=True, kw_only=True)
-class EngineStepState:
-    """One engine call as the comparison sees it (ids in queue order)."""
+class EngineStepState(StepState):
+    """One engine call as the comparison sees it: the synchronous step's
+    view of the step it scheduled, the placeholders each scheduled request
+    holds after the call, and which step's output the call applied."""
 
     step: int  # the engine step scheduled (vLLM's current_step), 0: none
     # (request, computed tokens before, tokens scheduled, placeholders after).
-    scheduled_tokens: tuple[tuple[str, int, int, int], ...]
-    admitted: tuple[str, ...]
-    resumed: tuple[str, ...]
-    preempted: tuple[str, ...]
+    scheduled_tokens: tuple[tuple[str, int, int, int], ...]  # type: ignore[assignment]
     processed_step: int  # the step whose output was applied, 0: none
-    finished: tuple[str, ...]
-    running: tuple[str, ...]
-    waiting: tuple[str, ...]
-    num_free_blocks: int
-    prefix_cache_queries_tokens: int
-    prefix_cache_hits_tokens: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,18 +237,11 @@ class _VllmEngine:
         )
 
     def _item(self, out: Any, request_id: str, num_scheduled: int, admitted: bool) -> ScheduledRequest:
-        request = self.scheduler.requests[request_id]
-        computed = request.num_computed_tokens - num_scheduled  # schedule() advanced it
         num_spec = len(out.scheduled_spec_decode_tokens.get(request_id, ()))
-        return ScheduledRequest(
-            request_id=request_id,
-            num_scheduled_tokens=num_scheduled,
-            num_computed_tokens=computed,
-            num_spec_tokens=num_spec,
-            num_prompt_tokens_left=0 if computed >= request.num_tokens - 1 else num_scheduled - num_spec,
-            # Under async every draft is a -1 placeholder; an admitted
-            # request's are padding (the worker has none to fill in).
-            is_padded=admitted and num_spec > 0,
+        # Under async every draft is a -1 placeholder; an admitted request's
+        # are padding (the worker has none to fill in).
+        return scheduled_request(
+            self.scheduler.requests[request_id], num_scheduled, num_spec, admitted and num_spec > 0
         )
 
     def step(self) -> tuple[BatchStep, EngineStepState]:

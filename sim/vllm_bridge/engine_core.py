@@ -28,10 +28,9 @@ from typing import Any
 from vllm.config import VllmConfig
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
-from vllm.v1.structured_output import StructuredOutputManager
 
 from sim.vllm_bridge import KVCacheConfig
-from sim.vllm_bridge.scheduler import _vllm_log_level
+from sim.vllm_bridge.scheduler import build_vllm_scheduler
 
 __all__ = [
     "EMPTY_MODEL_RUNNER_OUTPUT",
@@ -90,18 +89,10 @@ def build_engine_core(
     """An ``EngineCore`` shell whose ``step_with_batch_queue`` and
     ``post_step`` are vLLM's own, over the scheduler class the config
     selects, with a batch queue of ``max_concurrent_batches``."""
-    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-    block_size = vllm_config.cache_config.block_size
     core = EngineCore.__new__(EngineCore)
-    with _vllm_log_level():
-        core.scheduler = vllm_config.scheduler_config.get_scheduler_cls()(
-            vllm_config=vllm_config,
-            kv_cache_config=kv_cache_config,
-            structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=block_size,
-            hash_block_size=block_size,
-            log_stats=True,
-        )
+    core.scheduler = build_vllm_scheduler(
+        vllm_config, kv_cache_config, scheduler_cls=vllm_config.scheduler_config.get_scheduler_cls()
+    )
     core.vllm_config = vllm_config
     core.model_executor = executor
     core.log_stats = True
