@@ -185,7 +185,7 @@ class Simulation:
             self.clock.now_s = self.env.now
             call = core.step()
             if call.scheduled is not None:
-                self.clock.schedule(call.scheduled, samples=any(self.scheduler.last_samples.values()))
+                self.clock.schedule(call.scheduled, samples=any(core.scheduler.last_samples.values()))
                 scheduled_at_s.append(self.env.now)
             if call.processed is not None and call.outcome is not None:
                 landed_s = self.clock.wait()

@@ -9,12 +9,14 @@ run alone.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from sim_helpers import conformance_requests, conformance_shape
 
 from sim.cli import main
-from sim.conformance.async_engine import EngineTrajectory, run_async_conformance
-from sim.conformance.driver import Comparison
+from sim.conformance.async_engine import run_async_conformance
+from sim.conformance.driver import Comparison, Trajectory
 from sim.paths import SCENARIOS_DIR
 from sim.sched import scheduler as scheduler_module
 from sim.sched.async_scheduler import AsyncScheduler
@@ -34,7 +36,7 @@ def _conform(shape: str, layout: str, mode: str, **kwargs) -> Comparison:
 _REFERENCES: dict[tuple, Comparison] = {}
 
 
-def _reference(shape: str, layout: str, mode: str, fenced: bool = False) -> EngineTrajectory:
+def _reference(shape: str, layout: str, mode: str, fenced: bool = False) -> Trajectory:
     key = (shape, layout, mode, fenced)
     if key not in _REFERENCES:
         _REFERENCES[key] = _conform(shape, layout, mode, fenced=fenced)
@@ -63,7 +65,7 @@ def test_every_engine_step_is_identical_with_fenced_frees(shape):
     assert comparison.conforms
 
 
-def _decode_steps(trajectory: EngineTrajectory) -> dict[str, list[int]]:
+def _decode_steps(trajectory: Trajectory) -> dict[str, list[int]]:
     """Each request's steps that were decodes or final chunks (placeholders
     left in flight), in order."""
     steps: dict[str, list[int]] = {}
@@ -96,7 +98,7 @@ def test_the_shapes_exercise_the_async_loop():
 
 
 # --------------------------------------------------------------- controls
-def _first_index(trajectory: EngineTrajectory, predicate) -> int:
+def _first_index(trajectory: Trajectory, predicate) -> int:
     return next(i + 1 for i, state in enumerate(trajectory.steps) if predicate(i, state))
 
 
@@ -231,3 +233,12 @@ def test_conform_engine_async_exits_1_and_prints_the_first_difference(capsys, mo
     out = capsys.readouterr().out
     assert status == 1
     assert f"first difference at step {expected}: scheduled_tokens" in out
+
+
+def test_the_reference_leaves_model_runner_v2_unselected_for_later_schedulers():
+    """The engine core selects Model Runner V2 only while it builds its
+    scheduler: a synchronous Scheduler built later in the process (the sync
+    gate) still lists resumed requests apart from new ones."""
+    before = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    _conform("long-chunked", "off", "eagle-drop")
+    assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == before

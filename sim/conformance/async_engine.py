@@ -28,6 +28,7 @@ from typing import Any
 from sim.conformance.backends import StepState, model_runner, scheduled_request
 from sim.conformance.driver import (
     Comparison,
+    Trajectory,
     compare,
     conformance_scenario,
     plan_for,
@@ -57,14 +58,6 @@ class EngineStepState(StepState):
     # (request, computed tokens before, tokens scheduled, placeholders after).
     scheduled_tokens: tuple[tuple[str, int, int, int], ...]  # type: ignore[assignment]
     processed_step: int  # the step whose output was applied, 0: none
-
-
-@dataclass(frozen=True, kw_only=True)
-class EngineTrajectory:
-    backend: str
-    steps: tuple[EngineStepState, ...]
-    times_s: tuple[float, ...]
-    stalled: bool
 
 
 class _KvsimEngine:
@@ -174,7 +167,7 @@ class _VllmEngine:
         self.core = bridge.build_engine_core(
             vllm_config, kv_cache_config, bridge.FakeExecutor(self._sample, self._on_schedule)
         )
-        self.scheduler = self.core.scheduler
+        self.scheduler: Any = self.core.scheduler  # vLLM's AsyncScheduler
         self._hasher = vllm_scheduler.request_block_hasher(vllm_config)
         self.runner = runner
         self.max_model_len = settings.max_model_len
@@ -285,7 +278,7 @@ def drive_engine(
     requests: Iterable[RequestSpec],
     clock: PipelineClock,
     max_time_s: float | None = None,
-) -> EngineTrajectory:
+) -> Trajectory:
     """Run ``engine`` over the trace until it drains (or the horizon)."""
     pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.request_id)))
     states: list[EngineStepState] = []
@@ -312,7 +305,7 @@ def drive_engine(
             elif engine.scheduler.has_unfinished_requests():
                 stalled = True  # nothing left that could change it
                 break
-    return EngineTrajectory(backend=engine.name, steps=tuple(states), times_s=tuple(times_s), stalled=stalled)
+    return Trajectory(backend=engine.name, steps=tuple(states), times_s=tuple(times_s), stalled=stalled)
 
 
 def _idle(call: BatchStep) -> bool:

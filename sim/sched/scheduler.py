@@ -400,7 +400,8 @@ class Scheduler:
         while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._peek_waiting()
             if skips is not None and skips(request):
-                skipped.append(self.waiting.popleft())
+                self.waiting.popleft()
+                skipped.append(request)
                 continue
             blocks, num_hit, boundary = self.kv_cache_manager.get_computed_blocks(request)
             request.shared_prefix_boundary = boundary

@@ -18,10 +18,11 @@ forces it off while building); the config then derives
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -75,12 +76,26 @@ class FakeExecutor:
 
 
 def enable_async_scheduling(vllm_config: VllmConfig) -> None:
-    """The rig's mode on a config built on a CPU: Model Runner V2 (read from
-    the environment on every access) and async scheduling set afterwards."""
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    """The rig's mode on a config built on a CPU (the platform forced it
+    off while building)."""
     vllm_config.scheduler_config.async_scheduling = True
-    if not vllm_config.use_v2_model_runner:
-        raise ValueError("vLLM did not select Model Runner V2")
+
+
+@contextlib.contextmanager
+def _model_runner_v2() -> Iterator[None]:
+    """Model Runner V2 selected while the scheduler is built (vLLM reads the
+    variable on every access of ``use_v2_model_runner``; the scheduler keeps
+    what it read), and the process environment restored afterwards, so a
+    synchronous Scheduler built later in the same process is unchanged."""
+    before = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = before
 
 
 def build_engine_core(
@@ -90,18 +105,21 @@ def build_engine_core(
     ``post_step`` are vLLM's own, over the scheduler class the config
     selects, with a batch queue of ``max_concurrent_batches``."""
     core = EngineCore.__new__(EngineCore)
-    core.scheduler = build_vllm_scheduler(
-        vllm_config, kv_cache_config, scheduler_cls=vllm_config.scheduler_config.get_scheduler_cls()
-    )
+    with _model_runner_v2():
+        if not vllm_config.use_v2_model_runner:
+            raise ValueError("vLLM did not select Model Runner V2")
+        core.scheduler = build_vllm_scheduler(
+            vllm_config, kv_cache_config, scheduler_cls=vllm_config.scheduler_config.get_scheduler_cls()
+        )
+        core.batch_queue_size = vllm_config.max_concurrent_batches
     core.vllm_config = vllm_config
     core.model_executor = executor
     core.log_stats = True
-    core.batch_queue_size = vllm_config.max_concurrent_batches
     core.batch_queue = deque(maxlen=core.batch_queue_size)
     core.is_mm_encoder_only = False
     core.is_pooling_model = False
     core.async_scheduling = vllm_config.scheduler_config.async_scheduling
     core.check_for_draft_tokens = vllm_config.speculative_config is not None
     core.aborts_queue = queue.Queue()
-    core._weight_version = None
+    core._weight_version = "default"  # as EngineCore.__init__ sets it
     return core

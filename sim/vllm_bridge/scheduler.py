@@ -179,7 +179,7 @@ def _build_vllm_config(settings: VllmSchedulerSettings) -> VllmConfig:
 
 
 def build_vllm_scheduler(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, scheduler_cls: type[Scheduler] | None = None
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, scheduler_cls: type[Any] | None = None
 ) -> Scheduler:
     """vLLM's ``Scheduler`` (or ``scheduler_cls``, e.g. the one the config
     selects) over ``kv_cache_config``, built the way its engine core builds
