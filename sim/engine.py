@@ -12,6 +12,7 @@ simulations in one process do not interfere. No twin in vLLM.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from functools import cache
@@ -26,8 +27,10 @@ from sim.config import ModelConfig
 from sim.kv_cache_manager import MTPHashing, build_kv_cache_manager
 from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
 from sim.metrics import SAMPLE_RECORD, SAMPLED_TOTALS, STEP_RECORD
+from sim.pipeline_clock import PipelineClock
 from sim.scenario import MAX_SAMPLE_ROWS, AllocatorSection, Scenario, SideCacheSwitch
-from sim.sched.engine_core import EngineCore
+from sim.sched.async_scheduler import AsyncScheduler
+from sim.sched.engine_core import BatchQueueEngineCore, EngineCore
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import SchedulerOutput, StepOutcome
 from sim.sched.scheduler import Scheduler, SchedulerConfig
@@ -78,11 +81,16 @@ class Simulation:
             fork=scenario.fork.patches(),
             mtp_hashing=config.mtp_hashing,
         )
-        self.scheduler = Scheduler(config, self.kv_cache_manager, fast_path=scenario.simulation.fast_path)
         acceptance = AcceptanceModel(conditional_rates=scenario.mtp.acceptance_rates)
         self.model_runner = ModelRunner(acceptance, _runner_rng(scenario.seed))
-        self.core = EngineCore(self.scheduler, self.model_runner)
         self.step_time = StepTimeModel(scenario.step_time_config())
+        self.scheduler: Scheduler
+        self.core: EngineCore | BatchQueueEngineCore
+        if scenario.engine.mode == "async":
+            self._build_async_engine(config)
+        else:
+            self.scheduler = Scheduler(config, self.kv_cache_manager, fast_path=scenario.simulation.fast_path)
+            self.core = EngineCore(self.scheduler, self.model_runner)
         self.env = simpy.Environment()
         self._wakeup = self.env.event()
         # The processes are events that trigger when they end.
@@ -91,6 +99,16 @@ class Simulation:
         self._bar: tqdm | None = None
         self.totals: dict[str, int] = dict.fromkeys(SAMPLED_TOTALS, 0)
         self.recording = Recording(scenario=scenario.name, layout=layout, plan=self.plan.to_dict())
+
+    def _build_async_engine(self, config: SchedulerConfig) -> None:
+        """The rig's loop: ``AsyncScheduler`` with a decode stagger of pp, a
+        batch queue of pp + 1 micro-batches, the pipeline clock (the fast
+        path is off: ``sim/sched/async_scheduler.py``)."""
+        pp = self.scenario.deployment.pipeline_parallel_size
+        scheduler = AsyncScheduler(config, self.kv_cache_manager, decode_stagger=pp)
+        self.scheduler = scheduler
+        self.core = BatchQueueEngineCore(scheduler, self.model_runner, self.scenario.max_concurrent_batches)
+        self.clock = PipelineClock(pp, self.step_time.stage_s, self.step_time.handoff_s)
 
     # ------------------------------------------------------------------- run
     def start(self) -> None:
@@ -148,10 +166,44 @@ class Simulation:
         return self._wakeup
 
     def engine_loop(self) -> Generator[simpy.Event, Any, None]:
-        yield from self._engine_steps()
+        if isinstance(self.core, BatchQueueEngineCore):
+            yield from self._batch_queue_steps(self.core)
+        else:
+            yield from self._engine_steps(self.core)
         self.recording.end_time_s = float(self.env.now)
 
-    def _engine_steps(self) -> Generator[simpy.Event, Any, None]:
+    def _batch_queue_steps(self, core: BatchQueueEngineCore) -> Generator[simpy.Event, Any, None]:
+        """The async loop (``BatchQueueEngineCore``): each call may schedule
+        a micro-batch and may wait for the oldest one's output, which lands
+        when the pipeline clock says; a row per micro-batch applied. With
+        only empty steps in flight and nothing scheduled, only an arrival
+        can change anything: the engine sleeps until one (vLLM spins)."""
+        scheduled_at_s: deque[float] = deque()
+        while True:
+            if not core.has_work():
+                if self._arrivals_ended():
+                    return
+                yield self._sleep()
+                continue
+            self.clock.now_s = self.env.now
+            call = core.step()
+            if call.scheduled is not None:
+                self.clock.schedule(call.scheduled, samples=any(core.scheduler.last_samples.values()))
+                scheduled_at_s.append(self.env.now)
+            if call.processed is not None and call.outcome is not None:
+                landed_s = self.clock.wait()
+                if landed_s > self.env.now:
+                    yield self.env.timeout(landed_s - self.env.now)
+                started_s = scheduled_at_s.popleft()
+                if not call.processed.is_empty:
+                    self._record_step(call.processed, call.outcome, started_s, landed_s - started_s)
+            if core.idle(call):
+                if self._arrivals_ended():
+                    self.recording.stalled = self.scheduler.has_unfinished_requests()
+                    return
+                yield self._sleep()
+
+    def _engine_steps(self, core: EngineCore) -> Generator[simpy.Event, Any, None]:
         while True:
             if not self.scheduler.has_unfinished_requests():
                 if self._arrivals_ended():
@@ -159,7 +211,7 @@ class Simulation:
                 yield self._sleep()
                 continue
             started_s = self.env.now
-            scheduled = self.core.schedule()
+            scheduled = core.schedule()
             if scheduled.output.is_empty:
                 # Nothing fits now: let the steps in flight complete; if that
                 # returns no blocks, wait for the next arrival.
@@ -172,7 +224,7 @@ class Simulation:
                 continue
             step_s = self.step_time.step_time_s(scheduled.output)
             yield self.env.timeout(step_s)
-            outcome = self.core.complete(scheduled)
+            outcome = core.complete(scheduled)
             self._record_step(scheduled.output, outcome, started_s, step_s)
 
     def _arrivals_ended(self) -> bool:
@@ -271,6 +323,7 @@ def scheduler_config(scenario: Scenario, model: ModelConfig, plan: KVCachePlan) 
     section by name (a section field the scheduler lacks is a TypeError here,
     not a silently ignored key), the rest from the deployment, plan and model."""
     section = scenario.scheduler.model_dump()
+    section["max_concurrent_batches"] = scenario.max_concurrent_batches
     # The hashing mode is a name in the scenario; the scheduler takes what it
     # derives to for this engine (vLLM's derivation, in MTPHashing).
     mtp_hashing = MTPHashing.for_engine(

@@ -100,9 +100,9 @@ _RETAINED = _m("num_retained_checkpoints", "blocks", "gauge", "Mamba checkpoints
 STEPS: tuple[Metric, ...] = (
     _SCENARIO,
     _LAYOUT,
-    _m("step", "step", "id", "the scheduler's step index (1 = first step)"),
+    _m("step", "step", "id", "the scheduler's step index (1 = first; async: one micro-batch)"),
     _TIME,
-    _m("step_time_s", "s", "value", "the step's duration (the step-time model)"),
+    _m("step_time_s", "s", "value", "the step's duration (async: a micro-batch, schedule to output)"),
     _RUNNING,
     _WAITING,
     _m("num_scheduled_requests", "requests", "value", "requests scheduled in the step"),

@@ -56,6 +56,17 @@ class SchedulerSection(StrictModel):
     mtp_hash_mode: MTPHashMode = "eagle-drop"
 
 
+class EngineSection(StrictModel):
+    """The engine loop. ``sync``: one step at a time, each output applied
+    before the next schedule (vLLM's ``EngineCore.step``, what kvsim's
+    scheduler conforms to with ``kvsim conform``). ``async``: the rig's
+    loop, vLLM 0.33.0 with async scheduling on Model Runner V2 (a batch
+    queue of pp + 1 micro-batches, ``AsyncScheduler``, the pipeline clock;
+    ``kvsim conform --engine async``)."""
+
+    mode: Literal["sync", "async"] = "sync"
+
+
 class MTPSection(StrictModel):
     """Draft acceptance: P(draft i accepted | drafts before it accepted),
     given as rates or as a profile measured on the rig
@@ -156,6 +167,7 @@ class Scenario(StrictModel):
     layouts: tuple[SideCacheSwitch, ...] = ("off", "on")
     deployment: DeploymentConfig = DeploymentConfig()
     scheduler: SchedulerSection = SchedulerSection()
+    engine: EngineSection = EngineSection()
     mtp: MTPSection = MTPSection()
     allocator: AllocatorSection = AllocatorSection()
     fork: ForkSection = ForkSection()
@@ -174,6 +186,34 @@ class Scenario(StrictModel):
                 "component: letters, digits and . _ + - (not first), at most 100 characters"
             )
         return name
+
+    @model_validator(mode="after")
+    def _engine_mode_runs_here(self) -> Scenario:
+        if self.engine.mode != "async":
+            return self
+        if self.deployment.kv_connector:
+            raise ValueError(
+                "engine.mode: async is not modelled with deployment.kv_connector "
+                "(kvsim's AsyncScheduler twin has no connector); use engine.mode: sync"
+            )
+        depth = self.deployment.pipeline_parallel_size + 1
+        if "max_concurrent_batches" in self.scheduler.model_fields_set and (
+            self.scheduler.max_concurrent_batches != depth
+        ):
+            raise ValueError(
+                f"scheduler.max_concurrent_batches: {self.scheduler.max_concurrent_batches} with "
+                f"engine.mode: async, where vLLM derives pp + 1 = {depth}; leave it out"
+            )
+        return self
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps in flight: vLLM's derivation (``config/vllm.py``) with
+        async scheduling on Model Runner V2, pp + 1; else the scheduler
+        section's (pp, the synchronous PP value, by default 2)."""
+        if self.engine.mode == "async":
+            return self.deployment.pipeline_parallel_size + 1
+        return self.scheduler.max_concurrent_batches
 
     def load_model(self) -> ModelConfig:
         return load_model(Path(self.model))

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import ast
 import sys
-from functools import cache
 from pathlib import Path
 
 import pytest
+from helpers.scenarios import conformance_requests, conformance_shape
 
-from sim.analysis.runs import scenario_workload
 from sim.cli import main
 from sim.conformance.driver import (
     ConformanceResult,
@@ -29,7 +28,6 @@ from sim.conformance.driver import (
     vllm_backend,
 )
 from sim.paths import SCENARIOS_DIR
-from sim.scenario import Scenario, load_scenario
 from sim.sched.scheduler import Scheduler
 from sim.step_time import StepTimeModel
 
@@ -38,14 +36,7 @@ SHAPES = ("prefix-hits", "heavy-preemption", "long-chunked")
 SIM = Path(__file__).resolve().parents[1] / "sim"
 
 
-@cache
-def _scenario(shape: str) -> Scenario:
-    return load_scenario(str(CONFORMANCE / f"{shape}.yaml"))
-
-
-@cache
-def _requests(shape: str) -> tuple:
-    return scenario_workload(_scenario(shape)).requests
+_scenario, _requests = conformance_shape, conformance_requests
 
 
 def _conform(shape: str, layout: str, mode: str) -> ConformanceResult:
@@ -304,7 +295,7 @@ def test_a_scheduler_that_cannot_be_built_gives_one_line_and_exit_2(break_it, mo
     assert lines[0].startswith("kvsim: error: vLLM's Scheduler cannot be built (")
 
 
-def test_only_the_conformance_backend_imports_the_vllm_scheduler_bridge():
+def test_only_the_conformance_backends_import_the_vllm_scheduler_and_engine_bridges():
     """Nothing else in kvsim depends on the second backend."""
     importers = set()
     for path in SIM.rglob("*.py"):
@@ -314,6 +305,11 @@ def test_only_the_conformance_backend_imports_the_vllm_scheduler_bridge():
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
-            if any(n == "sim.vllm_bridge.scheduler" for n in names):
+            if any(n in ("sim.vllm_bridge.scheduler", "sim.vllm_bridge.engine_core") for n in names):
                 importers.add(path.relative_to(SIM).as_posix())
-    assert importers == {"conformance/driver.py", "conformance/backends.py"}
+    assert importers == {
+        "conformance/driver.py",
+        "conformance/backends.py",
+        "conformance/async_engine.py",
+        "vllm_bridge/engine_core.py",  # the engine core is built on the scheduler bridge
+    }

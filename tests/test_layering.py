@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
         "sim.allocator_invariants",
     ),
     ("sim.sched",),
-    ("sim.workloads", "sim.rig", "sim.step_time", "sim.scenario", "sim.engine"),
+    ("sim.workloads", "sim.rig", "sim.step_time", "sim.pipeline_clock", "sim.scenario", "sim.engine"),
     ("sim.analysis", "sim.results", "sim.bench", "sim.conformance", "sim.pool_replay"),
     ("sim.replay",),
     ("sim.commands",),

@@ -22,8 +22,8 @@ from helpers.replay_dirs import DEFAULTS, RIG
 from helpers.scenarios import write_scenario
 
 from sim.cli import main
-from sim.step_time import StepTimeConfig
 from sim.scenario import load_scenario, scenario_from_record
+from sim.step_time import StepTimeConfig
 
 # The shipped Mooncake conversation slice: its first 20 requests, the 3 s
 # burst stamps spread (a burst sent over HTTP arrives a few ms apart, so the

@@ -25,6 +25,13 @@ def register(subparsers: Any) -> None:
         choices=MTP_HASH_MODES,
         help="MTP block hashing (default: the scenario's scheduler.mtp_hash_mode)",
     )
+    conform.add_argument(
+        "--engine",
+        choices=["sync", "async"],
+        help="engine loop: sync (vLLM's Scheduler, one step at a time) or async (vLLM's "
+        "EngineCore.step_with_batch_queue over its AsyncScheduler, PP + 1 in flight; "
+        "default: the scenario's engine.mode)",
+    )
     conform.set_defaults(func=cmd_conform)
 
 
@@ -35,6 +42,8 @@ def cmd_conform(args: argparse.Namespace) -> int:
 
     scenario = load_scenario(args.scenario, args.set)
     workload = scenario_workload(scenario)
+    if (args.engine or scenario.engine.mode) == "async":
+        return _conform_async(scenario, args, workload.requests)
     result = run_conformance(scenario, args.layout, workload.requests, mode=args.mode, with_fence_effect=True)
     comparison = result.comparison
     mode = args.mode or scenario.scheduler.mtp_hash_mode
@@ -50,6 +59,27 @@ def cmd_conform(args: argparse.Namespace) -> int:
         _print_fence(result.fence)
     if comparison.conforms:
         print("conforms: every step identical")
+        return 0
+    _print_first_difference(comparison)
+    return 1
+
+
+def _conform_async(scenario: Any, args: argparse.Namespace, requests: Any) -> int:
+    from sim.conformance.async_engine import max_concurrent_batches, run_async_conformance
+
+    comparison = run_async_conformance(scenario, args.layout, requests, mode=args.mode)
+    mode = args.mode or scenario.scheduler.mtp_hash_mode
+    print(
+        f"kvsim conform --engine async: {scenario.name}, layout {args.layout}, MTP hashing {mode}, "
+        f"{max_concurrent_batches(scenario)} micro-batches in flight, fenced frees off"
+    )
+    print(
+        f"identical engine steps: {comparison.num_identical_steps} of {comparison.num_steps} "
+        f"({100 * comparison.identical_share:.1f} %)"
+        f" (kvsim {len(comparison.left.steps)} steps, vllm {len(comparison.right.steps)})"
+    )
+    if comparison.conforms:
+        print("conforms: every engine step identical")
         return 0
     _print_first_difference(comparison)
     return 1

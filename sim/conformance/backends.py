@@ -49,6 +49,20 @@ def _scheduled_tokens(output: SchedulerOutput) -> tuple[tuple[str, int, int], ..
     return tuple((r.request_id, r.num_computed_tokens, r.num_scheduled_tokens) for r in output.scheduled)
 
 
+def scheduled_request(request: Any, num_scheduled: int, num_spec: int, is_padded: bool) -> ScheduledRequest:
+    """kvsim's record of a vLLM request's share of the step just scheduled
+    (``schedule()`` advanced its computed tokens already)."""
+    computed = request.num_computed_tokens - num_scheduled
+    return ScheduledRequest(
+        request_id=request.request_id,
+        num_scheduled_tokens=num_scheduled,
+        num_computed_tokens=computed,
+        num_spec_tokens=num_spec,
+        num_prompt_tokens_left=0 if computed >= request.num_tokens - 1 else num_scheduled - num_spec,
+        is_padded=is_padded,
+    )
+
+
 class Backend(Protocol):
     name: str
 
@@ -204,18 +218,11 @@ class VllmBackend:
 
     def _scheduled(self, request_id: str, num_scheduled: int) -> ScheduledRequest:
         """kvsim's record of one request's share (the step-time model's input)."""
-        request = self.scheduler.requests[request_id]
-        computed = request.num_computed_tokens - num_scheduled  # schedule() advanced it
         spec_token_ids = self._vllm_output.scheduled_spec_decode_tokens.get(request_id, ())
-        num_spec = len(spec_token_ids)
-        return ScheduledRequest(
-            request_id=request_id,
-            num_scheduled_tokens=num_scheduled,
-            num_computed_tokens=computed,
-            num_spec_tokens=num_spec,
-            num_prompt_tokens_left=0 if computed >= request.num_tokens - 1 else num_scheduled - num_spec,
-            # vLLM's uniform-decode padding schedules -1 placeholder drafts.
-            is_padded=num_spec > 0 and all(token == -1 for token in spec_token_ids),
+        # vLLM's uniform-decode padding schedules -1 placeholder drafts.
+        padded = bool(spec_token_ids) and all(token == -1 for token in spec_token_ids)
+        return scheduled_request(
+            self.scheduler.requests[request_id], num_scheduled, len(spec_token_ids), padded
         )
 
     def execute(self, output: SchedulerOutput) -> StepState:

@@ -14,9 +14,11 @@ fork's always-on fence changes.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from sim.config import ConfigError
 from sim.conformance.backends import (
@@ -122,10 +124,10 @@ class Comparison:
         left, right = self.state(self.left, step), self.state(self.right, step)
         if left is None or right is None:
             return ["(step missing)"]
-        return [f.name for f in fields(StepState) if getattr(left, f.name) != getattr(right, f.name)]
+        return [f.name for f in fields(left) if getattr(left, f.name) != getattr(right, f.name)]
 
     @staticmethod
-    def state(trajectory: Trajectory, step: int) -> StepState | None:
+    def state(trajectory: Trajectory, step: int) -> Any:
         return trajectory.steps[step - 1] if step <= len(trajectory.steps) else None
 
 
@@ -147,35 +149,46 @@ def kvsim_backend(scenario: Scenario, plan: KVCachePlan) -> KvsimBackend:
 def vllm_backend(scenario: Scenario, plan: KVCachePlan) -> VllmBackend:
     """vLLM's Scheduler for the scenario; ``BackendUnavailable`` (one line)
     when this vLLM cannot build it."""
-    try:
-        from sim.vllm_bridge.scheduler import VllmSchedulerSettings
-
-        d, s = scenario.deployment, scenario.scheduler
-        settings = VllmSchedulerSettings(
-            max_model_len=d.max_model_len,
-            max_num_seqs=d.max_num_seqs,
-            max_num_batched_tokens=s.max_num_batched_tokens,
-            long_prefill_token_threshold=s.long_prefill_token_threshold,
-            scheduler_reserve_full_isl=s.scheduler_reserve_full_isl,
-            tensor_parallel_size=d.tensor_parallel_size,
-            pipeline_parallel_size=d.pipeline_parallel_size,
-            block_size=plan.block_size,
-            num_speculative_tokens=scenario.load_model().mtp.num_speculative_tokens,
-            enable_prefix_caching=scenario.allocator.enable_prefix_caching,
-            mtp_hash_mode=s.mtp_hash_mode,
-            prefix_match_unit=d.prefix_match_unit,
-        )
+    with vllm_unavailable_as_one_line("Scheduler"):
         return VllmBackend(
             plan,
-            settings,
+            vllm_settings(scenario, plan),
             model_runner(scenario.mtp.acceptance_rates, scenario.seed),
             fork=scenario.fork.patches(),
         )
-    except Exception as error:  # any failure of a vLLM we cannot drive
+
+
+@contextlib.contextmanager
+def vllm_unavailable_as_one_line(what: str) -> Iterator[None]:
+    """Any failure of a vLLM we cannot drive, as ``BackendUnavailable``."""
+    try:
+        yield
+    except Exception as error:
         first_line = (str(error).strip().splitlines() or [""])[0][:200]
         raise BackendUnavailable(
-            f"vLLM's Scheduler cannot be built ({type(error).__name__}: {first_line})"
+            f"vLLM's {what} cannot be built ({type(error).__name__}: {first_line})"
         ) from None
+
+
+def vllm_settings(scenario: Scenario, plan: KVCachePlan) -> Any:
+    """The engine arguments vLLM is started with for ``scenario``."""
+    from sim.vllm_bridge.scheduler import VllmSchedulerSettings
+
+    d, s = scenario.deployment, scenario.scheduler
+    return VllmSchedulerSettings(
+        max_model_len=d.max_model_len,
+        max_num_seqs=d.max_num_seqs,
+        max_num_batched_tokens=s.max_num_batched_tokens,
+        long_prefill_token_threshold=s.long_prefill_token_threshold,
+        scheduler_reserve_full_isl=s.scheduler_reserve_full_isl,
+        tensor_parallel_size=d.tensor_parallel_size,
+        pipeline_parallel_size=d.pipeline_parallel_size,
+        block_size=plan.block_size,
+        num_speculative_tokens=scenario.load_model().mtp.num_speculative_tokens,
+        enable_prefix_caching=scenario.allocator.enable_prefix_caching,
+        mtp_hash_mode=s.mtp_hash_mode,
+        prefix_match_unit=d.prefix_match_unit,
+    )
 
 
 def conformance_scenario(scenario: Scenario, mode: MTPHashMode | None = None) -> Scenario:

@@ -11,10 +11,12 @@ no SimPy.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
+from sim.sched.async_scheduler import AsyncScheduler
 from sim.sched.model_runner import ModelRunner
-from sim.sched.output import SchedulerOutput, StepOutcome
+from sim.sched.output import ModelRunnerOutput, SchedulerOutput, StepOutcome
 from sim.sched.scheduler import Scheduler
 
 
@@ -65,3 +67,78 @@ class EngineCore:
         the requests between steps)."""
         if self.steady is not None:
             self.steady.flush()
+
+
+@dataclass(frozen=True)
+class BatchStep:
+    """One call of the batch-queue loop: the step it scheduled (None when
+    nothing was left to schedule) and the oldest step whose output it
+    applied (None when it did not wait)."""
+
+    scheduled: SchedulerOutput | None
+    processed: SchedulerOutput | None = None
+    outcome: StepOutcome | None = None
+
+
+class BatchQueueEngineCore:
+    """Twin of ``EngineCore.step_with_batch_queue`` (``vllm/v1/engine/core.py``,
+    0.33.0): up to ``max_concurrent_batches`` steps in flight; a call
+    schedules a step whenever the scheduler has requests (an empty step
+    takes a slot too) and returns without waiting unless the queue is full
+    or nothing is left to schedule; then it waits for the oldest step and
+    applies its output. The workers sample a step when it is handed to
+    them (the draws follow the schedule order, as the outputs do)."""
+
+    def __init__(
+        self, scheduler: AsyncScheduler, model_runner: ModelRunner, max_concurrent_batches: int
+    ) -> None:
+        self.scheduler = scheduler
+        self.model_runner = model_runner
+        self.max_concurrent_batches = max_concurrent_batches
+        self.batch_queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests() or bool(self.batch_queue)
+
+    def step(self) -> BatchStep:
+        scheduled = None
+        if self.scheduler.has_requests():
+            scheduled = self.scheduler.schedule()
+            self.batch_queue.appendleft((scheduled, self._execute(scheduled)))
+            if len(self.batch_queue) < self.max_concurrent_batches and (
+                not scheduled.is_empty or self.scheduler.has_requests()
+            ):
+                return BatchStep(scheduled)
+        elif not self.batch_queue:
+            return BatchStep(None)
+        output, sampled = self.batch_queue.pop()
+        return BatchStep(scheduled, output, self.scheduler.update_from_output(output, sampled))
+
+    def idle(self, call: BatchStep) -> bool:
+        """The call scheduled and applied nothing, and only empty steps are
+        in flight: nothing but a new request can change the engine now."""
+        scheduled, processed = call.scheduled, call.processed
+        return (
+            (scheduled is None or scheduled.is_empty)
+            and (processed is None or processed.is_empty)
+            and all(output.is_empty for output, _ in self.batch_queue)
+        )
+
+    def flush(self) -> None:
+        """Nothing kept aside (no steady lane in async mode)."""
+
+    def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """What the workers will sample: a request samples unless its chunk
+        ends short of the prompt (judged when scheduled)."""
+        samples = self.scheduler.last_samples
+        return self.model_runner.execute(output, sampling_counts(output, samples))
+
+
+def sampling_counts(output: SchedulerOutput, samples: dict[str, bool]) -> dict[str, int]:
+    """The token counts ``ModelRunner.execute`` judges sampling by, given
+    which requests sample: the position each reaches, or one past it."""
+    counts = {}
+    for item in output.scheduled:
+        reached = item.num_computed_tokens + item.num_scheduled_tokens - item.num_spec_tokens
+        counts[item.request_id] = reached if samples[item.request_id] else reached + 1
+    return counts

@@ -16,7 +16,7 @@ chase its tokens (prompt, outputs, drafts); rejected drafts roll them back.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -261,15 +261,27 @@ class Scheduler:
         computed = request.num_computed_tokens + num_hit
         return self.split.reserve_prefill_lookahead(request, computed, num_new_tokens)
 
+    # Async scheduling's running and waiting skips (``async_scheduler.py``);
+    # None here, so the synchronous loops pay one test per step.
+    _skips_running: Callable[[Request], bool] | None = None
+    _skips_waiting: Callable[[Request], bool] | None = None
+
     def _schedule_running(self, step: _StepState) -> None:
         index = 0
+        skips = self._skips_running
         while index < len(self.running) and step.token_budget > 0:
             if step.steady.items:
                 index = self._take_steady(index, step)
                 if index == len(self.running) or step.token_budget <= 0:
                     break
             request = self.running[index]
-            num_new = request.num_tokens_with_spec - request.num_computed_tokens
+            if skips is not None and skips(request):
+                index += 1
+                continue
+            # Output placeholders (async scheduling) count as computed and known.
+            num_new = (
+                request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
+            )
             num_new = self._clip(request, num_new, step.token_budget)
             if num_new == 0:
                 index += 1  # not strictly FCFS, as in vLLM
@@ -349,9 +361,21 @@ class Scheduler:
         self.fast_path.waiting_ends(inputs, admitted)
 
     def _admit_waiting(self, step: _StepState) -> bool:
+        skipped: list[Request] = []
+        admitted = self._admit_waiting_requests(step, skipped)
+        # Skipped requests go back to the front, in their order (vLLM's prepend).
+        self.waiting.extendleft(reversed(skipped))
+        return admitted
+
+    def _admit_waiting_requests(self, step: _StepState, skipped: list[Request]) -> bool:
         admitted = False
+        skips = self._skips_waiting
         while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._peek_waiting()
+            if skips is not None and skips(request):
+                self.waiting.popleft()
+                skipped.append(request)
+                continue
             blocks, num_hit, boundary = self.kv_cache_manager.get_computed_blocks(request)
             if num_hit:
                 self.observer.prefix_hit(request, blocks, num_hit)
@@ -411,7 +435,7 @@ class Scheduler:
         self._record_scheduled(request, num_new, num_hit, step)
 
     def _record_scheduled(self, request: Request, num_new: int, computed: int, step: _StepState) -> None:
-        num_spec = max(num_new + computed - request.num_tokens, 0)
+        num_spec = max(num_new + computed - request.num_tokens - request.num_output_placeholders, 0)
         step.scheduled[request.request_id] = ScheduledRequest(
             request_id=request.request_id,
             num_scheduled_tokens=num_new,
@@ -435,7 +459,9 @@ class Scheduler:
                 continue  # the lane keeps its requests' computed tokens
             request = self.requests[request_id]
             request.num_computed_tokens += item.num_scheduled_tokens
-            request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
+            request.is_prefill_chunk = request.num_computed_tokens < (
+                request.num_tokens + request.num_output_placeholders
+            )
         queries, hits = self._take_prefix_cache_stats()
         evicted = sum(
             len(e.block_hashes) for e in self.kv_cache_manager.take_events() if isinstance(e, BlockRemoved)

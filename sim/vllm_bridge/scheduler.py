@@ -182,15 +182,18 @@ def _build_vllm_config(settings: VllmSchedulerSettings) -> VllmConfig:
     )
 
 
-def build_vllm_scheduler(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Scheduler:
-    """vLLM's ``Scheduler`` over ``kv_cache_config``, built the way its engine
-    core builds it (the pool size set on the cache config first)."""
+def build_vllm_scheduler(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, scheduler_cls: type[Any] | None = None
+) -> Scheduler:
+    """vLLM's ``Scheduler`` (or ``scheduler_cls``, e.g. the one the config
+    selects) over ``kv_cache_config``, built the way its engine core builds
+    it (the pool size set on the cache config first)."""
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     block_size = vllm_config.cache_config.block_size
     # The hash block (the prefix-match unit) as the engine core resolves it.
     _, hash_block_size = kv_cache_utils.resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     with _vllm_log_level():
-        return Scheduler(
+        return (scheduler_cls or Scheduler)(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),

@@ -3,13 +3,14 @@ through the same path users take (``load_scenario``)."""
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from sim.analysis.runs import RunResult, run_scenario
-from sim.paths import DEFAULT_MODEL
+from sim.paths import DEFAULT_MODEL, SCENARIOS_DIR
 from sim.scenario import Scenario, load_scenario
 
 # 20K-token prompts hold 7 attention blocks (3,200 tokens each) plus the
@@ -93,3 +94,17 @@ NO_WORKLOAD = {
     "prompt": {"distribution": "fixed", "tokens": 10},
     "output": {"distribution": "fixed", "tokens": 1},
 }
+
+
+@cache
+def conformance_shape(shape: str) -> Scenario:
+    """A conformance shape (``scenarios/conformance/SHAPE.yaml``)."""
+    return load_scenario(str(SCENARIOS_DIR / "conformance" / f"{shape}.yaml"))
+
+
+@cache
+def conformance_requests(shape: str) -> tuple:
+    """The shape's trace (sampled once per test process)."""
+    from sim.analysis.runs import scenario_workload
+
+    return scenario_workload(conformance_shape(shape)).requests
