@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fork_driver import BLOCK, decode, free_queue_ids, hybrid_manager, prefill, request, tokens
+from helpers.fork import BLOCK, decode, free_queue_ids, hybrid_manager, prefill, request, tokens
 
 from sim.fork_patches import ForkPatches
 from sim.kv_cache_manager import KVCacheManager

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from fork_driver import tokens
+from helpers.fork import tokens
 
 from sim.kv_cache_manager import KVCacheManager, MTPHashing
 from sim.sched.engine_core import EngineCore

@@ -15,7 +15,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from fork_driver import BLOCK, decode, hybrid_manager, prefill, tokens
+from helpers.fork import BLOCK, decode, hybrid_manager, prefill, tokens
 
 from sim.fork_patches import ForkPatches
 from sim.vllm_bridge import Request, SamplingParams, Scheduler, get_request_block_hasher, sha256

@@ -10,7 +10,7 @@ failing control.
 from __future__ import annotations
 
 import pytest
-from fork_driver import (
+from helpers.fork import (
     ATTN,
     BLOCK,
     MAMBA_GROUPS,

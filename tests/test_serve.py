@@ -5,7 +5,6 @@ and vLLM's error answers."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from collections.abc import Awaitable, Callable
@@ -13,14 +12,14 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from helpers.scenarios import NO_WORKLOAD, scenario
+from helpers.serve import serve_in_process
 from prometheus_client.parser import text_string_to_metric_families
 
 import sim.vllm_bridge  # noqa: F401  (sets VLLM_TARGET_DEVICE before vLLM's argument parser runs)
 from sim.commands.serve import boot_log_lines
-from sim.replay.live_engine import LiveEngine
-from sim.replay.server import build_app, tokenize_text
+from sim.replay.server import tokenize_text
 
 SPEED = 50.0
 
@@ -30,17 +29,7 @@ def _serve(
 ) -> Any:
     """Run ``check`` against a server on 127.0.0.1, stopped afterwards."""
     sc = scenario(tmp_path, deployment={"max_num_seqs": 4}, workload=NO_WORKLOAD, **sections)
-
-    async def main() -> Any:
-        engine = LiveEngine(sc, "on", speed=speed)
-        client = TestClient(TestServer(build_app(engine), host="127.0.0.1"))
-        await client.start_server()
-        try:
-            return await asyncio.wait_for(check(client), 60)
-        finally:
-            await client.close()
-
-    return asyncio.run(main())
+    return serve_in_process(sc, check, speed)
 
 
 async def _stream(client: TestClient, body: dict[str, Any]) -> list[dict[str, Any]]:

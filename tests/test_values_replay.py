@@ -18,10 +18,11 @@ from typing import Any
 import pandas as pd
 import pytest
 import vllm
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from helpers.fault_server import GOOD_METRICS, FaultOptions, FaultServer, app_in_thread
 from helpers.scenarios import scenario as make_scenario
 from helpers.scenarios import write_scenario
+from helpers.serve import serve_in_process
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
@@ -29,10 +30,8 @@ from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from sim.analysis.runs import scenario_workload
 from sim.cli import main
 from sim.replay.client import ReplayOutcome, RequestRecord
-from sim.replay.live_engine import LiveEngine
 from sim.replay.metrics import SCRAPED, ServerMetrics, parse_metrics
 from sim.replay.recording import requests_frame
-from sim.replay.server import build_app
 from sim.sched.output import ScheduledRequest, SchedulerOutput, StepOutcome
 
 VLLM = Path(vllm.__file__).parent
@@ -307,17 +306,7 @@ LIVE_WORKLOAD = {
 
 def _serve(tmp_path, check, speed: float, **sections: Any) -> Any:
     sc = make_scenario(tmp_path, deployment={"max_num_seqs": 2}, workload=LIVE_WORKLOAD, **sections)
-
-    async def run() -> Any:
-        engine = LiveEngine(sc, "on", speed=speed)
-        client = TestClient(TestServer(build_app(engine), host="127.0.0.1"))
-        await client.start_server()
-        try:
-            return await asyncio.wait_for(check(client), 60)
-        finally:
-            await client.close()
-
-    return asyncio.run(run())
+    return serve_in_process(sc, check, speed)
 
 
 async def _gauges(client: TestClient) -> dict[str, float]:

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
-from helpers.allocator import request  # noqa: F401 (the tests take it from here)
 
+from helpers.allocator import request  # noqa: F401 (the tests take it from here)
 from sim.fork_patches import ForkPatches
 from sim.kv_cache_interface import RetainedCheckpointMambaSpec
 from sim.kv_cache_manager import KVCacheManager

@@ -1,0 +1,33 @@
+"""``kvsim serve``'s app on 127.0.0.1 inside the test's process: a check
+runs against it with a bound, and the server is closed whatever happens."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from sim.replay.live_engine import LiveEngine
+from sim.replay.server import build_app
+from sim.scenario import Scenario
+
+CHECK_BOUND_S = 60
+
+
+def serve_in_process(
+    scenario: Scenario, check: Callable[[TestClient], Awaitable[Any]], speed: float
+) -> Any:
+    """Run ``check`` against a server of ``scenario`` (layout on), stopped afterwards."""
+
+    async def main() -> Any:
+        engine = LiveEngine(scenario, "on", speed=speed)
+        client = TestClient(TestServer(build_app(engine), host="127.0.0.1"))
+        await client.start_server()
+        try:
+            return await asyncio.wait_for(check(client), CHECK_BOUND_S)
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
