@@ -112,7 +112,7 @@ def test_new_gates_are_recorded_by_update_then_pass(
     text = path.read_text()
     assert "# Tiny gates for the tests (this comment must survive --update)." in text
     assert re.search(r"\n      num_admitted: \{off: 16, on: 22\} +# recorded by --update\n", text)
-    assert "num_preemptions: {off: 4, on: 0}" in text and "num_preemptions: 1         # absolute" in text
+    assert "num_preemptions: {off: 2, on: 0}" in text and "num_preemptions: 1         # absolute" in text
     assert load_yaml_text(text)["gates"]["tiny"]["baselines"]["peak_concurrency"] == {"on": 22}
 
     assert cli(str(path), "--report", str(tmp_path / "r3")) == 0
@@ -148,7 +148,7 @@ def test_a_worse_allocator_fails_the_gate(
         line.startswith("kvsim gate: FAIL tiny [on] peak_concurrency: baseline 22, now 16") for line in err
     )
     assert (
-        "kvsim gate: FAIL tiny [on] num_preemptions: baseline 0, now 4 (+4, allowed ±1): "
+        "kvsim gate: FAIL tiny [on] num_preemptions: baseline 0, now 2 (+2, allowed ±1): "
         "a rise is a regression" in err
     )
     failed = {(r["layout"], r["metric"]) for r in report(tmp_path)["rows"] if r["verdict"] == "fail"}

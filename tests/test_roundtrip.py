@@ -29,7 +29,7 @@ from sim.workloads.config import WorkloadConfig
 SHIPPED = sorted(
     path
     for path in SCENARIOS_DIR.rglob("*.yaml")
-    if path.parent.name != "models" and path.name != "gates.yaml"
+    if path.parent.name not in ("models", "rig") and path.name != "gates.yaml"
 )
 GATES_FILE = SCENARIOS_DIR / "gates.yaml"
 

@@ -201,7 +201,7 @@ def _report(monkeypatch, capsys, comparison: Comparison, fence: Comparison | Non
     monkeypatch.setattr("sim.scenario.load_scenario", lambda *a, **k: scenario)
     monkeypatch.setattr("sim.analysis.runs.scenario_workload", lambda s: SimpleNamespace(requests=()))
     monkeypatch.setattr("sim.conformance.driver.run_conformance", lambda *a, **k: result)
-    args = argparse.Namespace(scenario="hand", set=[], layout="on", mode=None)
+    args = argparse.Namespace(scenario="hand", set=[], layout="on", mode=None, engine="sync")
     status = conform_command.cmd_conform(args)
     return status, capsys.readouterr().out
 

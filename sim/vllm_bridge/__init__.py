@@ -195,18 +195,13 @@ def engine_config(
     approach vLLM's and the fork's own CPU tests take). Every attribute here
     is one the 0.33.0 planner reads.
     """
-    layout = KVCacheLayout[kv_cache_layout]
-    cache = SimpleNamespace(
-        # The resolved block and the prefix-hit grid, as
-        # ``resolve_kv_cache_block_sizes`` reads them.
+    cache = _cache_config(
         block_size=block_size,
         prefix_match_unit=prefix_match_unit,
         enable_prefix_caching=enable_prefix_caching,
         kv_cache_layout=kv_cache_layout,
         num_gpu_blocks_override=num_gpu_blocks_override,
-        prefix_cache_retention_interval=0,
         mamba_cache_mode=mamba_cache_mode,
-        get_resolved_kv_cache_layout=lambda: layout,
     )
     return SimpleNamespace(
         cache_config=cache,
@@ -232,6 +227,19 @@ def engine_config(
             decode_context_parallel_size=decode_context_parallel_size,
         ),
         kv_transfer_config=kv_transfer_config,
+    )
+
+
+def _cache_config(*, kv_cache_layout: str, **fields: Any) -> SimpleNamespace:
+    """The cache config of ``engine_config``: the resolved block and the
+    prefix-hit grid as ``resolve_kv_cache_block_sizes`` reads them, and the
+    memory order."""
+    layout = KVCacheLayout[kv_cache_layout]
+    return SimpleNamespace(
+        **fields,
+        kv_cache_layout=kv_cache_layout,
+        prefix_cache_retention_interval=0,
+        get_resolved_kv_cache_layout=lambda: layout,
     )
 
 
