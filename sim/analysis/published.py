@@ -22,7 +22,7 @@ from pydantic import Field
 
 from sim.analysis.runs import scenario_workload
 from sim.config import ConfigError, StrictModel, read_yaml, validate
-from sim.engine import Simulation
+from sim.engine import Recording, Simulation
 from sim.paths import DEFAULT_MODEL, SCENARIOS_DIR
 from sim.scenario import Scenario
 from sim.sched.output import SchedulerOutput
@@ -114,11 +114,10 @@ def measure(figure: Figure, step_time: dict[str, Any] | None = None) -> dict[str
     recorder = _Recorder(sim.step_time)
     sim.step_time = recorder  # type: ignore[assignment]
     recording = sim.run()
-    (request,) = recording.requests.values()
     decode_s = [s for out, s in recorder.steps if not out.num_prefill_tokens]
     if not decode_s:
         raise ConfigError(f"{figure.id}: the request never decoded")
-    ttft_s = float(request["first_token_s"] - request["arrival_s"])
+    ttft_s = _ttft_s(recording)
     pipelined_s = _async_ttft_s(figure, step_time)
     tokens_per_step = (figure.output_tokens - 1) / len(decode_s)
     interval_s = statistics.median(decode_s)
@@ -137,7 +136,11 @@ def _async_ttft_s(figure: Figure, step_time: dict[str, Any] | None) -> float:
     """The time to first token of the figure's request on the rig's engine
     loop (``engine.mode: async``)."""
     scenario = rig_scenario(figure, step_time, engine_mode="async")
-    recording = Simulation(scenario, figure.layout, scenario_workload(scenario)).run()
+    return _ttft_s(Simulation(scenario, figure.layout, scenario_workload(scenario)).run())
+
+
+def _ttft_s(recording: Recording) -> float:
+    """The lone request's time to first token."""
     (request,) = recording.requests.values()
     return float(request["first_token_s"] - request["arrival_s"])
 

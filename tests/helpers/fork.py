@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from helpers.allocator import request  # noqa: F401 (the tests take it from here)
+from helpers.allocator import request, tokens  # noqa: F401 (the tests take them from here)
 from sim.fork_patches import ForkPatches
 from sim.kv_cache_interface import RetainedCheckpointMambaSpec
 from sim.kv_cache_manager import KVCacheManager
@@ -74,10 +74,6 @@ def hybrid_manager(
     )
     manager.deferred_free_eviction_order = fork.deferred_free_eviction_order
     return manager
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    return [seed * 10_000 + i for i in range(n)]
 
 
 def prefill(
