@@ -23,6 +23,12 @@ class ForkPatches:
     # running request keeps its newest hashed Mamba checkpoint, freed last,
     # and full-sequence admission reserves it.
     mamba_retain_checkpoint: bool = True
+    # Patch 0093 (same fork switch, its own key here so it can be turned off
+    # alone): with a hash unit finer than the block, a partial hit's
+    # copy-on-write source and a running request's moved prompt tail are
+    # held as its checkpoint, and admission reserves the swap. No effect
+    # without mamba_retain_checkpoint, as in the fork.
+    mamba_hold_partial_tail: bool = True
     # Patch 0023 (port of vLLM #48532): a deferred free returns a request's
     # blocks in the same per-group order as an immediate free.
     deferred_free_eviction_order: bool = True

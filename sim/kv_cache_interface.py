@@ -53,6 +53,13 @@ class RetainedCheckpointMambaSpec(MambaSpec):
     """
 
 
+@dataclass(frozen=True)
+class PartialTailHoldingMambaSpec(RetainedCheckpointMambaSpec):
+    """A retaining Mamba group whose manager also holds a partial hit's
+    copy-on-write endpoints (the fork's patch 0093, same switch as
+    0086/0087). Scheduler-side only, like its base."""
+
+
 @dataclass
 class SlotPackedKVCacheTensor(KVCacheTensor):
     """A tensor whose view has ``slots_per_block`` view blocks per pool block:
@@ -131,7 +138,8 @@ def convert_spec(spec: KVCacheSpec, spec_cls: type, **extra: object) -> KVCacheS
                 for name, layer_spec in spec.kv_cache_specs.items()
             },
         )
-    assert isinstance(spec, spec_cls.__mro__[1]), f"{type(spec)} is not a {spec_cls.__mro__[1]}"
+    vllm_base = next(c for c in spec_cls.__mro__ if c.__module__.startswith("vllm."))
+    assert isinstance(spec, vllm_base), f"{type(spec)} is not a {vllm_base}"
     values = {f.name: getattr(spec, f.name) for f in fields(spec) if f.init}
     values.update(extra)
     return spec_cls(**values)

@@ -17,6 +17,7 @@ from typing import Any
 from sim.config import MTP_HASH_MODES, MTPHashMode
 from sim.fork_patches import AS_SHIPPED, ForkPatches
 from sim.kv_cache_interface import (
+    PartialTailHoldingMambaSpec,
     RetainedCheckpointMambaSpec,
     RingSlotsSpec,
     convert_spec,
@@ -190,13 +191,19 @@ class KVCacheManager(_VllmKVCacheManager):
         return (eviction_order + retained)[::-1]
 
 
+def retaining_mamba_spec_type(fork: ForkPatches) -> type[RetainedCheckpointMambaSpec]:
+    """The spec type (hence manager) of a Mamba group under retention:
+    with patch 0093's hold or without it."""
+    return PartialTailHoldingMambaSpec if fork.mamba_hold_partial_tail else RetainedCheckpointMambaSpec
+
+
 def _scheduler_group(group: KVCacheGroupSpec, fork: ForkPatches) -> KVCacheGroupSpec:
     """One group of the scheduler's view with kvsim's scheduler-side spec type."""
     spec = group.kv_cache_spec
     if isinstance(spec, CircularBufferSpec):
         spec = convert_spec(spec, RingSlotsSpec, slots_per_block=group_slots_per_block(group))
     elif isinstance(spec, MambaSpec) and fork.mamba_retain_checkpoint:
-        spec = convert_spec(spec, RetainedCheckpointMambaSpec)
+        spec = convert_spec(spec, retaining_mamba_spec_type(fork))
     return replace(group, kv_cache_spec=spec)
 
 

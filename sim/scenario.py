@@ -110,6 +110,7 @@ class ForkSection(StrictModel):
     base: ForkBase = "fork"
     # One key per ForkPatches field (a test keeps them equal).
     mamba_retain_checkpoint: bool | None = None
+    mamba_hold_partial_tail: bool | None = None
     deferred_free_eviction_order: bool | None = None
 
     @model_validator(mode="before")

@@ -1,6 +1,7 @@
 """Twin of the fork's additions to ``single_type_kv_cache_manager.py``: the
 ring slot pool, the ring manager that claims slots and records its claims,
-and the Mamba manager that retains each request's cached checkpoint.
+the Mamba manager that retains each request's cached checkpoint, and its
+subclass that also holds a partial hit's copy-on-write endpoints.
 
 All three extend vLLM 0.33.0's own classes through their public hooks and keep
 their argument names; vLLM builds them itself, through its spec -> manager
@@ -13,7 +14,11 @@ import heapq
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sim.kv_cache_interface import RetainedCheckpointMambaSpec, RingSlotsSpec
+from sim.kv_cache_interface import (
+    PartialTailHoldingMambaSpec,
+    RetainedCheckpointMambaSpec,
+    RingSlotsSpec,
+)
 from sim.vllm_bridge import (
     BlockPool,
     CircularBufferManager,
@@ -183,7 +188,10 @@ class RetainingMambaManager(MambaManager):
 
     def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, block_pool, **kwargs)
-        # request id -> (logical block index, its retained checkpoint block)
+        # request id -> (the token position its state is keyed at, the block).
+        # Ordered by position, not by table index, so that a sub-block key
+        # (patch 0093's partial tail) sorts against full-block states; for
+        # full-block states alone both orders agree (0086/0087).
         self._retained_checkpoints: dict[str, tuple[int, KVCacheBlock]] = {}
 
     def retained_checkpoints(self) -> dict[str, KVCacheBlock]:
@@ -208,7 +216,7 @@ class RetainingMambaManager(MambaManager):
         before = list(table) if table else []
         super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
         retired = [
-            (index, block)
+            block
             for index, block in enumerate(before)
             if table is not None
             and table[index].is_null
@@ -216,18 +224,22 @@ class RetainingMambaManager(MambaManager):
             and block.block_hash is not None
         ]
         if retired:
-            self._retain_newest(request_id, *retired[-1])
+            self._hold_checkpoint(request_id, retired[-1])
 
-    def _retain_newest(self, request_id: str, index: int, block: KVCacheBlock) -> None:
-        """Hold ``block`` (logical ``index``) unless the request holds a
-        newer one; release the checkpoint it supersedes."""
+    def _hold_checkpoint(self, request_id: str, block: KVCacheBlock) -> bool:
+        """Hold ``block`` (a hashed state) with a ref of its own unless the
+        request already holds it or a state at a later position; release the
+        checkpoint it supersedes. Returns whether ``block`` is now held."""
+        position = block.block_hash_num_tokens
+        assert position is not None, "only a hashed state is a checkpoint"
         held = self._retained_checkpoints.get(request_id)
-        if held is not None and index <= held[0]:
-            return
+        if held is not None and (held[1] is block or position <= held[0]):
+            return False
         self.block_pool.touch([block])
-        self._retained_checkpoints[request_id] = (index, block)
+        self._retained_checkpoints[request_id] = (position, block)
         if held is not None:
             self.block_pool.free_blocks([held[1]])  # superseded: ages like any cached free block
+        return True
 
     def pop_retained_checkpoints(self, request_id: str) -> list[KVCacheBlock]:
         """The request's held checkpoint, no longer held and not yet freed."""
@@ -267,17 +279,22 @@ class RetainingMambaManager(MambaManager):
         )
         if apply_admission_cap:
             num_blocks += self.retained_checkpoint_blocks_to_reserve(
-                request_id, num_tokens_main_model, new_computed_blocks
+                request_id, num_tokens_main_model, new_computed_blocks, num_local_computed_tokens
             )
         return num_blocks
 
     def retained_checkpoint_blocks_to_reserve(
-        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = ()
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_local_computed_tokens: int = 0,
     ) -> int:
         """1 when the request will come to hold a checkpoint it does not hold
         yet: a state behind the running one to retire
         (``num_tokens > block_size``, 0086), and no hit block or hashed
-        state in its table that already is that block (0087)."""
+        state in its table that already is that block (0087). The hit length
+        is read only by the partial-tail hold (0093)."""
         if num_tokens <= self.block_size:
             return 0
         if request_id in self._retained_checkpoints:
@@ -286,6 +303,84 @@ class RetainingMambaManager(MambaManager):
             return 0
         table = self.req_to_blocks.get(request_id, ())
         return 0 if any(not b.is_null and b.block_hash is not None for b in table) else 1
+
+
+class PartialTailHoldingMambaManager(RetainingMambaManager):
+    """The retaining Mamba manager plus the fork's partial-tail hold (patch
+    0093, under the same ``VLLM_E2_MAMBA_RETAIN_CHECKPOINT``).
+
+    With a hash unit finer than the block, a request that resumed inside a
+    block (a partial hit) hashes no block-end state of its own: the only
+    state its next turn can resume at is its prompt tail, which vLLM keys
+    on the running block and then moves into a copy-on-write block in no
+    block table. Once the copy has run that block sits at ref 0 ahead of
+    the request's attention blocks and a concurrent prefill evicts it.
+    This manager holds both copy endpoints as the request's checkpoint:
+
+    - a new request's hit source, once its copy is queued (a request that
+      stops before its own tail still leaves the state it resumed from);
+    - a running request's moved tail (the copy), superseding the source;
+    - another request holding the moved source follows it to the copy,
+      so a hold never pins someone else's running block.
+
+    Admission reserves one block more for a partial hit (the held source
+    and the moved tail coexist for one step) and, when the unit is finer
+    than the block, for a prompt no longer than one block (its tail is
+    moved and held too).
+    """
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> list[KVCacheBlock]:
+        """vLLM's allocation, whose copy-on-write of a partial hit (a new
+        request's ``_apply_cow`` or a running request's hash move) is then
+        held. Holding afterwards changes no free-queue order: between the
+        copy and the return vLLM touches the pool no more."""
+        partial_hit = self._partial_hit_reqs.get(request_id)
+        was_running = request_id in self._allocated_block_reqs
+        new_blocks = super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+        if partial_hit is None:
+            return new_blocks
+        source = partial_hit[1]
+        if not was_running:
+            self._hold_if_hashed(request_id, source)
+            return new_blocks
+        copy = next(c for s, c in reversed(self._pending_cow_copies) if s is source)
+        self._follow_moved_hash(request_id, source, copy)
+        self._hold_if_hashed(request_id, copy)
+        return new_blocks
+
+    def _hold_if_hashed(self, request_id: str, block: KVCacheBlock) -> None:
+        if not block.is_null and block.block_hash is not None:
+            self._hold_checkpoint(request_id, block)
+
+    def _follow_moved_hash(self, owner_id: str, source: KVCacheBlock, copy: KVCacheBlock) -> None:
+        """``owner_id`` moved ``source``'s hashes to ``copy`` and goes on
+        writing ``source``: whoever else held ``source`` (it resumed at
+        that tail while it was still the owner's running block) now holds
+        the copy, the hashed state."""
+        for request_id, (position, block) in list(self._retained_checkpoints.items()):
+            if request_id != owner_id and block is source:
+                self.block_pool.touch([copy])
+                self._retained_checkpoints[request_id] = (position, copy)
+                self.block_pool.free_blocks([source])
+
+    def retained_checkpoint_blocks_to_reserve(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_local_computed_tokens: int = 0,
+    ) -> int:
+        if request_id in self._retained_checkpoints:
+            return 0  # a holder only ever swaps its checkpoint
+        if self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens):
+            return 1
+        if num_tokens <= self.block_size:
+            return int(self.block_pool.hash_block_size < self.block_size)
+        return super().retained_checkpoint_blocks_to_reserve(
+            request_id, num_tokens, new_computed_blocks, num_local_computed_tokens
+        )
 
 
 def _register() -> None:
@@ -300,6 +395,9 @@ def _register() -> None:
     )
     KVCacheSpecRegistry.register(
         RetainedCheckpointMambaSpec, RetainingMambaManager, uniform_type_base_spec=MambaSpec
+    )
+    KVCacheSpecRegistry.register(
+        PartialTailHoldingMambaSpec, PartialTailHoldingMambaManager, uniform_type_base_spec=MambaSpec
     )
 
 

@@ -401,35 +401,49 @@ def test_the_ring_records_blocks_for_kv_zeroing_exactly_as_upstream(zeroing: boo
 
 
 def test_kvsims_specs_select_kvsims_managers_in_vllms_registry():
-    """``_register`` (run at import) puts kvsim's two spec types in vLLM's
+    """``_register`` (run at import) puts kvsim's spec types in vLLM's
     spec registry. Re-run here on a registry without them (mutation tools
     swap code in only after import): vLLM then serves a ``RingSlotsSpec``
-    with kvsim's ring manager and a ``RetainedCheckpointMambaSpec`` with
-    the retaining Mamba manager; without the registration it would serve
-    them with its own managers (found through the spec's base classes).
+    with kvsim's ring manager, a ``RetainedCheckpointMambaSpec`` with the
+    retaining Mamba manager and the fork's shipped Mamba spec
+    (``PartialTailHoldingMambaSpec``) with its subclass that also holds
+    partial tails; without the registration it would serve them with its
+    own managers (found through the spec's base classes).
     (The registered ``uniform_type_base_spec`` is not checked: vLLM's
     ``CircularBufferSpec`` and ``MambaSpec`` decide grouping by their own
     ``is_uniform_with_collection``, which does not read it.)"""
     from vllm.v1 import kv_cache_spec_registry as registry
 
-    from sim.kv_cache_interface import RetainedCheckpointMambaSpec, RingSlotsSpec
-    from sim.single_type_kv_cache_manager import RetainingMambaManager, _register
+    from sim.kv_cache_interface import (
+        PartialTailHoldingMambaSpec,
+        RetainedCheckpointMambaSpec,
+        RingSlotsSpec,
+        convert_spec,
+    )
+    from sim.single_type_kv_cache_manager import (
+        PartialTailHoldingMambaManager,
+        RetainingMambaManager,
+        _register,
+    )
     from sim.vllm_bridge import CircularBufferManager, KVCacheSpecRegistry, MambaManager
 
     manager = tiny_manager(False)
     ring_spec = _ring(manager).kv_cache_spec
     [mamba_spec, *_] = [m.kv_cache_spec for m in manager.managers if hasattr(m, "_retained_checkpoints")]
-    assert type(ring_spec) is RingSlotsSpec and type(mamba_spec) is RetainedCheckpointMambaSpec
+    assert type(ring_spec) is RingSlotsSpec and type(mamba_spec) is PartialTailHoldingMambaSpec
+    retaining_spec = convert_spec(mamba_spec, RetainedCheckpointMambaSpec)
     saved = dict(registry._REGISTRY_KVCACHESPEC_LIST)  # vLLM's module-level registry
     try:
-        for spec_class in (RingSlotsSpec, RetainedCheckpointMambaSpec):
+        for spec_class in (RingSlotsSpec, RetainedCheckpointMambaSpec, PartialTailHoldingMambaSpec):
             del registry._REGISTRY_KVCACHESPEC_LIST[spec_class]
         # CONTROL: unregistered, vLLM's own managers would serve them.
         assert KVCacheSpecRegistry.get_manager_class(ring_spec) is CircularBufferManager
         assert KVCacheSpecRegistry.get_manager_class(mamba_spec) is MambaManager
+        assert KVCacheSpecRegistry.get_manager_class(retaining_spec) is MambaManager
         _register()
         assert KVCacheSpecRegistry.get_manager_class(ring_spec) is RingCircularBufferManager
-        assert KVCacheSpecRegistry.get_manager_class(mamba_spec) is RetainingMambaManager
+        assert KVCacheSpecRegistry.get_manager_class(mamba_spec) is PartialTailHoldingMambaManager
+        assert KVCacheSpecRegistry.get_manager_class(retaining_spec) is RetainingMambaManager
     finally:
         registry._REGISTRY_KVCACHESPEC_LIST.clear()
         registry._REGISTRY_KVCACHESPEC_LIST.update(saved)

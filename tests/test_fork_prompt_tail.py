@@ -75,7 +75,7 @@ def test_a_block_aligned_tail_is_keyed_held_and_hit(retain):
     assert tail_block.block_hash_num_tokens == 128
     assert tail_block.ref_cnt == (1 if retain else 0)
     if retain:
-        assert manager.managers[MAMBA]._retained_checkpoints["A1"] == (3, tail_block)
+        assert manager.managers[MAMBA]._retained_checkpoints["A1"] == (128, tail_block)
 
     taken = pool.get_new_blocks(pool.get_num_free_blocks())
     assert (tail_block.block_hash is not None) is retain

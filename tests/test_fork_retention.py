@@ -179,7 +179,8 @@ def test_an_aligned_prompt_holds_only_its_newest_boundary(retain, num_prefill_lo
     """A 128-token prompt (4 blocks) has two replay boundaries under the
     EAGLE drop, 64 and 96; prefilled in 40-token budgets and decoded across
     two block ends with 0..3 drafts accepted, it holds at most one
-    checkpoint per group, at the end state@96 (logical index 2), while
+    checkpoint per group, at the end state@96 (keyed by its token position,
+    as patch 0093 keys holds), while
     state@64 ages in the free queue. A burst takes every free block while
     it runs; after it finishes a longer sibling hits 96 (fork) or 0."""
     manager = hybrid_manager(96, _fork(retain), num_prefill_lookahead=num_prefill_lookahead)
@@ -197,7 +198,7 @@ def test_an_aligned_prompt_holds_only_its_newest_boundary(retain, num_prefill_lo
         low, high = cached_state(manager, a, 64, gid), cached_state(manager, a, 96, gid)
         assert low is not None and low.ref_cnt == 0
         if retain:
-            assert manager.managers[gid]._retained_checkpoints["A"] == (2, high)
+            assert manager.managers[gid]._retained_checkpoints["A"] == (3 * BLOCK, high)
             assert high.ref_cnt == 1
         else:
             assert high.ref_cnt == 0
@@ -256,7 +257,7 @@ def test_without_0087_a_followup_would_be_charged_twice(monkeypatch):
     """CONTROL for 0087: the reserve term ignoring the hit (0086 alone)
     charges the follow-up 2 blocks more than upstream."""
 
-    def reserve_0086(self, request_id, num_tokens, new_computed_blocks=()):
+    def reserve_0086(self, request_id, num_tokens, new_computed_blocks=(), num_local_computed_tokens=0):
         held = request_id in self._retained_checkpoints
         return 0 if held or num_tokens <= self.block_size else 1
 

@@ -4,6 +4,8 @@ naming the key."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from helpers.scenarios import scenario
 
@@ -11,6 +13,7 @@ from sim.config import ConfigError
 from sim.engine import Simulation
 from sim.fork_patches import AS_SHIPPED, ForkPatches
 from sim.scenario import ForkSection
+from sim.single_type_kv_cache_manager import RetainingMambaManager
 
 
 def test_the_section_has_one_key_per_modelled_patch():
@@ -33,7 +36,7 @@ def test_one_patch_off_or_on_over_either_base(tmp_path):
     one_off = scenario(tmp_path, fork={"mamba_retain_checkpoint": False}).fork.patches()
     assert one_off == ForkPatches(mamba_retain_checkpoint=False)
     one_on = scenario(tmp_path, overrides=["fork.base=upstream", "fork.deferred_free_eviction_order=true"])
-    expected = ForkPatches(mamba_retain_checkpoint=False, deferred_free_eviction_order=True)
+    expected = replace(ForkPatches.upstream(), deferred_free_eviction_order=True)
     assert one_on.fork.patches() == expected
 
 
@@ -51,5 +54,5 @@ def test_the_simulation_builds_its_manager_from_the_section(tmp_path):
     """Upstream: vLLM's own Mamba manager and upstream's deferred-free order."""
     for section, kvsim_mamba in (("upstream", False), ({}, True)):
         manager = Simulation(scenario(tmp_path, fork=section), "on", workload=None).kv_cache_manager  # type: ignore[arg-type]
-        assert any(type(m).__name__ == "RetainingMambaManager" for m in manager.managers) is kvsim_mamba
+        assert any(isinstance(m, RetainingMambaManager) for m in manager.managers) is kvsim_mamba
         assert manager.deferred_free_eviction_order is kvsim_mamba

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
 
 from helpers.allocator import request, tokens  # noqa: F401 (the tests take them from here)
 from sim.fork_patches import ForkPatches
-from sim.kv_cache_interface import RetainedCheckpointMambaSpec
-from sim.kv_cache_manager import KVCacheManager
+from sim.kv_cache_manager import KVCacheManager, retaining_mamba_spec_type
 from sim.vllm_bridge import (
     FullAttentionSpec,
     KVCacheBlock,
@@ -29,6 +29,9 @@ from sim.vllm_bridge import (
     MambaAlignedSplit,
     MambaSpec,
     Request,
+    SamplingParams,
+    Scheduler,
+    get_request_block_hasher,
     init_none_hash,
     sha256,
 )
@@ -47,7 +50,9 @@ def mamba_spec(fork: ForkPatches, block_size: int = BLOCK) -> MambaSpec:
         mamba_cache_mode="align",
         num_speculative_blocks=K,
     )
-    return RetainedCheckpointMambaSpec(**values) if fork.mamba_retain_checkpoint else MambaSpec(**values)
+    if not fork.mamba_retain_checkpoint:
+        return MambaSpec(**values)
+    return retaining_mamba_spec_type(fork)(**values)
 
 
 def hybrid_manager(
@@ -82,10 +87,11 @@ def prefill(
     budget: int = 8192,
     split: Callable[[Request, int, int], int] | None = None,
     chunks: list[int] | None = None,
+    on_step: Callable[[], None] | None = None,
 ) -> int:
     """The prompt in split chunks (vLLM's Mamba-aligned split unless
-    ``split`` is given; each chunk appended to ``chunks``); returns the
-    prefix hit it was admitted with."""
+    ``split`` is given; each chunk appended to ``chunks``, ``on_step`` called
+    after each); returns the prefix hit it was admitted with."""
     if split is None:
         split = MambaAlignedSplit(block_size=BLOCK, max_num_scheduled_tokens=8192)
     computed, num_hit = manager.get_computed_blocks(req)[:2]
@@ -106,6 +112,8 @@ def prefill(
         manager.new_step_starts()
         if chunks is not None:
             chunks.append(num_new)
+        if on_step is not None:
+            on_step()
         first = False
     return num_hit
 
@@ -163,3 +171,62 @@ def admission_need(manager: KVCacheManager, req: Request, computed=None, num_hit
         num_tokens_main_model=req.num_tokens,
         apply_admission_cap=True,
     )
+
+
+def partial_hit_split(unit: int, *, use_eagle_block_drop: bool = True) -> Callable[[Request, int, int], int]:
+    """vLLM 0.33.0's ``Scheduler._mamba_block_aligned_split`` (Mamba block
+    ``BLOCK``) with partial hits on, as its Scheduler sets
+    ``mamba_partial_cache_hit`` when the hash ``unit`` is below the block: a
+    chunk also stops at the prompt's tail key."""
+    stub = SimpleNamespace(
+        block_size=BLOCK,
+        hash_block_size=unit,
+        cache_config=SimpleNamespace(block_size=BLOCK),
+        use_eagle_block_drop=use_eagle_block_drop,
+        num_hash_lookahead_tokens=0,
+        num_prefill_lookahead=0,
+        max_num_scheduled_tokens=8192,
+        scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
+        mamba_partial_cache_hit=unit < BLOCK,
+        mamba_shared_prefix_checkpoint=False,
+        mamba_has_prefill_checkpoint_blocks=False,
+        mamba_prefill_checkpoint_alignment=None,
+    )
+    return lambda req, num_new, num_hit: Scheduler._mamba_block_aligned_split(stub, req, num_new, num_hit)
+
+
+def drain_copies(manager: KVCacheManager) -> None:
+    """What vLLM's scheduler does once a step's copy-on-write copies ran:
+    release both endpoints' copy refs."""
+    _, retained = manager.take_kv_cache_block_copies()
+    manager.block_pool.free_blocks(retained)
+
+
+def unit_attention_manager(
+    num_blocks: int, fork: ForkPatches, *, unit: int, use_eagle: bool = True
+) -> KVCacheManager:
+    """The fork's partial-tail test manager (``_tail_manager`` in
+    ``test_partial_prefix_cache_hits.py``): full attention at the hash unit,
+    one align-mode Mamba group at ``BLOCK``, K = 3, retention interval 0."""
+    init_none_hash(sha256)
+    attention = FullAttentionSpec(block_size=unit, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["full"], attention), KVCacheGroupSpec(["mamba"], mamba_spec(fork))]
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    manager = KVCacheManager(
+        replace(config, prefix_cache_retention_interval=0),
+        max_model_len=8192,
+        scheduler_block_size=BLOCK,
+        hash_block_size=unit,
+        enable_caching=True,
+        use_eagle=use_eagle,
+    )
+    assert manager.coordinator.enable_partial_hash_hits
+    manager.deferred_free_eviction_order = fork.deferred_free_eviction_order
+    return manager
+
+
+def unit_request(request_id: str, token_ids: list[int], unit: int) -> Request:
+    """A request hashed every ``unit`` tokens (vLLM's ``hash_block_size``)."""
+    params = SamplingParams(max_tokens=4096)
+    params.update_from_generation_config({}, eos_token_id=100_000)
+    return Request(request_id, token_ids, params, None, block_hasher=get_request_block_hasher(unit, sha256))
