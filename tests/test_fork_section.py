@@ -13,7 +13,7 @@ from sim.config import ConfigError
 from sim.engine import Simulation
 from sim.fork_patches import AS_SHIPPED, ForkPatches
 from sim.scenario import ForkSection
-from sim.single_type_kv_cache_manager import RetainingMambaManager
+from sim.single_type_kv_cache_manager import PartialTailHoldingMambaManager, RetainingMambaManager
 
 
 def test_the_section_has_one_key_per_modelled_patch():
@@ -56,3 +56,13 @@ def test_the_simulation_builds_its_manager_from_the_section(tmp_path):
         manager = Simulation(scenario(tmp_path, fork=section), "on", workload=None).kv_cache_manager  # type: ignore[arg-type]
         assert any(isinstance(m, RetainingMambaManager) for m in manager.managers) is kvsim_mamba
         assert manager.deferred_free_eviction_order is kvsim_mamba
+
+
+def test_the_partial_tail_hold_has_its_own_key(tmp_path):
+    """Patch 0093 rides the fork's retention switch but has a key of its
+    own: as shipped the Mamba groups get the holding manager, with the key
+    off the retaining manager without it (the fork before 0093)."""
+    for section, holding in (({}, True), ({"mamba_hold_partial_tail": False}, False)):
+        manager = Simulation(scenario(tmp_path, fork=section), "on", workload=None).kv_cache_manager  # type: ignore[arg-type]
+        mambas = [m for m in manager.managers if isinstance(m, RetainingMambaManager)]
+        assert mambas and all(isinstance(m, PartialTailHoldingMambaManager) is holding for m in mambas)
