@@ -32,6 +32,7 @@ from helpers.fork import (
     unit_request,
 )
 
+from sim.allocator_invariants import check_allocator
 from sim.fork_patches import ForkPatches
 
 UNIT = 8
@@ -51,6 +52,14 @@ def fork(request) -> ForkPatches:
 
 def _holds(fork: ForkPatches) -> bool:
     return fork.mamba_retain_checkpoint and fork.mamba_hold_partial_tail
+
+
+def _settle(manager) -> None:
+    """After a step or a free: release the copy refs as vLLM's scheduler
+    does, then check every allocator invariant (each held checkpoint is
+    one ref of its block; an unhashed block has one owner)."""
+    drain_copies(manager)
+    check_allocator(manager)
 
 
 def _tail_position(num_prompt_tokens: int) -> int:
@@ -73,14 +82,14 @@ def _follow_up(prev, user_tokens: int, seed: int):
 def _run(manager, req, steps: int) -> int:
     """Prefill in the scheduler's chunks, then ``steps`` MTP decode steps,
     releasing copy refs after each step as vLLM's scheduler does."""
-    num_hit = prefill(manager, req, split=partial_hit_split(UNIT), on_step=lambda: drain_copies(manager))
-    decode(manager, req, steps=steps, on_step=lambda: drain_copies(manager))
+    num_hit = prefill(manager, req, split=partial_hit_split(UNIT), on_step=lambda: _settle(manager))
+    decode(manager, req, steps=steps, on_step=lambda: _settle(manager))
     return num_hit
 
 
 def _finish(manager, req) -> None:
     manager.free(req)
-    drain_copies(manager)
+    _settle(manager)
 
 
 def _cached_mamba(manager, req, position: int):
@@ -135,12 +144,12 @@ def test_a_partial_tail_resume_holds_its_moved_tail_until_freed(fork):
     manager = unit_attention_manager(NUM_BLOCKS, fork, unit=UNIT)
     pool, mamba = manager.block_pool, manager.managers[MAMBA]
     _, a1 = _first_two_turns(manager)
-    num_hit = prefill(manager, a1, split=partial_hit_split(UNIT), on_step=lambda: drain_copies(manager))
+    num_hit = prefill(manager, a1, split=partial_hit_split(UNIT), on_step=lambda: _settle(manager))
     tail = _cached_mamba(manager, a1, 168)
     assert num_hit == 136 and tail is not None
     assert tail not in mamba.req_to_blocks["A0+"] and tail.block_hash_num_tokens == 168
     assert all(_cached_mamba(manager, a1, p) is None for p in range(160, 168, BLOCK))
-    decode(manager, a1, steps=4, on_step=lambda: drain_copies(manager))
+    decode(manager, a1, steps=4, on_step=lambda: _settle(manager))
     if _holds(fork):
         assert mamba._retained_checkpoints["A0+"] == (168, tail)
         assert tail.ref_cnt == 1 and tail.block_id not in _free_ids(manager)
@@ -238,14 +247,14 @@ def test_freed_with_its_copy_still_queued_a_resume_leaks_nothing(fork, deferred,
     if _holds(fork):
         assert mamba._retained_checkpoints["A0+"] == (136, source)
     if stop_at == "after-tail-copy":
-        drain_copies(manager)
+        _settle(manager)
         while a1.num_computed_tokens <= 168:
             num_new = split(a1, a1.num_tokens - a1.num_computed_tokens, 0)
             assert manager.allocate_slots(a1, num_new, num_lookahead_tokens=K)
             a1.num_computed_tokens += num_new
             manager.new_step_starts()
             if a1.num_computed_tokens <= 168:
-                drain_copies(manager)
+                _settle(manager)
         tail = _cached_mamba(manager, a1, 168)
         if _holds(fork):
             assert mamba._retained_checkpoints["A0+"] == (168, tail)
@@ -256,7 +265,7 @@ def test_freed_with_its_copy_still_queued_a_resume_leaks_nothing(fork, deferred,
     else:
         manager.free(a1)
     assert "A0+" not in getattr(mamba, "_retained_checkpoints", {})
-    drain_copies(manager)
+    _settle(manager)
     assert source.ref_cnt == 0
     _assert_pool_clean(manager)
 
@@ -282,7 +291,7 @@ def test_a_siblings_hold_follows_the_producers_moved_tail(fork):
         _chunk(manager, producer, split)
         assert producer.num_computed_tokens <= 144
         manager.new_step_starts()
-        drain_copies(manager)
+        _settle(manager)
     live = _cached_mamba(manager, producer, 144)
     assert live is not None and live in mamba.req_to_blocks["P"]
 
@@ -294,22 +303,22 @@ def test_a_siblings_hold_follows_the_producers_moved_tail(fork):
         assert mamba._retained_checkpoints["C"] == (144, live)
 
     manager.new_step_starts()
-    drain_copies(manager)
+    _settle(manager)
     _chunk(manager, producer, split)
     moved = _cached_mamba(manager, producer, 144)
     assert moved is not live and live.block_hash is None
     if _holds(fork):
         assert mamba._retained_checkpoints["C"] == mamba._retained_checkpoints["P"] == (144, moved)
     manager.new_step_starts()
-    drain_copies(manager)
+    _settle(manager)
     assert live.ref_cnt == 1
 
-    decode(manager, producer, steps=2, on_step=lambda: drain_copies(manager))
+    decode(manager, producer, steps=2, on_step=lambda: _settle(manager))
     _finish(manager, producer)
     while consumer.num_computed_tokens < consumer.num_tokens:
         _chunk(manager, consumer, split)
         manager.new_step_starts()
-        drain_copies(manager)
-    decode(manager, consumer, steps=2, on_step=lambda: drain_copies(manager))
+        _settle(manager)
+    decode(manager, consumer, steps=2, on_step=lambda: _settle(manager))
     _finish(manager, consumer)
     _assert_pool_clean(manager)
