@@ -202,7 +202,9 @@ class RetainingMambaManager(MambaManager):
         return [block for _, block in self._retained_checkpoints.values()]
 
     def num_retained_checkpoints(self) -> int:
-        return len(self._retained_checkpoints)
+        """Blocks held as checkpoints. Two requests can hold one block (a
+        sibling that resumed at another's tail, patch 0093): counted once."""
+        return len({id(block) for _, block in self._retained_checkpoints.values()})
 
     # ------------------------------------------------------------ retention
     def remove_skipped_blocks(

@@ -309,6 +309,7 @@ def test_a_siblings_hold_follows_the_producers_moved_tail(fork):
     assert moved is not live and live.block_hash is None
     if _holds(fork):
         assert mamba._retained_checkpoints["C"] == mamba._retained_checkpoints["P"] == (144, moved)
+        assert manager.num_retained_checkpoints() == 1  # one block, two holds
     manager.new_step_starts()
     _settle(manager)
     assert live.ref_cnt == 1

@@ -235,6 +235,7 @@ _SCENARIO_KEYS = {
     "fork": _subset({
         "base": st.sampled_from(["fork", "upstream"]),
         "mamba_retain_checkpoint": st.booleans(),
+        "mamba_hold_partial_tail": st.booleans(),
         "deferred_free_eviction_order": st.booleans(),
     }),
     "step_time": _subset({"step_overhead_s": st.floats(1e-4, 0.1), "memory_efficiency": st.floats(0.05, 1)}),
