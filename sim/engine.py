@@ -100,11 +100,11 @@ class Simulation:
         self._engine: simpy.Process | None = None
         self._bar: tqdm | None = None
         self.totals: dict[str, int] = dict.fromkeys(SAMPLED_TOTALS, 0)
-        # Closed loop: turn -> the turn that follows it, and how many
-        # follow-ups have neither arrived nor been dropped (the arrivals
-        # have not ended while any has not).
-        self._follow_ups = workload.follow_ups()
-        self._num_pending_follow_ups = len(self._follow_ups)
+        # Closed loop (set by ``start``): turn -> the turn that follows it,
+        # and how many follow-ups have neither arrived nor been dropped (the
+        # arrivals have not ended while any has not).
+        self._follow_ups: dict[str, RequestSpec] = {}
+        self._num_pending_follow_ups = 0
         self.recording = Recording(scenario=scenario.name, layout=layout, plan=self.plan.to_dict())
 
     def _build_async_engine(self, config: SchedulerConfig) -> None:
@@ -121,6 +121,8 @@ class Simulation:
     def start(self) -> None:
         """Register the processes; ``run`` then advances the clock to the end
         (a caller may instead advance ``env`` itself, a little at a time)."""
+        self._follow_ups = self.workload.follow_ups()
+        self._num_pending_follow_ups = len(self._follow_ups)
         self._arrivals = self.env.process(self.arrivals())
         self._engine = self.env.process(self.engine_loop())
         if self.scenario.simulation.sample_interval_s:

@@ -250,7 +250,7 @@ SUMMARY: tuple[Metric, ...] = (
     _m("ttft_p90_s", "s", "value", "90th percentile TTFT", direction="lower"),
     _m("ttft_p99_s", "s", "value", "99th percentile TTFT", direction="lower", compared=True),
     _m("e2e_mean_s", "s", "value", "mean end-to-end latency of finished requests", direction="lower"),
-    _m("peak_kv_cache_usage_perc", "fraction", "value", "highest KV pool usage after any step", direction="either"),
+    _m("peak_kv_cache_usage_perc", "fraction", "value", "most KV pool used after a step", direction="either"),
     # Agent sessions (closed loop): the figures the fork's agent bench reports.
     _m("num_followups", "requests", "value", "follow-up turns that arrived (turn >= 1)", direction="higher"),
     _m("followup_ttft_p50_s", "s", "value", "median TTFT of finished follow-up turns", direction="lower"),

@@ -197,9 +197,10 @@ class Scenario(StrictModel):
                 "(kvsim's AsyncScheduler twin has no connector); use engine.mode: sync"
             )
         depth = self.deployment.pipeline_parallel_size + 1
-        if "max_concurrent_batches" in self.scheduler.model_fields_set and (
-            self.scheduler.max_concurrent_batches != depth
-        ):
+        # By value, not by whether it was written: a recorded scenario
+        # (scenario.json) names every key at its default, and must load back.
+        default = SchedulerSection.model_fields["max_concurrent_batches"].default
+        if self.scheduler.max_concurrent_batches not in (depth, default):
             raise ValueError(
                 f"scheduler.max_concurrent_batches: {self.scheduler.max_concurrent_batches} with "
                 f"engine.mode: async, where vLLM derives pp + 1 = {depth}; leave it out"

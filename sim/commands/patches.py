@@ -19,7 +19,7 @@ def register(subparsers: Any) -> None:
     )
     add_scenario_argument(parser, default=None)
     add_override_argument(parser)
-    parser.add_argument("--layout", choices=["on", "off"], default="on", help="side-cache layout (default on)")
+    parser.add_argument("--layout", choices=["on", "off"], default="on", help="side-cache layout (on)")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table (for the docs)")
     parser.set_defaults(func=cmd_patches)
 
