@@ -111,7 +111,13 @@ SCENARIO_BOUNDS: list[tuple[type[BaseModel], str, Any, Any, dict]] = [
     (workload_module.WorkloadConfig, "workload.max_output_len", 1, 0, {"workload": MOONCAKE}),
     (workload_module.WorkloadConfig, "workload.hash_chunk_tokens", 1, 0, {"workload": TIMED}),
     (workload_module.SessionsConfig, "workload.sessions.num_sessions", 1, 0, {"workload": SESSIONS}),
-    (workload_module.SessionsConfig, "workload.sessions.num_sessions", 10_000, 10_001, {"workload": SESSIONS}),
+    (
+        workload_module.SessionsConfig,
+        "workload.sessions.num_sessions",
+        10_000,
+        10_001,
+        {"workload": SESSIONS},
+    ),
     (workload_module.SessionsConfig, "workload.sessions.max_context_tokens", 1, 0, {"workload": SESSIONS}),
     (
         workload_module.SessionsConfig,
@@ -122,7 +128,13 @@ SCENARIO_BOUNDS: list[tuple[type[BaseModel], str, Any, Any, dict]] = [
     ),
     (workload_module.SessionsConfig, "workload.sessions.max_turns", 1, 0, {"workload": SESSIONS}),
     (workload_module.SessionsConfig, "workload.sessions.max_turns", 100_000, 100_001, {"workload": SESSIONS}),
-    (workload_module.SessionsConfig, "workload.sessions.start_spread_s", 0.0, -SMALLEST, {"workload": SESSIONS}),
+    (
+        workload_module.SessionsConfig,
+        "workload.sessions.start_spread_s",
+        0.0,
+        -SMALLEST,
+        {"workload": SESSIONS},
+    ),
     (
         workload_module.SessionsConfig,
         "workload.sessions.start_spread_s",
