@@ -26,6 +26,7 @@ PATCH_METRICS: dict[str, str] = {
     "num_preemptions": "preemptions",
     "prefix_cache_hit_rate": "prefix hit rate",
     "followup_ttft_p50_s": "follow-up TTFT p50 (s)",
+    "followup_prefix_hit_rate": "follow-up reuse",
     "peak_kv_cache_usage_perc": "peak KV usage",
 }
 
