@@ -197,10 +197,9 @@ class Scenario(StrictModel):
                 "(kvsim's AsyncScheduler twin has no connector); use engine.mode: sync"
             )
         depth = self.deployment.pipeline_parallel_size + 1
-        # By value, not by whether it was written: a recorded scenario
-        # (scenario.json) names every key at its default, and must load back.
-        default = SchedulerSection.model_fields["max_concurrent_batches"].default
-        if self.scheduler.max_concurrent_batches not in (depth, default):
+        if "max_concurrent_batches" in self.scheduler.model_fields_set and (
+            self.scheduler.max_concurrent_batches != depth
+        ):
             raise ValueError(
                 f"scheduler.max_concurrent_batches: {self.scheduler.max_concurrent_batches} with "
                 f"engine.mode: async, where vLLM derives pp + 1 = {depth}; leave it out"
@@ -293,8 +292,14 @@ def scenario_to_dict(scenario: Scenario) -> dict[str, Any]:
     """The resolved scenario as plain data (written next to the results as
     ``scenario.json``): every key, defaults included, so the record says
     what ran whatever later versions default to. ``scenario_from_record``
-    loads it back to an equal scenario (docs/results.md)."""
-    return scenario.model_dump(mode="json")
+    loads it back to an equal scenario (docs/results.md). One key is left
+    out: under ``engine.mode: async`` the engine derives the batches in
+    flight (pp + 1) and refuses a ``scheduler.max_concurrent_batches`` that
+    is named, so the record must not name its unused default."""
+    data = scenario.model_dump(mode="json")
+    if scenario.engine.mode == "async":
+        del data["scheduler"]["max_concurrent_batches"]
+    return data
 
 
 def scenario_from_record(data: Any, source: str) -> Scenario:
