@@ -181,7 +181,7 @@ class Simulation:
             return
         until_s = self.workload.follow_ups_until_s
         if until_s is not None and self.env.now + follow_up.think_s > until_s:
-            dropped = follow_up
+            dropped: RequestSpec | None = follow_up
             while dropped is not None:
                 self._num_pending_follow_ups -= 1
                 dropped = self._follow_ups.get(dropped.request_id)
