@@ -242,3 +242,13 @@ def test_patches_has_a_row_per_patch_and_a_patch_off_row_equals_that_fork_key_fa
 def _scenario_sections(sc) -> dict:
     data = sc.model_dump(mode="json", exclude={"name", "base_dir", "model"})
     return data
+
+
+@pytest.mark.parametrize("command", ["export-trace", "replay"])
+def test_commands_that_send_at_fixed_times_refuse_a_closed_loop_workload(tmp_path, capsys, command):
+    path = write_scenario(tmp_path, "loop", workload=_sessions())
+    extra = ["--layout", "on", "--url", "http://127.0.0.1:9"] if command == "replay" else []
+    assert main([command, str(path), "--out", str(tmp_path / "out"), *extra]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "closed loop" in error
+    assert not (tmp_path / "out").exists()
