@@ -53,6 +53,7 @@ def run_and_write(args: argparse.Namespace, layouts: tuple[SideCacheSwitch, ...]
     )
     print_table(result.comparison())
     if (result.summary["num_followups"] > 0).any():
+        print("agent sessions: follow-up turns (turn >= 1), reuse and the KV peak")
         print_table(result.summary.set_index("layout")[list(SESSION_FIGURES)].T)
     print(f"frames written to {out_dir}/ (steps, requests, samples, summary: parquet)")
     print(

@@ -6,7 +6,7 @@ simpy, torch, pandas or matplotlib), so the layering test can check it.
 
 Traces: Mooncake JSONL (with 512-token prefix hashes), Azure CSV and ShareGPT
 lengths (no prefix information: every chunk gets a fresh content id, so no
-two requests share a token); vLLM's ``timed_trace`` JSON lines and a plain
+two requests share a token); closed-loop agent sessions (``sessions``); vLLM's ``timed_trace`` JSON lines and a plain
 ``arrival_s,input_tokens,output_tokens`` CSV, read and written by
 ``interchange``. Slices ship in ``sim/data`` (see its README).
 """
@@ -18,6 +18,7 @@ from sim.workloads.config import (
     FixedLength,
     LengthConfig,
     LogNormalLength,
+    SessionsConfig,
     UniformLength,
     WorkloadConfig,
     build_workload,
@@ -58,6 +59,7 @@ from sim.workloads.shipped import (
     SHIPPED_TRACES,
     TraceFormat,
 )
+from sim.workloads.sessions import SessionShape, agent_sessions
 from sim.workloads.spec import (
     FRESH_ID_BASE,
     RequestSpec,
@@ -88,6 +90,8 @@ __all__ = [
     "SHAREGPT_LENGTHS",
     "SHIPPED_TRACES",
     "SYNTHETIC_PREFIX_UNIT",
+    "SessionShape",
+    "SessionsConfig",
     "TIMED_TRACE_CHUNK_TOKENS",
     "ArrivalConfig",
     "ArrivalProcess",
@@ -109,6 +113,7 @@ __all__ = [
     "UniformLength",
     "Workload",
     "WorkloadConfig",
+    "agent_sessions",
     "arrival_times_s",
     "build_workload",
     "clamp_lengths",
