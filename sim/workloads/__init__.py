@@ -6,9 +6,10 @@ simpy, torch, pandas or matplotlib), so the layering test can check it.
 
 Traces: Mooncake JSONL (with 512-token prefix hashes), Azure CSV and ShareGPT
 lengths (no prefix information: every chunk gets a fresh content id, so no
-two requests share a token); closed-loop agent sessions (``sessions``); vLLM's ``timed_trace`` JSON lines and a plain
+two requests share a token); vLLM's ``timed_trace`` JSON lines and a plain
 ``arrival_s,input_tokens,output_tokens`` CSV, read and written by
-``interchange``. Slices ship in ``sim/data`` (see its README).
+``interchange``. Slices ship in ``sim/data`` (see its README). Generated:
+synthetic arrivals and closed-loop agent sessions (``sessions``).
 """
 
 from sim.workloads.config import (
@@ -50,6 +51,7 @@ from sim.workloads.loaders import (
     load_mooncake,
     load_sharegpt_lengths,
 )
+from sim.workloads.sessions import SessionShape, agent_sessions
 from sim.workloads.shipped import (
     AZURE_CODE_SLICE,
     AZURE_CONV_SLICE,
@@ -59,7 +61,6 @@ from sim.workloads.shipped import (
     SHIPPED_TRACES,
     TraceFormat,
 )
-from sim.workloads.sessions import SessionShape, agent_sessions
 from sim.workloads.spec import (
     FRESH_ID_BASE,
     RequestSpec,
