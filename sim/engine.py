@@ -1,7 +1,9 @@
 """The SimPy edge: one simulation = one scenario under one layout.
 
 Three processes, named for what they do: ``arrivals`` feeds the workload's
-requests to the scheduler at their arrival times; ``engine_loop`` schedules a
+requests to the scheduler at their arrival times (a closed-loop follow-up
+turn instead arrives its think time after the turn it follows ends:
+``follow_up``, one short process per turn); ``engine_loop`` schedules a
 step, waits the step's duration, applies the sampled tokens, and records the
 step; ``sampler`` records the gauges at a fixed interval (time-uniform
 curves, exact at each instant: the state changes only at events). The
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
@@ -98,6 +100,11 @@ class Simulation:
         self._engine: simpy.Process | None = None
         self._bar: tqdm | None = None
         self.totals: dict[str, int] = dict.fromkeys(SAMPLED_TOTALS, 0)
+        # Closed loop (set by ``start``): turn -> the turn that follows it,
+        # and how many follow-ups have neither arrived nor been dropped (the
+        # arrivals have not ended while any has not).
+        self._follow_ups: dict[str, RequestSpec] = {}
+        self._num_pending_follow_ups = 0
         self.recording = Recording(scenario=scenario.name, layout=layout, plan=self.plan.to_dict())
 
     def _build_async_engine(self, config: SchedulerConfig) -> None:
@@ -114,6 +121,8 @@ class Simulation:
     def start(self) -> None:
         """Register the processes; ``run`` then advances the clock to the end
         (a caller may instead advance ``env`` itself, a little at a time)."""
+        self._follow_ups = self.workload.follow_ups()
+        self._num_pending_follow_ups = len(self._follow_ups)
         self._arrivals = self.env.process(self.arrivals())
         self._engine = self.env.process(self.engine_loop())
         if self.scenario.simulation.sample_interval_s:
@@ -148,14 +157,44 @@ class Simulation:
 
     def arrivals(self) -> Generator[simpy.Event, Any, None]:
         for spec in self.workload.requests:
+            if spec.follows is not None:  # arrives when its turn before ends
+                continue
             if spec.arrival_s > self.env.now:
                 yield self.env.timeout(spec.arrival_s - self.env.now)
-            accepted = self.scheduler.add_request(spec)
-            self._record_arrival(spec, accepted)
-            if not accepted:
-                self._advance_bar(1)
-            self._wake()
+            self._submit(spec)
         self._wake()  # the engine may be asleep on an empty queue: let it see the end
+
+    def _submit(self, spec: RequestSpec) -> None:
+        accepted = self.scheduler.add_request(spec)
+        self._record_arrival(spec, accepted)
+        if not accepted:
+            self._advance_bar(1)
+            self._turn_ended(spec.request_id)
+        self._wake()
+
+    def _turn_ended(self, request_id: str) -> None:
+        """A request finished or was refused: its follow-up (if any) is due
+        its think time from now, unless that is past the workload's
+        ``follow_ups_until_s``; then it and the turns after it never come."""
+        follow_up = self._follow_ups.get(request_id)
+        if follow_up is None:
+            return
+        until_s = self.workload.follow_ups_until_s
+        if until_s is not None and self.env.now + follow_up.think_s > until_s:
+            dropped: RequestSpec | None = follow_up
+            while dropped is not None:
+                self._num_pending_follow_ups -= 1
+                dropped = self._follow_ups.get(dropped.request_id)
+            self._wake()
+            return
+        self.env.process(self.follow_up(follow_up))
+
+    def follow_up(self, spec: RequestSpec) -> Generator[simpy.Event, Any, None]:
+        """Submit ``spec`` after its think time, stamped with the time it
+        actually arrives (what the queue and its TTFT count from)."""
+        yield self.env.timeout(spec.think_s)
+        self._num_pending_follow_ups -= 1
+        self._submit(replace(spec, arrival_s=float(self.env.now)))
 
     def _wake(self) -> None:
         if not self._wakeup.triggered:
@@ -228,7 +267,8 @@ class Simulation:
             self._record_step(scheduled.output, outcome, started_s, step_s)
 
     def _arrivals_ended(self) -> bool:
-        return self._arrivals is not None and not self._arrivals.is_alive
+        arrivals_done = self._arrivals is not None and not self._arrivals.is_alive
+        return arrivals_done and self._num_pending_follow_ups == 0
 
     def sampler(self, interval_s: float) -> Generator[simpy.Event, Any, None]:
         """Until the engine is done, and at most ``MAX_SAMPLE_ROWS`` rows (a
@@ -255,6 +295,7 @@ class Simulation:
             "num_preemptions": 0,
             "prefix_hit_tokens": 0,
             "generated_tokens": 0,
+            "turn": spec.turn,
         }
 
     def _record_step(
@@ -273,6 +314,7 @@ class Simulation:
         for request_id, num_output_tokens in outcome.finished.items():
             requests[request_id]["finished_s"] = now
             requests[request_id]["generated_tokens"] = num_output_tokens
+            self._turn_ended(request_id)
         names, values = flat_row(self.scheduler.make_stats(output, outcome))
         self.recording.steps.append_values(_with_clock(names), (now, step_s, *values))
         if self.scenario.simulation.check_invariants:

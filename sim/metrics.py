@@ -195,6 +195,7 @@ REQUESTS: tuple[Metric, ...] = (
         "generated_tokens", "tokens", "value", "output tokens generated",
         vllm_name="vllm:request_generation_tokens", vllm_kind="histogram",
     ),
+    _m("turn", "turns", "value", "turns of its session before it (0: a first turn or open-loop request)"),
     _m("admitted", "bool", "value", "ever admitted"),
     _m("finished", "bool", "value", "finished within the run"),
     _m(
@@ -249,6 +250,19 @@ SUMMARY: tuple[Metric, ...] = (
     _m("ttft_p90_s", "s", "value", "90th percentile TTFT", direction="lower"),
     _m("ttft_p99_s", "s", "value", "99th percentile TTFT", direction="lower", compared=True),
     _m("e2e_mean_s", "s", "value", "mean end-to-end latency of finished requests", direction="lower"),
+    _m("peak_kv_cache_usage_perc", "fraction", "value", "most KV pool used after a step", direction="either"),
+    # Agent sessions (closed loop): the figures the fork's agent bench reports.
+    _m("num_followups", "requests", "value", "follow-up turns that arrived (turn >= 1)", direction="higher"),
+    _m("followup_ttft_p50_s", "s", "value", "median TTFT of finished follow-up turns", direction="lower"),
+    _m("followup_ttft_p90_s", "s", "value", "90th percentile TTFT of finished follow-ups", direction="lower"),
+    _m(
+        "followup_reused_tokens", "tokens", "value", "prefix-cache hits of admitted follow-ups at admission",
+        direction="either",
+    ),
+    _m(
+        "followup_prefix_hit_rate", "fraction", "value",
+        "reused / prompt tokens, summed over admitted follow-ups (the bench's reuse)", direction="higher",
+    ),
 )
 
 

@@ -293,8 +293,14 @@ def scenario_to_dict(scenario: Scenario) -> dict[str, Any]:
     """The resolved scenario as plain data (written next to the results as
     ``scenario.json``): every key, defaults included, so the record says
     what ran whatever later versions default to. ``scenario_from_record``
-    loads it back to an equal scenario (docs/results.md)."""
-    return scenario.model_dump(mode="json")
+    loads it back to an equal scenario (docs/results.md). One key is left
+    out: under ``engine.mode: async`` the engine derives the batches in
+    flight (pp + 1) and refuses a ``scheduler.max_concurrent_batches`` that
+    is named, so the record must not name its unused default."""
+    data = scenario.model_dump(mode="json")
+    if scenario.engine.mode == "async":
+        del data["scheduler"]["max_concurrent_batches"]
+    return data
 
 
 def scenario_from_record(data: Any, source: str) -> Scenario:

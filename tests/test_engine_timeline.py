@@ -294,7 +294,7 @@ def test_a_prompt_too_long_is_rejected_at_its_arrival(hand_scenario):
     assert set(requests.columns) == {
         "scenario", "layout", "request_id", "arrival_s", "prompt_tokens", "output_tokens", "rejected",
         "admitted_s", "first_token_s", "finished_s", "num_preemptions", "prefix_hit_tokens",
-        "generated_tokens", "admitted", "finished", "ttft_s", "queue_s", "e2e_s", "source",
+        "generated_tokens", "turn", "admitted", "finished", "ttft_s", "queue_s", "e2e_s", "source",
     }  # fmt: skip
 
 

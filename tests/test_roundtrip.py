@@ -55,6 +55,22 @@ KINDS: dict[str, dict[str, Any]] = {
         "shared_prefix_tokens": 64,
         "prefix_unit": 32,
     },
+    "sessions": {
+        "trace": "sessions",
+        "shared_prefix_tokens": 128,
+        "prefix_unit": 64,
+        "sessions": {
+            "num_sessions": 2,
+            "first_history": {"distribution": "uniform", "lo": 100, "hi": 200},
+            "reply": {"distribution": "fixed", "tokens": 10},
+            "tool_result": {"distribution": "lognormal", "p50": 30, "p90": 60},
+            "think_s": [0.5, 1.5],
+            "start_spread_s": 2.0,
+            "max_context_tokens": 600,
+            "max_turns": 5,
+            "duration_s": 30.0,
+        },
+    },
     "synthetic-by-format": {
         "format": "synthetic",
         "num_requests": 5,

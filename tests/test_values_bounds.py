@@ -38,6 +38,16 @@ SYNTHETIC = {
     "output": {"distribution": "fixed", "tokens": 10},
 }
 TIMED = {"trace": "trace.jsonl", "format": "timed_trace"}
+SESSIONS = {
+    "trace": "sessions",
+    "sessions": {
+        "num_sessions": 2,
+        "first_history": {"distribution": "fixed", "tokens": 100},
+        "reply": {"distribution": "fixed", "tokens": 10},
+        "tool_result": {"distribution": "fixed", "tokens": 20},
+        "max_context_tokens": 1000,
+    },
+}
 MOONCAKE = {"trace": "default"}
 PP_AT_BOUND = {"deployment": {"pipeline_parallel_size": 1024, "layer_partition": [1] * 1024}}
 PP_PAST = {"deployment": {"pipeline_parallel_size": 1025, "layer_partition": [1] * 1025}}
@@ -100,6 +110,46 @@ SCENARIO_BOUNDS: list[tuple[type[BaseModel], str, Any, Any, dict]] = [
     (workload_module.WorkloadConfig, "workload.max_prompt_len", 1, 0, {"workload": MOONCAKE}),
     (workload_module.WorkloadConfig, "workload.max_output_len", 1, 0, {"workload": MOONCAKE}),
     (workload_module.WorkloadConfig, "workload.hash_chunk_tokens", 1, 0, {"workload": TIMED}),
+    (workload_module.SessionsConfig, "workload.sessions.num_sessions", 1, 0, {"workload": SESSIONS}),
+    (
+        workload_module.SessionsConfig,
+        "workload.sessions.num_sessions",
+        10_000,
+        10_001,
+        {"workload": SESSIONS},
+    ),
+    (workload_module.SessionsConfig, "workload.sessions.max_context_tokens", 1, 0, {"workload": SESSIONS}),
+    (
+        workload_module.SessionsConfig,
+        "workload.sessions.max_context_tokens",
+        TEN_M_TOKENS,
+        TEN_M_TOKENS + 1,
+        {"workload": SESSIONS},
+    ),
+    (workload_module.SessionsConfig, "workload.sessions.max_turns", 1, 0, {"workload": SESSIONS}),
+    (workload_module.SessionsConfig, "workload.sessions.max_turns", 100_000, 100_001, {"workload": SESSIONS}),
+    (
+        workload_module.SessionsConfig,
+        "workload.sessions.start_spread_s",
+        0.0,
+        -SMALLEST,
+        {"workload": SESSIONS},
+    ),
+    (
+        workload_module.SessionsConfig,
+        "workload.sessions.start_spread_s",
+        YEAR_S,
+        NEXT_UP(YEAR_S, math.inf),
+        {"workload": SESSIONS},
+    ),
+    (workload_module.SessionsConfig, "workload.sessions.duration_s", SMALLEST, 0.0, {"workload": SESSIONS}),
+    (
+        workload_module.SessionsConfig,
+        "workload.sessions.duration_s",
+        YEAR_S,
+        NEXT_UP(YEAR_S, math.inf),
+        {"workload": SESSIONS},
+    ),
     (workload_module.ArrivalConfig, "workload.arrival.rate_per_s", SMALLEST, 0.0, {"workload": SYNTHETIC}),
     (
         workload_module.ArrivalConfig,
@@ -115,6 +165,9 @@ VALIDATOR_BOUNDS = [
     ("mtp.acceptance_rates", [0.0], [NEXT_UP(0.0, -1.0)]),
     ("workload.window_s", [0.0, SMALLEST], [NEXT_UP(0.0, -1.0), 1.0]),
     ("workload.window_s", [5.0, NEXT_UP(5.0, 6.0)], [5.0, 5.0]),
+    ("workload.sessions.think_s", [0.0, 0.0], [-SMALLEST, 0.0]),
+    ("workload.sessions.think_s", [2.0, 2.0], [NEXT_UP(2.0, 3.0), 2.0]),
+    ("workload.sessions.think_s", [0.0, YEAR_S], [0.0, NEXT_UP(YEAR_S, math.inf)]),
     (
         "workload.prompt",
         {"distribution": "fixed", "tokens": TEN_M_TOKENS},
@@ -195,6 +248,7 @@ def test_a_bounded_scenario_key_takes_its_bound_and_refuses_one_past(row):
 @pytest.mark.parametrize(("key", "at_bound", "past"), VALIDATOR_BOUNDS, ids=lambda v: str(v)[:40])
 def test_a_validated_scenario_key_takes_its_bound_and_refuses_one_past(key, at_bound, past):
     base = {"workload": SYNTHETIC} if key.startswith("workload.") else {}
+    base = {"workload": SESSIONS} if key.startswith("workload.sessions.") else base
     _scenario(key, at_bound, base)
     with pytest.raises(ConfigError) as refused:
         _scenario(key, past, base)

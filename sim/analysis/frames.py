@@ -110,6 +110,26 @@ def latency_percentiles(requests: pd.DataFrame) -> dict[str, float]:
     }
 
 
+def followup_figures(requests: pd.DataFrame) -> dict[str, float]:
+    """The fork's agent bench figures over follow-up turns (``turn`` >= 1):
+    TTFT of the finished ones, and reuse: cached over prompt tokens summed
+    over the admitted ones (a first turn counts in neither). NaN where no
+    follow-up qualifies."""
+    nan = float("nan")
+    follow_ups = requests[requests["turn"] > 0] if len(requests) else requests
+    finished = follow_ups[follow_ups["finished"]] if len(follow_ups) else follow_ups
+    admitted = follow_ups[follow_ups["admitted"]] if len(follow_ups) else follow_ups
+    reused = float(admitted["prefix_hit_tokens"].sum()) if len(admitted) else 0.0
+    prompt = float(admitted["prompt_tokens"].sum()) if len(admitted) else 0.0
+    return {
+        "num_followups": len(follow_ups),
+        "followup_ttft_p50_s": _percentile(finished["ttft_s"], 50) if len(finished) else nan,
+        "followup_ttft_p90_s": _percentile(finished["ttft_s"], 90) if len(finished) else nan,
+        "followup_reused_tokens": reused,
+        "followup_prefix_hit_rate": reused / prompt if prompt else nan,
+    }
+
+
 def summarise(steps: pd.DataFrame, requests: pd.DataFrame, recording: Recording) -> dict[str, Any]:
     """The run in one row: admissions, concurrency, preemptions, latency."""
     duration = float(recording.end_time_s)
@@ -140,6 +160,8 @@ def summarise(steps: pd.DataFrame, requests: pd.DataFrame, recording: Recording)
         "duration_s": duration,
         "output_throughput_tokens_per_s": generated / duration if duration else 0.0,
         **latency_percentiles(requests),
+        "peak_kv_cache_usage_perc": float(steps["kv_cache_usage_perc"].max()) if len(steps) else 0.0,
+        **followup_figures(requests),
         "source": SIM_SOURCE,
     }
     return in_registry_order("summary", values)
@@ -213,6 +235,8 @@ def summarise_replay(
         "duration_s": duration_s,
         "output_throughput_tokens_per_s": generated / duration_s if duration_s else 0.0,
         **latency_percentiles(requests),
+        "peak_kv_cache_usage_perc": _gauge_stat(samples, "kv_cache_usage_perc", "max"),
+        **followup_figures(requests),
         "source": REPLAY_SOURCE,
     }
 

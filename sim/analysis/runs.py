@@ -50,6 +50,19 @@ def scenario_workload(scenario: Scenario) -> Workload:
     return workload
 
 
+def open_loop_workload(scenario: Scenario, what: str) -> Workload:
+    """The scenario's workload for a command that sends requests at fixed
+    times (a replay, a timed trace); a one-line error for a closed-loop
+    one, whose follow-ups arrive only when the turn before them ends."""
+    workload = scenario_workload(scenario)
+    if workload.follow_ups():
+        raise ConfigError(
+            f"{scenario.name}: workload.trace sessions is closed loop (a follow-up arrives when the "
+            f"turn before it ends); {what} sends requests at fixed times"
+        )
+    return workload
+
+
 def run_scenario(
     scenario: Scenario, layouts: Sequence[SideCacheSwitch] | None = None, *, progress: bool = False
 ) -> RunResult:

@@ -24,4 +24,5 @@ COMMAND_MODULES: tuple[str, ...] = (
     "calibrate",
     "published",
     "replay_pool",
+    "patches",
 )

@@ -24,14 +24,14 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_export_trace(args: argparse.Namespace) -> int:
-    from sim.analysis.runs import scenario_workload
+    from sim.analysis.runs import open_loop_workload
     from sim.config import ConfigError
     from sim.results import write_text
     from sim.scenario import load_scenario
     from sim.workloads.interchange import chunk_tokens_of, timed_trace_lines
 
     scenario = load_scenario(args.scenario, args.set)
-    workload = scenario_workload(scenario)
+    workload = open_loop_workload(scenario, "a timed trace")
     try:
         chunk_tokens = chunk_tokens_of(workload.requests)
     except ValueError as error:

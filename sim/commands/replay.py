@@ -68,13 +68,13 @@ def _warn(message: str) -> None:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from sim.analysis.runs import scenario_workload
+    from sim.analysis.runs import open_loop_workload
     from sim.kv_cache_plan import plan_kv_cache
     from sim.scenario import load_scenario
 
     _check_args(args)
     scenario = load_scenario(args.scenario, args.set)
-    workload = scenario_workload(scenario)
+    workload = open_loop_workload(scenario, "kvsim replay")
     plan = plan_kv_cache(scenario.load_model(), scenario.deployment, side_cache_layout=args.layout == "on")
     out_dir = Path(args.out) if args.out else Path("results") / f"{scenario.name}-replay-{args.layout}"
     return asyncio.run(_replay(args, scenario, workload, plan.to_dict(), out_dir))

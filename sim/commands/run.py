@@ -10,6 +10,17 @@ from typing import Any
 from sim.commands.common import add_scenario_flags, print_table
 from sim.scenario import SideCacheSwitch
 
+# A sessions run also prints what the fork's agent bench reports: follow-up
+# TTFT, cache reuse over follow-ups, and the KV pool's peak.
+SESSION_FIGURES = (
+    "num_followups",
+    "followup_ttft_p50_s",
+    "followup_ttft_p90_s",
+    "followup_reused_tokens",
+    "followup_prefix_hit_rate",
+    "peak_kv_cache_usage_perc",
+)
+
 
 def register(subparsers: Any) -> None:
     run = subparsers.add_parser("run", help="simulate a scenario under one layout")
@@ -41,6 +52,9 @@ def run_and_write(args: argparse.Namespace, layouts: tuple[SideCacheSwitch, ...]
         f"kvsim: {scenario.name}: {len(result.requests) // max(len(result.summary), 1)} requests per layout"
     )
     print_table(result.comparison())
+    if (result.summary["num_followups"] > 0).any():
+        print("agent sessions: follow-up turns (turn >= 1), reuse and the KV peak")
+        print_table(result.summary.set_index("layout")[list(SESSION_FIGURES)].T)
     print(f"frames written to {out_dir}/ (steps, requests, samples, summary: parquet)")
     print(
         f"figures written to {out_dir / 'plots'}/ ({len(figures)} files: "

@@ -35,6 +35,7 @@ REQUEST_COLUMNS = (
     "num_preemptions",
     "prefix_hit_tokens",
     "generated_tokens",
+    "turn",
 )
 
 
@@ -55,6 +56,7 @@ def requests_frame(outcome: ReplayOutcome, scenario: str, layout: str) -> pd.Dat
                 "num_preemptions": np.nan,
                 "prefix_hit_tokens": np.nan,
                 "generated_tokens": record.generated_tokens,
+                "turn": 0,  # a replay sends a timed trace: open loop
                 "sent_s": record.sent_s,
                 "finish_reason": record.finish_reason,
                 "error": record.error,

@@ -8,7 +8,8 @@ Traces: Mooncake JSONL (with 512-token prefix hashes), Azure CSV and ShareGPT
 lengths (no prefix information: every chunk gets a fresh content id, so no
 two requests share a token); vLLM's ``timed_trace`` JSON lines and a plain
 ``arrival_s,input_tokens,output_tokens`` CSV, read and written by
-``interchange``. Slices ship in ``sim/data`` (see its README).
+``interchange``. Slices ship in ``sim/data`` (see its README). Generated:
+synthetic arrivals and closed-loop agent sessions (``sessions``).
 """
 
 from sim.workloads.config import (
@@ -18,6 +19,7 @@ from sim.workloads.config import (
     FixedLength,
     LengthConfig,
     LogNormalLength,
+    SessionsConfig,
     UniformLength,
     WorkloadConfig,
     build_workload,
@@ -49,6 +51,7 @@ from sim.workloads.loaders import (
     load_mooncake,
     load_sharegpt_lengths,
 )
+from sim.workloads.sessions import SessionShape, agent_sessions
 from sim.workloads.shipped import (
     AZURE_CODE_SLICE,
     AZURE_CONV_SLICE,
@@ -88,6 +91,8 @@ __all__ = [
     "SHAREGPT_LENGTHS",
     "SHIPPED_TRACES",
     "SYNTHETIC_PREFIX_UNIT",
+    "SessionShape",
+    "SessionsConfig",
     "TIMED_TRACE_CHUNK_TOKENS",
     "ArrivalConfig",
     "ArrivalProcess",
@@ -109,6 +114,7 @@ __all__ = [
     "UniformLength",
     "Workload",
     "WorkloadConfig",
+    "agent_sessions",
     "arrival_times_s",
     "build_workload",
     "clamp_lengths",

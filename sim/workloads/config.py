@@ -30,6 +30,7 @@ from sim.workloads.loaders import (
     load_mooncake,
     load_sharegpt_lengths,
 )
+from sim.workloads.sessions import SessionShape, agent_sessions
 from sim.workloads.shipped import SHIPPED_TRACES, TraceFormat
 from sim.workloads.spec import MAX_WORKLOAD_REQUESTS, Workload
 from sim.workloads.synthetic import SYNTHETIC_PREFIX_UNIT, synthetic
@@ -120,6 +121,47 @@ LengthConfig = Annotated[
     FixedLength | UniformLength | LogNormalLength | EmpiricalLength,
     Field(discriminator="distribution"),
 ]
+_Seconds = Annotated[float, Field(ge=0, le=MAX_SIMULATED_S, allow_inf_nan=False)]
+
+
+class SessionsConfig(StrictModel):
+    """``trace: sessions``: multi-turn agent sessions, closed loop
+    (``sim.workloads.sessions``). Token counts are per session: the first
+    history after the shared prefix (``workload.shared_prefix_tokens``),
+    each turn's reply (its output) and the tool result sent with the next
+    turn; ``think_s`` is ``[lo, hi]``, drawn uniformly per turn. No
+    follow-up arrives after ``duration_s`` (None: sessions run to their end)."""
+
+    num_sessions: int = Field(gt=0, le=10_000)
+    first_history: LengthConfig
+    reply: LengthConfig
+    tool_result: LengthConfig
+    think_s: tuple[_Seconds, _Seconds] = (0.0, 0.0)
+    start_spread_s: _Seconds = 0.0
+    max_context_tokens: int = Field(gt=0, le=MAX_REQUEST_TOKENS)
+    max_turns: int = Field(1000, gt=0, le=100_000)
+    duration_s: float | None = Field(None, gt=0, le=MAX_SIMULATED_S, allow_inf_nan=False)
+
+    @field_validator("think_s")
+    @classmethod
+    def _think_in_order(cls, think_s: tuple[float, float]) -> tuple[float, float]:
+        if think_s[0] > think_s[1]:
+            raise ValueError(f"expected [lo, hi] with lo <= hi, got {list(think_s)}")
+        return think_s
+
+    def shape(self, shared_prefix_tokens: int, prefix_unit: int) -> SessionShape:
+        return SessionShape(
+            num_sessions=self.num_sessions,
+            shared_prefix_tokens=shared_prefix_tokens,
+            first_history=self.first_history.build(),
+            reply=self.reply.build(),
+            tool_result=self.tool_result.build(),
+            think_s=self.think_s,
+            start_spread_s=self.start_spread_s,
+            max_context_tokens=self.max_context_tokens,
+            max_turns=self.max_turns,
+            prefix_unit=prefix_unit,
+        )
 
 
 class WorkloadConfig(StrictModel):
@@ -127,7 +169,8 @@ class WorkloadConfig(StrictModel):
 
     ``trace``: ``default`` (the shipped Mooncake slice), another shipped name
     (``mooncake-slice``, ``azure-code-slice``, ``sharegpt-lengths``),
-    ``synthetic``, or a path relative to the scenario file's directory.
+    ``synthetic``, ``sessions`` (agent sessions: the ``sessions`` section),
+    or a path relative to the scenario file's directory.
     ``format`` is inferred from the name, the extension or the CSV header;
     vLLM's ``timed_trace`` JSON lines need ``format: timed_trace`` (and
     ``hash_chunk_tokens`` when their chunks are not vLLM's default 16).
@@ -138,6 +181,7 @@ class WorkloadConfig(StrictModel):
     arrival: ArrivalConfig | None = None
     prompt: LengthConfig | None = None
     output: LengthConfig | None = None
+    sessions: SessionsConfig | None = None
     shared_prefix_tokens: int = Field(0, ge=0, le=MAX_REQUEST_TOKENS)
     # Token ids (content id x unit) stay below 2**31 (vLLM's int32 buffers).
     prefix_unit: int = Field(SYNTHETIC_PREFIX_UNIT, gt=0, le=1024)
@@ -171,19 +215,23 @@ class WorkloadConfig(StrictModel):
 
     def known_format(self) -> TraceFormat | None:
         """The format if the config alone settles it, else None (read the file)."""
-        if self.format == "synthetic":
-            if self.trace not in ("synthetic", _default("trace")):
-                raise ValueError("trace: must be 'synthetic' or left out")
-            return "synthetic"
+        if self.format in _GENERATED:
+            if self.trace not in (self.format, _default("trace")):
+                raise ValueError(f"trace: must be {self.format!r} or left out")
+            return self.format
         named = _named_format(self.trace)
         if named is not None and self.format not in (None, named):
             raise ValueError(f"format: {self.format} does not match trace {self.trace!r}")
         return self.format or named
 
 
+# Formats kvsim generates (no file): ``trace`` is the format's name.
+_GENERATED: tuple[TraceFormat, ...] = ("synthetic", "sessions")
+
+
 def _named_format(trace: str) -> TraceFormat | None:
-    if trace == "synthetic":
-        return "synthetic"
+    if trace in _GENERATED:
+        return "synthetic" if trace == "synthetic" else "sessions"
     shipped = SHIPPED_TRACES.get(trace)
     return None if shipped is None else shipped[1]
 
@@ -194,6 +242,21 @@ _SYNTHETIC_ONLY = (
     "num_requests",
     "shared_prefix_tokens",
     "prefix_unit",
+)
+# What a closed-loop sessions workload cannot use: its arrivals and lengths
+# are its own, and selecting or retiming turns would break their chains.
+_NOT_FOR_SESSIONS = (
+    "arrival",
+    "prompt",
+    "output",
+    "num_requests",
+    "max_requests",
+    "window_s",
+    "time_scale",
+    "rate_scale",
+    "sample_fraction",
+    "max_prompt_len",
+    "max_output_len",
 )
 
 
@@ -214,6 +277,7 @@ def check_keys_for_format(cfg: WorkloadConfig, fmt: TraceFormat) -> None:
     required = {
         "synthetic": ("arrival", "prompt", "output", "num_requests"),
         "sharegpt": ("arrival",),
+        "sessions": ("sessions",),
     }.get(fmt, ())
     for key in required:
         if getattr(cfg, key) is None:
@@ -223,9 +287,13 @@ def check_keys_for_format(cfg: WorkloadConfig, fmt: TraceFormat) -> None:
         unusable = (*_SYNTHETIC_ONLY, "arrival")
     elif fmt == "sharegpt":
         unusable = _SYNTHETIC_ONLY
+    elif fmt == "sessions":
+        unusable = _NOT_FOR_SESSIONS
     for key in unusable:
         if _is_set(cfg, key):
             raise ValueError(f"{key}: not used by {fmt} traces (they have their own)")
+    if cfg.sessions is not None and fmt != "sessions":
+        raise ValueError("sessions: only for trace: sessions")
     if _is_set(cfg, "hash_chunk_tokens") and fmt != "timed_trace":
         raise ValueError("hash_chunk_tokens: only for timed_trace traces")
     if cfg.spread_bursts and fmt != "mooncake":
@@ -233,13 +301,13 @@ def check_keys_for_format(cfg: WorkloadConfig, fmt: TraceFormat) -> None:
 
 
 def resolve_trace(cfg: WorkloadConfig, base_dir: Path) -> tuple[Path | None, TraceFormat]:
-    """(trace file, format); the file is None for synthetic workloads."""
+    """(trace file, format); the file is None for generated workloads."""
     try:
         known = cfg.known_format()
     except ValueError as error:
         raise ConfigError(f"workload: {error}") from None
-    if known == "synthetic":
-        return None, "synthetic"
+    if known in _GENERATED:
+        return None, known
     if cfg.trace in SHIPPED_TRACES:
         return SHIPPED_TRACES[cfg.trace][0], known or "mooncake"
     path = Path(cfg.trace).expanduser()
@@ -262,6 +330,10 @@ def _load(cfg: WorkloadConfig, path: Path | None, fmt: TraceFormat, rng: np.rand
     if fmt == "timed_csv":
         assert path is not None
         return load_timed_csv(path)
+    if fmt == "sessions":
+        assert cfg.sessions is not None
+        shape = cfg.sessions.shape(cfg.shared_prefix_tokens, cfg.prefix_unit)
+        return agent_sessions(shape, rng, until_s=cfg.sessions.duration_s)
     assert cfg.arrival is not None
     if fmt == "sharegpt":
         assert path is not None
@@ -340,5 +412,5 @@ def build_workload(cfg: WorkloadConfig, *, base_dir: Path, seed: int) -> Workloa
             f"workload: the last request arrives at {w.duration_s:.3g} s, more than "
             f"{MAX_SIMULATED_S:.3g} s (a year, past any trace): check time_scale and rate_scale"
         )
-    random = fmt in ("sharegpt", "synthetic") or cfg.sample_fraction < 1
+    random = fmt in ("sharegpt", *_GENERATED) or cfg.sample_fraction < 1
     return replace(w, source=f"{w.source}; seed {seed}") if random or cfg.spread_bursts else w

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-TraceFormat = Literal["mooncake", "azure", "sharegpt", "synthetic", "timed_trace", "timed_csv"]
+TraceFormat = Literal["mooncake", "azure", "sharegpt", "synthetic", "sessions", "timed_trace", "timed_csv"]
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 

@@ -107,6 +107,13 @@ class RequestSpec:
     number of tokens to generate (generation is forced to stop there, as the
     Mooncake paper replays its traces). ``prefix_ids`` has exactly
     ``ceil(prompt_len / prefix_unit)`` entries.
+
+    A follow-up turn (``follows`` set: the request id of the turn before it
+    in its session) is closed-loop: it arrives ``think_s`` after that turn
+    ends, whenever that is, and its ``arrival_s`` is only the earliest it
+    could (the turn before's ``arrival_s`` + ``think_s``), which keeps the
+    workload order. ``turn`` counts the turns before it (0: a first turn,
+    or any open-loop request).
     """
 
     request_id: str
@@ -115,6 +122,9 @@ class RequestSpec:
     output_len: int
     prefix_ids: tuple[int, ...]
     prefix_unit: int
+    follows: str | None = None
+    think_s: float = 0.0
+    turn: int = 0
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -136,6 +146,10 @@ class RequestSpec:
             )
         if min(self.prefix_ids) < 0:
             raise ValueError("prefix_ids: content ids must be >= 0")
+        if not (math.isfinite(self.think_s) and self.think_s >= 0):
+            raise ValueError(f"think_s: expected >= 0, got {self.think_s}")
+        if (self.follows is None) != (self.turn == 0) or self.turn < 0:
+            raise ValueError(f"turn: {self.turn} with follows {self.follows!r} (a follow-up has turn >= 1)")
 
     def prompt_token_ids(self) -> list[int]:
         """The prompt's token ids, built now (never stored: see module doc)."""
@@ -190,6 +204,9 @@ class Workload:
     name: str
     source: str
     requests: tuple[RequestSpec, ...]
+    # Closed-loop workloads (sessions): a follow-up due after this time never
+    # arrives, nor do the turns after it (None: every follow-up arrives).
+    follow_ups_until_s: float | None = None
 
     def __post_init__(self) -> None:
         keys = [_sort_key(r) for r in self.requests]
@@ -197,6 +214,18 @@ class Workload:
             raise ValueError("requests: must be sorted by (arrival_s, request_id)")
         if len({r.request_id for r in self.requests}) != len(self.requests):
             raise ValueError("requests: request ids must be unique")
+        followed = [r.follows for r in self.requests if r.follows is not None]
+        if len(set(followed)) != len(followed):
+            raise ValueError("requests: a request is followed by at most one turn")
+        earlier: set[str] = set()
+        for r in self.requests:  # the order puts a turn after the one it follows
+            if r.follows is not None and r.follows not in earlier:
+                raise ValueError(f"requests: {r.request_id} follows {r.follows!r}, not an earlier request")
+            earlier.add(r.request_id)
+
+    def follow_ups(self) -> dict[str, RequestSpec]:
+        """Request id -> the turn that follows it (closed-loop workloads)."""
+        return {r.follows: r for r in self.requests if r.follows is not None}
 
     @property
     def num_requests(self) -> int:

@@ -28,7 +28,7 @@ from sim.workloads.spec import (
 SYNTHETIC_PREFIX_UNIT = 16
 
 
-def _shared_ids(shared_prefix_tokens: int, prefix_unit: int) -> tuple[int, ...]:
+def shared_ids(shared_prefix_tokens: int, prefix_unit: int) -> tuple[int, ...]:
     """Content ids 0, 1, ... of the common system prompt (below FRESH_ID_BASE)."""
     if shared_prefix_tokens < 0 or shared_prefix_tokens % prefix_unit:
         raise ValueError(
@@ -65,7 +65,7 @@ def synthetic(
         raise ValueError(f"num_requests: expected >= 1, got {num_requests}")
     if prefix_unit < 1:
         raise ValueError(f"prefix_unit: expected >= 1, got {prefix_unit}")
-    shared = _shared_ids(shared_prefix_tokens, prefix_unit)
+    shared = shared_ids(shared_prefix_tokens, prefix_unit)
     times_s = arrival_times_s(arrival, num_requests, rng)
     own_lens = prompt.sample(num_requests, rng)
     output_lens = output.sample(num_requests, rng)
