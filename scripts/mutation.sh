@@ -75,7 +75,7 @@ declare -A MODULES=(
   # against vLLM's own Scheduler, 12 short runs, about 6 s) runs last:
   # mutmut runs the fastest tests first.
   [kv_cache_manager]="sim/kv_cache_manager.py|tests/test_mtp_hashing.py tests/test_allocator.py tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_conformance.py::test_every_step_is_identical"
-  [scheduler]="sim/sched/scheduler.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_engine_timeline.py tests/test_steady.py tests/test_conformance.py::test_every_step_is_identical tests/test_aborts.py $FAST_PATH_TESTS"
+  [scheduler]="sim/sched/scheduler.py sim/sched/queues.py sim/sched/freeing.py sim/sched/fast_path.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_engine_timeline.py tests/test_steady.py tests/test_conformance.py::test_every_step_is_identical tests/test_aborts.py $FAST_PATH_TESTS"
   [settled]="sim/sched/settled.py|$FAST_PATH_TESTS"
   # The steady lane: its hand counts, its checks that make every skipped
   # call (three shapes), the frames against step by step, the horizon and
@@ -118,7 +118,7 @@ mutate_one() {
 
 [tool.mutmut]
 source_paths = ["sim"]
-only_mutate = ["$source"]
+only_mutate = [$(set -f; toml_list $source)]
 pytest_add_cli_args_test_selection = [$(toml_list $tests)]
 pytest_add_cli_args = ["-p", "no:cacheprovider", "-x"]
 also_copy = ["tests", "scenarios", "README.md"]
