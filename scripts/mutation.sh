@@ -75,7 +75,7 @@ declare -A MODULES=(
   # against vLLM's own Scheduler, 12 short runs, about 6 s) runs last:
   # mutmut runs the fastest tests first.
   [kv_cache_manager]="sim/kv_cache_manager.py|tests/test_mtp_hashing.py tests/test_allocator.py tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_conformance.py::test_every_step_is_identical"
-  [scheduler]="sim/sched/scheduler.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_engine_timeline.py tests/test_steady.py tests/test_conformance.py::test_every_step_is_identical tests/test_aborts.py $FAST_PATH_TESTS"
+  [scheduler]="sim/sched/scheduler.py sim/sched/queues.py sim/sched/freeing.py sim/sched/fast_path.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_engine_timeline.py tests/test_steady.py tests/test_conformance.py::test_every_step_is_identical tests/test_aborts.py $FAST_PATH_TESTS"
   [settled]="sim/sched/settled.py|$FAST_PATH_TESTS"
   # The steady lane: its hand counts, its checks that make every skipped
   # call (three shapes), the frames against step by step, the horizon and
@@ -95,12 +95,12 @@ declare -A MODULES=(
   [validate]="sim/analysis/validate.py|tests/test_values_validate.py tests/test_validate.py::test_curve_error_matches_hand_derivation tests/test_validate.py::test_a_run_that_stops_early_is_charged_for_the_rest tests/test_validate.py::test_a_missing_source_column_reads_as_the_simulator"
   [calibrate]="sim/analysis/calibrate.py|tests/test_values_calibrate.py tests/test_calibrate.py"
   [conformance]="sim/conformance/*|tests/test_values_conformance.py tests/test_conformance.py::test_every_step_is_identical tests/test_conformance.py::test_the_modes_differ_where_vllm_says tests/test_conformance.py::test_a_scheduler_that_cannot_be_built_gives_one_line_and_exit_2"
-  [replay]="sim/replay/*|tests/test_values_replay.py tests/test_replay.py tests/test_serve.py"
+  [serving]="sim/serving/*|tests/test_values_replay.py tests/test_replay.py tests/test_serve.py"
   [loaders]="sim/workloads/loaders.py|tests/test_values_bounds.py tests/test_workloads.py tests/test_trace_interchange.py"
   [config]="sim/config.py|tests/test_values_bounds.py tests/test_bad_input.py"
-  [pool_replay]="sim/pool_replay.py|tests/test_values_pool_replay.py tests/test_pool_replay.py"
+  [pool_replay]="sim/pool_replay/*|tests/test_values_pool_replay.py tests/test_pool_replay.py"
 )
-ORDER=(engine scheduler settled steady engine_core output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance replay loaders config pool_replay)
+ORDER=(engine scheduler settled steady engine_core output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving loaders config pool_replay)
 
 toml_list() { printf '"%s", ' "$@" | sed 's/, $//'; }
 
@@ -118,7 +118,7 @@ mutate_one() {
 
 [tool.mutmut]
 source_paths = ["sim"]
-only_mutate = ["$source"]
+only_mutate = [$(set -f; toml_list $source)]
 pytest_add_cli_args_test_selection = [$(toml_list $tests)]
 pytest_add_cli_args = ["-p", "no:cacheprovider", "-x"]
 also_copy = ["tests", "scenarios", "README.md"]

@@ -130,6 +130,10 @@ class StepTimeModel:
             {"lm_head": head["lm_head"], "final_mixer": head["final_mixer"]}
         )
         self._lm_head_params = head["lm_head"] / tp
+        # The last micro-batch's batch figures: every stage of the pipeline
+        # reads the same ones (a reference to the scheduled tuple is kept,
+        # so its identity cannot be reused by another tuple).
+        self._last_batch: tuple[tuple[ScheduledRequest, ...], _Batch] | None = None
 
     # ---------------------------------------------------------- interface
     def stage_s(self, output: SchedulerOutput, stage: int) -> float:
@@ -140,7 +144,7 @@ class StepTimeModel:
         if c.seconds_per_token is not None:
             work = output.total_num_scheduled_tokens * c.seconds_per_token / c.pipeline_parallel_size
             return work + (c.step_overhead_s if stage == c.pipeline_parallel_size - 1 else 0.0)
-        batch = _batch(output.scheduled, self.arch)
+        batch = self._batch_of(output.scheduled)
         st = self._stages[stage]
         seconds = self._layers_s(st, batch) + st.num_layers * self._layer_fixed_s(batch.tokens)
         if st.is_first:
@@ -180,6 +184,15 @@ class StepTimeModel:
         return free_at[-1]
 
     # ------------------------------------------------------------- pieces
+    def _batch_of(self, scheduled: tuple[ScheduledRequest, ...]) -> _Batch:
+        """``_batch`` of ``scheduled``, once per micro-batch, not once per stage."""
+        last = self._last_batch
+        if last is not None and last[0] is scheduled:
+            return last[1]
+        batch = _batch(scheduled, self.arch)
+        self._last_batch = (scheduled, batch)
+        return batch
+
     def _bytes(self, group: str, params: float) -> float:
         return params * self.quant.bytes_per_param(group)
 

@@ -313,3 +313,26 @@ def test_only_the_conformance_backends_import_the_vllm_scheduler_and_engine_brid
         "conformance/async_engine.py",
         "vllm_bridge/engine_core.py",  # the engine core is built on the scheduler bridge
     }
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_the_conformance_allocators_take_the_scenarios_allocator_section(caching):
+    """Both kvsim backends (the synchronous scheduler and the async engine
+    core) build the allocator from the scenario's ``allocator:`` section as
+    a simulation does (``allocator_options``), and vLLM is started with the
+    same prefix caching. Expected: the section's value itself. (Control: the
+    other value of the switch gives the other answer, so a backend that kept
+    a setting of its own fails one case.)"""
+    from sim.conformance.async_engine import kvsim_engine
+    from sim.conformance.driver import kvsim_backend, vllm_settings
+    from sim.scenario import AllocatorSection
+
+    base = conformance_scenario(_scenario("prefix-hits"))
+    scenario = base.model_copy(update={"allocator": AllocatorSection(enable_prefix_caching=caching)})
+    plan = plan_for(scenario, "on")
+    managers = (
+        kvsim_backend(scenario, plan).kv_cache_manager,
+        kvsim_engine(scenario, plan, depth=2, stagger=1).scheduler.kv_cache_manager,
+    )
+    assert [m.enable_caching for m in managers] == [caching, caching]
+    assert vllm_settings(scenario, plan).enable_prefix_caching is caching

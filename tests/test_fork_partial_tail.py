@@ -82,8 +82,10 @@ def _follow_up(prev, user_tokens: int, seed: int):
 def _run(manager, req, steps: int) -> int:
     """Prefill in the scheduler's chunks, then ``steps`` MTP decode steps,
     releasing copy refs after each step as vLLM's scheduler does."""
-    num_hit = prefill(manager, req, split=partial_hit_split(UNIT), on_step=lambda: _settle(manager))
-    decode(manager, req, steps=steps, on_step=lambda: _settle(manager))
+    num_hit = prefill(
+        manager, req, split=partial_hit_split(UNIT), trace=lambda: _settle(manager), check=False
+    )
+    decode(manager, req, steps=steps, trace=lambda: _settle(manager), check=False)
     return num_hit
 
 
@@ -144,12 +146,12 @@ def test_a_partial_tail_resume_holds_its_moved_tail_until_freed(fork):
     manager = unit_attention_manager(NUM_BLOCKS, fork, unit=UNIT)
     pool, mamba = manager.block_pool, manager.managers[MAMBA]
     _, a1 = _first_two_turns(manager)
-    num_hit = prefill(manager, a1, split=partial_hit_split(UNIT), on_step=lambda: _settle(manager))
+    num_hit = prefill(manager, a1, split=partial_hit_split(UNIT), trace=lambda: _settle(manager), check=False)
     tail = _cached_mamba(manager, a1, 168)
     assert num_hit == 136 and tail is not None
     assert tail not in mamba.req_to_blocks["A0+"] and tail.block_hash_num_tokens == 168
     assert all(_cached_mamba(manager, a1, p) is None for p in range(160, 168, BLOCK))
-    decode(manager, a1, steps=4, on_step=lambda: _settle(manager))
+    decode(manager, a1, steps=4, trace=lambda: _settle(manager), check=False)
     if _holds(fork):
         assert mamba._retained_checkpoints["A0+"] == (168, tail)
         assert tail.ref_cnt == 1 and tail.block_id not in _free_ids(manager)
@@ -314,12 +316,12 @@ def test_a_siblings_hold_follows_the_producers_moved_tail(fork):
     _settle(manager)
     assert live.ref_cnt == 1
 
-    decode(manager, producer, steps=2, on_step=lambda: _settle(manager))
+    decode(manager, producer, steps=2, trace=lambda: _settle(manager), check=False)
     _finish(manager, producer)
     while consumer.num_computed_tokens < consumer.num_tokens:
         _chunk(manager, consumer, split)
         manager.new_step_starts()
         _settle(manager)
-    decode(manager, consumer, steps=2, on_step=lambda: _settle(manager))
+    decode(manager, consumer, steps=2, trace=lambda: _settle(manager), check=False)
     _finish(manager, consumer)
     _assert_pool_clean(manager)

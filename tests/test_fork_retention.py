@@ -192,7 +192,7 @@ def test_an_aligned_prompt_holds_only_its_newest_boundary(retain, num_prefill_lo
         for gid in MAMBA_GROUPS:
             assert len(getattr(manager.managers[gid], "_retained_checkpoints", {})) <= 1
 
-    decode(manager, a, steps=24, accepted=lambda step: step % 4, on_step=at_most_one)
+    decode(manager, a, steps=24, accepted=lambda step: step % 4, trace=at_most_one)
     assert a.num_computed_tokens > 5 * BLOCK
     for gid in MAMBA_GROUPS:
         low, high = cached_state(manager, a, 64, gid), cached_state(manager, a, 96, gid)

@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("sim.sched",),
     ("sim.workloads", "sim.rig", "sim.step_time", "sim.pipeline_clock", "sim.scenario", "sim.engine"),
     ("sim.analysis", "sim.results", "sim.bench", "sim.conformance", "sim.pool_replay"),
-    ("sim.replay",),
+    ("sim.serving",),
     ("sim.commands",),
     ("sim.cli",),
 ]

@@ -263,9 +263,9 @@ SHARED_PREFIX = {
 @contextlib.contextmanager
 def _kvsim_serve_in_thread(path: Path, speed: float) -> Iterator[str]:
     """``kvsim serve``'s app in a thread on 127.0.0.1 (no process start-up)."""
-    from sim.replay.live_engine import LiveEngine
-    from sim.replay.server import build_app
     from sim.scenario import load_scenario
+    from sim.serving.live_engine import LiveEngine
+    from sim.serving.server import build_app
 
     def make_app():
         return build_app(LiveEngine(load_scenario(str(path)), "on", speed=speed))
@@ -295,7 +295,7 @@ def test_shared_prefixes_stay_shared_below_the_vocabulary(tmp_path, monkeypatch)
     # offset per prompt) breaks the sharing, and the check sees it.
     import itertools
 
-    import sim.replay.client as client
+    import sim.serving.client as client
 
     offsets = itertools.count(1)
 

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import sim.vllm_bridge  # noqa: F401  (sets VLLM_TARGET_DEVICE before vLLM's argument parser runs)
 from sim.commands.serve import boot_log_lines
-from sim.replay.server import tokenize_text
+from sim.serving.server import tokenize_text
 
 SPEED = 50.0
 
@@ -163,7 +163,7 @@ def test_errors_as_vllm_answers_them(tmp_path):
 
 def test_boot_log_lines_are_what_launch_parses(tmp_path):
     from sim.kv_cache_plan import plan_kv_cache
-    from sim.replay.launch import check_boot_log
+    from sim.serving.launch import check_boot_log
 
     sc = scenario(tmp_path, workload=NO_WORKLOAD)
     on = plan_kv_cache(sc.load_model(), sc.deployment, side_cache_layout=True)
@@ -183,7 +183,7 @@ def test_launch_command_is_the_scenario_deployment_as_vllm_reads_it(tmp_path):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from sim.replay.launch import server_env, vllm_serve_command
+    from sim.serving.launch import server_env, vllm_serve_command
 
     sc = scenario(
         tmp_path,

@@ -30,9 +30,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import sim.vllm_bridge  # noqa: F401  (sets VLLM_TARGET_DEVICE before vLLM's argument parser runs)
 from sim.allocator_invariants import allocator_problems
-from sim.replay.live_engine import LiveEngine
-from sim.replay.openai_requests import MAX_BODY_BYTES
-from sim.replay.server import Bounds, build_app, start_server
+from sim.serving.live_engine import LiveEngine
+from sim.serving.openai_requests import MAX_BODY_BYTES
+from sim.serving.server import Bounds, build_app, start_server
 
 # The server shares this process (and its GIL) with 300 client connections
 # and a 16 MiB body; on a loaded 2-core machine a health answer took 2 s at
@@ -311,7 +311,7 @@ def test_a_replay_stopped_with_ctrl_c_leaves_no_running_request_and_its_blocks_f
     aborts them, and within 5 s nothing runs or waits and every block is
     free. The controls: the requests were running when the stop came; an
     engine that does not abort keeps running them."""
-    from sim.replay.client import ClientConfig, Replay
+    from sim.serving.client import ClientConfig, Replay
     from sim.workloads import RequestSpec
 
     if not aborts:
@@ -411,7 +411,7 @@ def test_a_request_given_no_tokens_in_time_is_aborted(tmp_path, monkeypatch):
     log line, counted), the client gets vLLM's error body with 503, the
     engine holds nothing after. The control: the same request on an engine
     at normal speed finishes (200)."""
-    import sim.replay.server as server_module
+    import sim.serving.server as server_module
 
     monkeypatch.setattr(server_module, "TOKEN_WAIT_S", 0.5)
 

@@ -167,3 +167,21 @@ def test_scenario_overrides_and_names(tmp_path):
         scenario(tmp_path, step_time={"quantization": "int3"})
     with pytest.raises(ConfigError, match="layer_partition: 1 stages for pp 2"):
         scenario(tmp_path, step_time={"layer_partition": [48]})
+
+
+def test_a_stage_reads_its_own_micro_batch_after_another_stage_read_a_different_one():
+    """The model computes a micro-batch's figures once for all its stages
+    (speed); interleaved micro-batches of equal size but different contexts
+    still get each their own time, as a fresh model gives them. (Control: a
+    figure kept by size rather than by micro-batch gives the first batch's
+    time to the second.)"""
+    short, long = _decode(8, 1_000), _decode(8, 200_000)
+    outputs = {"short": short, "long": long}
+    expected = {name: [_model().stage_s(output, s) for s in (0, 1)] for name, output in outputs.items()}
+    model = _model()
+    seen = {"short": [], "long": []}
+    for stage in (0, 1):
+        for name, output in outputs.items():
+            seen[name].append(model.stage_s(output, stage))
+    assert seen == expected
+    assert expected["short"] != expected["long"]

@@ -29,10 +29,10 @@ from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from sim.analysis.runs import scenario_workload
 from sim.cli import main
-from sim.replay.client import ReplayOutcome, RequestRecord
-from sim.replay.metrics import SCRAPED, ServerMetrics, parse_metrics
-from sim.replay.recording import requests_frame
 from sim.sched.output import ScheduledRequest, SchedulerOutput, StepOutcome
+from sim.serving.client import ReplayOutcome, RequestRecord
+from sim.serving.recording import requests_frame
+from sim.serving.server_metrics import SCRAPED, ServerMetrics, parse_metrics
 
 VLLM = Path(vllm.__file__).parent
 # The fault server's page, read by hand: column -> value.

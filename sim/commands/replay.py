@@ -1,4 +1,4 @@
-"""``kvsim replay``: the requests ``kvsim run`` simulates, sent to a live
+"""``kvsim replay`` (trace replay): the requests ``kvsim run`` simulates, sent to a live
 server (``--url``, or one it starts with ``--launch``), into the same frames."""
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 async def _replay(
     args: argparse.Namespace, scenario: Any, workload: Any, plan: dict[str, Any], out_dir: Path
 ) -> int:
-    from sim.replay.client import ClientConfig, Replay, ServerUnreachable
-    from sim.replay.launch import LaunchedServer, LaunchError
+    from sim.serving.client import ClientConfig, Replay, ServerUnreachable
+    from sim.serving.launch import LaunchedServer, LaunchError
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -123,7 +123,7 @@ async def _replay(
 async def _start_server(
     args: argparse.Namespace, scenario: Any, out_dir: Path, stop: asyncio.Event
 ) -> tuple[str, Any]:
-    from sim.replay.launch import LaunchedServer, custom_command, free_port, server_env, vllm_serve_command
+    from sim.serving.launch import LaunchedServer, custom_command, free_port, server_env, vllm_serve_command
 
     port = free_port()
     command = (
@@ -143,7 +143,7 @@ async def _start_server(
 
 
 def _check_boot(server: Any, plan: dict[str, Any]) -> Any:
-    from sim.replay.launch import check_boot_log
+    from sim.serving.launch import check_boot_log
 
     boot = check_boot_log(server.log_text(), plan)
     for mismatch in boot.mismatches:
@@ -163,9 +163,9 @@ def _write(
     boot: Any,
     url: str,
 ) -> None:
-    from sim.replay.recording import replay_frames
     from sim.results import write_results
     from sim.scenario import scenario_to_dict
+    from sim.serving.recording import replay_frames
 
     check = "unchecked" if boot is None else ("mismatch" if boot.mismatches else "ok")
     frames = replay_frames(

@@ -44,9 +44,9 @@ def boot_log_lines(plan: Any, max_model_len: int) -> list[str]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from sim.commands.common import CLIError
-    from sim.replay.live_engine import LiveEngine
-    from sim.replay.server import build_app, serve
     from sim.scenario import load_scenario
+    from sim.serving.live_engine import LiveEngine
+    from sim.serving.server import build_app, serve
 
     if not args.speed > 0:
         raise CLIError(f"--speed: expected > 0, got {args.speed}")

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sim.conformance.backends import StepState, model_runner, scheduled_request
+from sim.conformance.backends import StepState, kvsim_kv_cache_manager, model_runner, scheduled_request
 from sim.conformance.driver import (
     Comparison,
     Trajectory,
@@ -36,7 +36,7 @@ from sim.conformance.driver import (
     vllm_unavailable_as_one_line,
 )
 from sim.engine import scheduler_config
-from sim.kv_cache_manager import MTPHashMode, build_kv_cache_manager, scheduler_kv_cache_config
+from sim.kv_cache_manager import MTPHashMode, scheduler_kv_cache_config
 from sim.kv_cache_plan import KVCachePlan
 from sim.pipeline_clock import PipelineClock
 from sim.scenario import Scenario, SideCacheSwitch
@@ -69,12 +69,7 @@ class _KvsimEngine:
         self, scenario: Scenario, plan: KVCachePlan, runner: ModelRunner, depth: int, stagger: int
     ) -> None:
         config = scheduler_config(scenario, scenario.load_model(), plan)
-        manager = build_kv_cache_manager(
-            plan,
-            fork=scenario.fork.patches(),
-            enable_caching=scenario.allocator.enable_prefix_caching,
-            mtp_hashing=config.mtp_hashing,
-        )
+        manager = kvsim_kv_cache_manager(scenario, plan, config)
         self.scheduler = AsyncScheduler(config, manager, decode_stagger=stagger)
         self.core = BatchQueueEngineCore(self.scheduler, runner, depth)
         self._prefix = (0, 0)

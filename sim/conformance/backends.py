@@ -14,14 +14,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from sim.engine import allocator_options
 from sim.fork_patches import ForkPatches
 from sim.kv_cache_manager import (
+    KVCacheManager,
     MTPHashing,
     RingCircularBufferManager,
     build_kv_cache_manager,
     scheduler_kv_cache_config,
 )
 from sim.kv_cache_plan import KVCachePlan
+from sim.scenario import Scenario
 from sim.sched.engine_core import EngineCore, ScheduledStep
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import ScheduledRequest, SchedulerOutput
@@ -80,26 +83,27 @@ def model_runner(acceptance_rates: tuple[float, ...], seed: int) -> ModelRunner:
     return ModelRunner(AcceptanceModel(conditional_rates=acceptance_rates), rng)
 
 
+def kvsim_kv_cache_manager(scenario: Scenario, plan: KVCachePlan, config: SchedulerConfig) -> KVCacheManager:
+    """kvsim's ``KVCacheManager`` as a simulation builds it: the scenario's
+    ``allocator:`` section through the simulation's own ``allocator_options``
+    (one place maps every field), its fork patches, the config's hashing."""
+    return build_kv_cache_manager(
+        plan,
+        **allocator_options(scenario.allocator),
+        fork=scenario.fork.patches(),
+        mtp_hashing=config.mtp_hashing,
+    )
+
+
 class KvsimBackend:
     """kvsim's own scheduler over kvsim's ``KVCacheManager``."""
 
     name = "kvsim"
 
     def __init__(
-        self,
-        plan: KVCachePlan,
-        config: SchedulerConfig,
-        runner: ModelRunner,
-        *,
-        fork: ForkPatches,
-        enable_caching: bool,
+        self, scenario: Scenario, plan: KVCachePlan, config: SchedulerConfig, runner: ModelRunner
     ) -> None:
-        self.kv_cache_manager = build_kv_cache_manager(
-            plan,
-            fork=fork,
-            enable_caching=enable_caching,
-            mtp_hashing=config.mtp_hashing,
-        )
+        self.kv_cache_manager = kvsim_kv_cache_manager(scenario, plan, config)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         # The engine's own step, so steady steps take the lane they take in
         # a run (``sim/sched/steady.py``) and are compared too.

@@ -28,7 +28,7 @@ from sim.conformance.backends import (
     VllmBackend,
     model_runner,
 )
-from sim.engine import scheduler_config
+from sim.engine import allocator_options, scheduler_config
 from sim.kv_cache_manager import MTPHashing, MTPHashMode
 from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
 from sim.scenario import ForkSection, Scenario, SideCacheSwitch
@@ -138,11 +138,10 @@ def compare(left: Trajectory, right: Trajectory) -> Comparison:
 # ------------------------------------------------------------------ set-up
 def kvsim_backend(scenario: Scenario, plan: KVCachePlan) -> KvsimBackend:
     return KvsimBackend(
+        scenario,
         plan,
         scheduler_config(scenario, scenario.load_model(), plan),
         model_runner(scenario.mtp.acceptance_rates, scenario.seed),
-        fork=scenario.fork.patches(),
-        enable_caching=scenario.allocator.enable_prefix_caching,
     )
 
 
@@ -175,6 +174,11 @@ def vllm_settings(scenario: Scenario, plan: KVCachePlan) -> Any:
     from sim.vllm_bridge.scheduler import VllmSchedulerSettings
 
     d, s = scenario.deployment, scenario.scheduler
+    # The allocator's settings as the simulation maps them; vLLM's config
+    # carries only prefix caching, so a new allocator field must be placed.
+    allocator = allocator_options(scenario.allocator)
+    enable_caching = allocator.pop("enable_caching")
+    assert not allocator, f"allocator options vLLM's settings do not carry: {sorted(allocator)}"
     return VllmSchedulerSettings(
         max_model_len=d.max_model_len,
         max_num_seqs=d.max_num_seqs,
@@ -185,7 +189,7 @@ def vllm_settings(scenario: Scenario, plan: KVCachePlan) -> Any:
         pipeline_parallel_size=d.pipeline_parallel_size,
         block_size=plan.block_size,
         num_speculative_tokens=scenario.load_model().mtp.num_speculative_tokens,
-        enable_prefix_caching=scenario.allocator.enable_prefix_caching,
+        enable_prefix_caching=enable_caching,
         mtp_hash_mode=s.mtp_hash_mode,
         prefix_match_unit=d.prefix_match_unit,
     )

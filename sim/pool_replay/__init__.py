@@ -1,5 +1,6 @@
-"""Pool replay: the simulated block tables written into one rank's real KV
-pool, to prove the bytes follow the allocator's bookkeeping.
+"""Pool replay (not trace replay, which is ``sim.serving``): the simulated
+block tables written into one rank's real KV pool, to prove the bytes follow
+the allocator's bookkeeping.
 
 The pool is allocated with torch the way the worker allocates it (vLLM's
 ``allocate_kv_cache`` and the layers' ``bind_kv_cache``, through

@@ -89,7 +89,7 @@ from sim.sched.steady import SteadyDecode
 
 if TYPE_CHECKING:
     from sim.sched.model_runner import ModelRunner
-    from sim.sched.scheduler import Scheduler, _StepState
+    from sim.sched.scheduler import Scheduler, SchedulerConfig, _StepState
     from sim.vllm_bridge import Request
 
 T = TypeVar("T")
@@ -308,3 +308,57 @@ def _settled_steps(scheduler: Scheduler) -> SettledSteps:
 def margin_tokens(num_speculative_tokens: int) -> int:
     """The margin of rule 2, named so tests derive their counts from it."""
     return 4 * (1 + num_speculative_tokens) + 16
+
+
+class FastPathScheduling:
+    """The scheduler's side of the fast path (a base of ``Scheduler``,
+    ``scheduler.py``, holding no state of its own): the running loop's
+    steady-lane share of a step, and what a decode spans (the settled
+    checks' and the lane's question)."""
+
+    config: SchedulerConfig
+    running: list[Request]
+
+    if TYPE_CHECKING:
+
+        def _long_prefill_threshold(self) -> int: ...
+
+    def _take_steady(self, index: int, step: _StepState) -> int:
+        """Schedule the lane's decodes for the running requests from
+        ``index`` on, each as it is, while the running loop would: the
+        budget holds it whole and no long-prefill threshold clips it (its
+        allocation is settled and the clip to ``max_model_len`` leaves it
+        whole: the lane's part). Stops at the first request the lane did not
+        offer, or hands that one back for the ordinary path (also when no
+        budget is left: the running loop then stops, and an offered request
+        the ordinary path could reach is always handed back first). Returns
+        the index of the first request not taken. (A run at a time: it runs
+        for every request of every step.)"""
+        steady = step.steady
+        running, items, scheduled, taken = self.running, steady.items, step.scheduled, steady.taken
+        # The running loop preempts nobody here, so the threshold holds throughout.
+        threshold = self.config.long_prefill_token_threshold and self._long_prefill_threshold()
+        while index < len(running):
+            request_id = running[index].request_id
+            item = items.get(request_id)
+            if item is None:
+                break
+            num_new = item.num_scheduled_tokens
+            if step.token_budget < num_new or 0 < threshold < num_new:
+                steady.hand_over(running[index])
+                break
+            scheduled[request_id] = item
+            taken.add(request_id)
+            step.token_budget -= num_new
+            step.running_scheduled = True
+            index += 1
+        return index
+
+    def decode_span(self, request: Request, num_tokens: int) -> tuple[int, int] | None:
+        """The positions a decoding request's next ``num_tokens`` slots
+        span (None: not decoding). Decoding: only the last known token and
+        drafts are left to compute, so the prefill end lies behind the span
+        too."""
+        if request.num_computed_tokens < request.num_tokens - 1:
+            return None
+        return request.num_computed_tokens, request.num_computed_tokens + num_tokens

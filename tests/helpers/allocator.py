@@ -1,6 +1,8 @@
 """Drive a KV-cache manager by hand, as a scheduler would: aligned prefill
-chunks, MTP decode with draft acceptance, finish, deferred free. Test helper
-for the allocator tests (the simulator's scheduler has its own, full loop)."""
+chunks, MTP decode with draft acceptance, finish, deferred free. The one
+"prefill N tokens / decode a step" driver of the tests (the allocator tests
+and, through ``helpers.fork``, the fork's patch tests); the simulator's
+scheduler has its own, full loop."""
 
 from __future__ import annotations
 
@@ -64,8 +66,11 @@ def tokens(seed: int, n: int) -> list[int]:
     return [seed * 10000 + i for i in range(n)]
 
 
-_split = MambaAlignedSplit(block_size=BLOCK, max_num_scheduled_tokens=8192)
+# vLLM's Mamba-aligned chunking, as the scheduler cuts prefill chunks.
+ALIGNED_SPLIT = MambaAlignedSplit(block_size=BLOCK, max_num_scheduled_tokens=8192)
 Trace = Callable[[], None] | None
+# (request, tokens it may take, its prefix hit) -> tokens to schedule.
+Split = Callable[[Request, int, int], int]
 
 
 def _after_step(manager: KVCacheManager, trace: Trace, check: bool) -> None:
@@ -83,29 +88,41 @@ def prefill(
     trace: Trace = None,
     may_stall: bool = False,
     check: bool = True,
+    *,
+    split: Split = ALIGNED_SPLIT,
+    chunks: list[int] | None = None,
+    admission_gate: bool = True,
 ) -> int | None:
-    """Prefill in scheduler-sized chunks. None if admission is refused (or,
-    with ``may_stall``, if a later chunk does not fit: the request is then
+    """Prefill in scheduler-sized chunks cut by ``split`` (vLLM's
+    Mamba-aligned split unless given; each chunk's size appended to
+    ``chunks``); returns the prefix hit it was admitted with. The first
+    chunk passes vLLM's whole-sequence admission gate unless
+    ``admission_gate`` is off (the fork's patch tests call
+    ``allocate_slots`` without it). None if admission is refused (or, with
+    ``may_stall``, if a later chunk does not fit: the request is then
     freed, as a scheduler would preempt it)."""
     computed, num_hit, _ = manager.get_computed_blocks(req)
     first = True
     while req.num_computed_tokens < req.num_tokens:
         hit = num_hit if first else 0
         start = req.num_computed_tokens + hit
-        num_new = _split(req, min(req.num_tokens - start, budget), hit)
+        num_new = split(req, min(req.num_tokens - start, budget), hit)
+        assert num_new > 0, "the split scheduled nothing"
         blocks = manager.allocate_slots(
             req,
             num_new,
             num_new_computed_tokens=hit,
             new_computed_blocks=computed if first else None,
             num_lookahead_tokens=K,
-            full_sequence_must_fit=first,
+            full_sequence_must_fit=first and admission_gate,
         )
         if blocks is None:
             assert first or may_stall, "a later prefill chunk did not fit"
             manager.free(req)
             return None
         req.num_computed_tokens = start + num_new
+        if chunks is not None:
+            chunks.append(num_new)
         first = False
         _after_step(manager, trace, check)
     return num_hit

@@ -18,7 +18,8 @@ from types import SimpleNamespace
 
 import torch
 
-from helpers.allocator import request, tokens  # noqa: F401 (the tests take them from here)
+from helpers import allocator
+from helpers.allocator import ALIGNED_SPLIT, BLOCK, K, Split, decode, request, tokens  # noqa: F401 (tests take them)
 from sim.fork_patches import ForkPatches
 from sim.kv_cache_manager import KVCacheManager, retaining_mamba_spec_type
 from sim.vllm_bridge import (
@@ -26,7 +27,6 @@ from sim.vllm_bridge import (
     KVCacheBlock,
     KVCacheConfig,
     KVCacheGroupSpec,
-    MambaAlignedSplit,
     MambaSpec,
     Request,
     SamplingParams,
@@ -36,8 +36,7 @@ from sim.vllm_bridge import (
     sha256,
 )
 
-BLOCK = 32
-K = 3
+# BLOCK and K (32, 3) are the fork tests' values, the allocator helpers' too.
 ATTN = 0
 MAMBA_GROUPS = (1, 2)
 
@@ -85,64 +84,20 @@ def prefill(
     manager: KVCacheManager,
     req: Request,
     budget: int = 8192,
-    split: Callable[[Request, int, int], int] | None = None,
+    split: Split = ALIGNED_SPLIT,
     chunks: list[int] | None = None,
-    on_step: Callable[[], None] | None = None,
+    trace: allocator.Trace = None,
+    check: bool = True,
 ) -> int:
-    """The prompt in split chunks (vLLM's Mamba-aligned split unless
-    ``split`` is given; each chunk appended to ``chunks``, ``on_step`` called
-    after each); returns the prefix hit it was admitted with."""
-    if split is None:
-        split = MambaAlignedSplit(block_size=BLOCK, max_num_scheduled_tokens=8192)
-    computed, num_hit = manager.get_computed_blocks(req)[:2]
-    first = True
-    while req.num_computed_tokens < req.num_tokens:
-        start = req.num_computed_tokens + (num_hit if first else 0)
-        num_new = split(req, min(req.num_tokens - start, budget), num_hit if first else 0)
-        assert num_new > 0
-        blocks = manager.allocate_slots(
-            req,
-            num_new,
-            num_new_computed_tokens=num_hit if first else 0,
-            new_computed_blocks=computed if first else None,
-            num_lookahead_tokens=K,
-        )
-        assert blocks is not None, "a prefill chunk did not fit"
-        req.num_computed_tokens = start + num_new
-        manager.new_step_starts()
-        if chunks is not None:
-            chunks.append(num_new)
-        if on_step is not None:
-            on_step()
-        first = False
+    """The prompt as the fork's patch tests prefill it: the whole prompt
+    per chunk unless ``budget`` is smaller, no whole-sequence admission gate,
+    every chunk must fit; returns the prefix hit it was admitted with. The
+    loop is ``helpers.allocator.prefill``'s."""
+    num_hit = allocator.prefill(
+        manager, req, budget, split=split, chunks=chunks, admission_gate=False, trace=trace, check=check
+    )
+    assert num_hit is not None, "a prefill chunk did not fit"
     return num_hit
-
-
-def decode(
-    manager: KVCacheManager,
-    req: Request,
-    steps: int,
-    accepted: Callable[[int], int] = lambda step: 0,
-    on_step: Callable[[], None] | None = None,
-) -> None:
-    """MTP decode steps: the last token and K drafts, K lookahead slots;
-    ``accepted(step)`` drafts accepted."""
-    next_token = 50_000 + len(req.output_token_ids)
-    if req.num_computed_tokens == req.num_tokens:
-        req.append_output_token_ids(next_token)  # sampled by the prefill
-        next_token += 1
-    for step in range(steps):
-        req.spec_token_ids = [next_token + i for i in range(K)]
-        blocks = manager.allocate_slots(req, 1 + K, num_lookahead_tokens=K)
-        assert blocks is not None, "a decode step did not fit"
-        num_accepted = accepted(step)
-        req.spec_token_ids = []
-        req.num_computed_tokens += 1 + num_accepted
-        req.append_output_token_ids(list(range(next_token, next_token + num_accepted + 1)))
-        next_token += num_accepted + 1
-        manager.new_step_starts()
-        if on_step is not None:
-            on_step()
 
 
 def free_queue_ids(manager: KVCacheManager) -> list[int]:

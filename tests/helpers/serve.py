@@ -9,16 +9,14 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from sim.replay.live_engine import LiveEngine
-from sim.replay.server import build_app
 from sim.scenario import Scenario
+from sim.serving.live_engine import LiveEngine
+from sim.serving.server import build_app
 
 CHECK_BOUND_S = 60
 
 
-def serve_in_process(
-    scenario: Scenario, check: Callable[[TestClient], Awaitable[Any]], speed: float
-) -> Any:
+def serve_in_process(scenario: Scenario, check: Callable[[TestClient], Awaitable[Any]], speed: float) -> Any:
     """Run ``check`` against a server of ``scenario`` (layout on), stopped afterwards."""
 
     async def main() -> Any:

@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sim.engine import Simulation
-from sim.replay.metrics import ServerMetrics
 from sim.scenario import Scenario, SideCacheSwitch
 from sim.sched.output import ModelRunnerOutput, StepOutcome
+from sim.serving.server_metrics import ServerMetrics
 from sim.vllm_bridge import RequestStatus
 from sim.workloads import Workload
 

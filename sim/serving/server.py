@@ -23,9 +23,8 @@ from typing import Any
 
 from aiohttp import web
 
-from sim.replay.live_engine import LiveEngine, PromptTooLong, TokenDelta
-from sim.replay.metrics import CONTENT_TYPE
-from sim.replay.openai_requests import (
+from sim.serving.live_engine import LiveEngine, PromptTooLong, TokenDelta
+from sim.serving.openai_requests import (
     MAX_BODY_BYTES,
     Answer,
     ClientMistake,
@@ -35,6 +34,7 @@ from sim.replay.openai_requests import (
     read_json,
     tokenize_text,
 )
+from sim.serving.server_metrics import CONTENT_TYPE
 
 __all__ = ["build_app", "start_server", "serve", "tokenize_text"]
 

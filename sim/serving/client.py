@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp
 
-from sim.replay.metrics import SCRAPED, parse_metrics
+from sim.serving.server_metrics import SCRAPED, parse_metrics
 from sim.workloads import RequestSpec
 
 Warn = Callable[[str], None]

@@ -20,8 +20,8 @@ import numpy as np
 import pandas as pd
 
 from sim.analysis.frames import add_latencies, label_replay_frame, summarise_replay
-from sim.replay.client import ReplayOutcome
-from sim.replay.metrics import SCRAPED
+from sim.serving.client import ReplayOutcome
+from sim.serving.server_metrics import SCRAPED
 
 REQUEST_COLUMNS = (
     "request_id",

@@ -16,22 +16,14 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from sim.metrics import SAMPLES
 from sim.sched.output import SchedulerOutput, StepOutcome
 
-# Scraped metric (name on the wire without ``_total``) -> samples column.
-# Counter columns carry the names of the simulator's cumulative columns.
-SCRAPED: dict[str, str] = {
-    "vllm:num_requests_running": "num_requests_running",
-    "vllm:num_requests_waiting": "num_requests_waiting",
-    "vllm:kv_cache_usage_perc": "kv_cache_usage_perc",
-    "vllm:num_preemptions": "num_preemptions_total",
-    "vllm:prefix_cache_queries": "prefix_cache_queries_total_tokens",
-    "vllm:prefix_cache_hits": "prefix_cache_hits_total_tokens",
-    "vllm:spec_decode_num_draft_tokens": "num_draft_total_tokens",
-    "vllm:spec_decode_num_accepted_tokens": "num_accepted_total_tokens",
-    "vllm:prompt_tokens": "num_prompt_total_tokens",
-    "vllm:generation_tokens": "num_generation_total_tokens",
-}
+# Scraped metric (name on the wire without ``_total``) -> samples column:
+# every samples column the registry gives a vLLM name (the scheduler's
+# gauges and the running totals the samples carry), so a replay's samples
+# and a simulation's share columns by construction.
+SCRAPED: dict[str, str] = {m.vllm_name: m.name for m in SAMPLES if m.vllm_name is not None}
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
