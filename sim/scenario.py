@@ -111,6 +111,8 @@ class ForkSection(StrictModel):
     # One key per ForkPatches field (a test keeps them equal).
     mamba_retain_checkpoint: bool | None = None
     deferred_free_eviction_order: bool | None = None
+    waiter_pins: bool | None = None
+    grace_pins: bool | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -16,14 +16,16 @@ chase its tokens (prompt, outputs, drafts); rejected drafts roll them back.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 from sim.kv_cache_manager import KVCacheManager, MTPHashing
 from sim.sched.fast_path import FastPath, NoFastPath
 from sim.sched.model_runner import OUTPUT_TOKEN_BASE
 from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepOutcome, StepTally
+from sim.sched.pins import NoPins, SchedulerPins, scheduler_pins
 from sim.sched.stats import PrefixCacheStats, SchedulerGauges, SchedulerStats, SpecDecodingStats
 from sim.sched.steady import NO_STEADY, SteadyItems
 from sim.vllm_bridge import (
@@ -179,6 +181,9 @@ class Scheduler:
         self._params_by_output_len: dict[int, SamplingParams] = {}
         self.fast_path: FastPath | NoFastPath = FastPath(self) if fast_path else NoFastPath()
         self.observer = SchedulerObserver()
+        # The fork's prefix-hit pins (patches 0095-0097), entered at three
+        # named points; NoPins when the manager pins nothing (upstream).
+        self.pins: NoPins | SchedulerPins = scheduler_pins(kv_cache_manager, self.fast_path)
 
     # ------------------------------------------------------------------ intake
     def add_request(self, spec: RequestSpec) -> bool:
@@ -215,6 +220,14 @@ class Scheduler:
             self._params_by_output_len[output_len] = params
         return params
 
+    def _waiting_requests(self) -> Iterator[Request]:
+        """The waiting queue in order, each entry built as it is reached
+        (the pin pass reads requests behind the head)."""
+        for index, entry in enumerate(list(self.waiting)):
+            if not isinstance(entry, Request):
+                entry = self.waiting[index] = self._materialize(entry)
+            yield entry
+
     def _peek_waiting(self) -> Request:
         head = self.waiting[0]
         if isinstance(head, Request):
@@ -235,6 +248,8 @@ class Scheduler:
         self._schedule_running(step)
         if not step.preempted_ids and not self.fast_path.skips_waiting(step):
             self._schedule_waiting(step)
+        if not step.preempted_ids:
+            self.pins.pin_waiting(self._waiting_requests())  # pin point 3
         output = self._finish_schedule(step)
         self.observer.step_scheduled(output)
         return output
@@ -333,6 +348,8 @@ class Scheduler:
             return True
         self.fast_path.allocator_changes()
         while self.kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is None:
+            if self.pins.yield_for_running():  # pin point 1: a pin yields before any victim
+                continue
             victim = self.running[-1]
             if not self._blocks_can_be_freed(victim):
                 return False
@@ -391,7 +408,8 @@ class Scheduler:
                 break
             if padded and num_new != 1 + self.config.num_speculative_tokens:
                 num_new, padded = 1, False  # the split clipped the padding: drop it
-            allocated = self.kv_cache_manager.allocate_slots(
+            allocate = partial(
+                self.kv_cache_manager.allocate_slots,
                 request,
                 num_new,
                 num_new_computed_tokens=num_hit,
@@ -400,6 +418,9 @@ class Scheduler:
                 full_sequence_must_fit=self.config.scheduler_reserve_full_isl,
                 has_scheduled_reqs=bool(self.running),
             )
+            allocated = allocate()
+            if allocated is None:
+                allocated = self.pins.admit_head(request, blocks, allocate)  # pin point 2
             if allocated is None:
                 break  # head-of-line blocking: never try the requests behind it
             self.kv_cache_manager.record_prefix_cache_stats(request, num_hit)
