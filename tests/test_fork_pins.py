@@ -34,9 +34,13 @@ from helpers.pins import (
     tail_position,
     tail_tokens,
 )
+from helpers.scenarios import write_scenario
 
 from sim.fork_patches import ForkPatches
 from sim.kv_cache_manager import KVCacheManager
+from sim.kv_cache_pins import PinningKVCacheManager
+from sim.paths import PROJECT_ROOT
+from sim.scenario import load_scenario
 from sim.sched.fast_path import NoFastPath
 from sim.sched.pins import SchedulerPins
 from sim.vllm_bridge import RequestStatus
@@ -611,3 +615,71 @@ def test_the_next_turn_resumes_at_the_finished_turns_tail_after_the_arrival_gap(
     assert "A0+" not in manager.grace_order()
     for block in manager.managers[0].req_to_blocks[a2.request_id]:
         assert id(block) not in a1_ids or block.ref_cnt == 1
+
+
+# ------------------------------------------------------- the scenario's keys
+def _tiny_scenario(tmp_path, unit: int | None, fork: dict):
+    """The fork's partial-hit shape on the tiny model (block 32): a burst of
+    requests sharing a 96-token prefix, the allocator checked every step."""
+    deployment = {"kv_cache_memory_bytes": 60_000_000, "max_model_len": 4096}
+    if unit is not None:
+        deployment["prefix_match_unit"] = unit
+    path = write_scenario(
+        tmp_path,
+        "pins",
+        model=str(PROJECT_ROOT / "tests" / "data" / "tiny-flash-next.yaml"),
+        layouts=["on"],
+        deployment=deployment,
+        fork=fork,
+        workload={
+            "trace": "synthetic",
+            "num_requests": 12,
+            "arrival": {"process": "constant", "rate_per_s": 20.0},
+            "prompt": {"distribution": "fixed", "tokens": 150},
+            "output": {"distribution": "fixed", "tokens": 4},
+            "shared_prefix_tokens": 96,
+            "prefix_unit": 8,
+        },
+        simulation={"check_invariants": True, "sample_interval_s": None},
+    )
+    return load_scenario(str(path))
+
+
+@pytest.mark.parametrize(
+    ("unit", "fork", "expected"),
+    [
+        (8, {}, (PinningKVCacheManager, True, True)),
+        (None, {"grace_pins": True}, (PinningKVCacheManager, True, False)),  # unit == block: inactive
+        (8, {"waiter_pins": False, "grace_pins": False}, (KVCacheManager, None, None)),
+        (8, "upstream", (KVCacheManager, None, None)),
+    ],
+    ids=["shipped-unit-8", "graces-at-the-block-unit", "pins-off", "upstream"],
+)
+def test_the_fork_section_switches_the_pins_and_runs_check_every_step(
+    tmp_path, monkeypatch, unit, fork, expected
+):
+    """The ``fork:`` keys pick the manager; graces set on at unit == block
+    run inactive, as the fork ships them (docs/fork-patches.md). Every step
+    passes the allocator checker, pins counted as holders."""
+    from sim.analysis.runs import run_scenario
+    from sim.engine import Simulation
+
+    loaded = _tiny_scenario(tmp_path, unit, fork)
+    manager = Simulation(loaded, "on", workload=None).kv_cache_manager  # type: ignore[arg-type]
+    assert type(manager) is expected[0]
+    assert getattr(manager, "enable_waiter_pins", None) is expected[1]
+    assert getattr(manager, "enable_grace_pins", None) is expected[2]
+    pinned: list[int] = []
+    pin = PinningKVCacheManager.pin_waiting_hit
+    monkeypatch.setattr(
+        PinningKVCacheManager, "pin_waiting_hit", lambda m, r: pinned.append(pin(m, r)) or pinned[-1]
+    )
+    graced: list[int] = []
+    grace = PinningKVCacheManager._take_grace_pin
+    monkeypatch.setattr(
+        PinningKVCacheManager, "_take_grace_pin", lambda m, r: graced.append(grace(m, r)) or graced[-1]
+    )
+    requests = run_scenario(loaded).requests
+    assert requests["finished"].all() and len(requests) == 12
+    # The burst's waiters pin the shared prefix; finished turns hold graces.
+    assert (any(pinned), any(graced)) == (bool(expected[1]), bool(expected[2]))
