@@ -683,3 +683,12 @@ def test_the_fork_section_switches_the_pins_and_runs_check_every_step(
     assert requests["finished"].all() and len(requests) == 12
     # The burst's waiters pin the shared prefix; finished turns hold graces.
     assert (any(pinned), any(graced)) == (bool(expected[1]), bool(expected[2]))
+
+
+def test_the_fast_path_gives_the_same_frames_with_pins(tmp_path):
+    """Every pin change voids the fast path's idle-waiting memo (rule 3):
+    the pin scenario's frames are the same with and without it."""
+    from helpers.fast_path import frames_with_fast_path
+
+    loaded = _tiny_scenario(tmp_path, 8, {})
+    assert frames_with_fast_path(loaded, "on", True) == frames_with_fast_path(loaded, "on", False)
