@@ -692,3 +692,88 @@ def test_the_fast_path_gives_the_same_frames_with_pins(tmp_path):
 
     loaded = _tiny_scenario(tmp_path, 8, {})
     assert frames_with_fast_path(loaded, "on", True) == frames_with_fast_path(loaded, "on", False)
+
+
+def _random_prompt(rng, kind: str, usable: int, max_tokens: int, prompts: list, finished: list) -> list[int]:
+    """The fork's mix: fresh, a cut of a seen prompt, a finished turn's
+    follow-up, or a cached prompt extended to fill the pool exactly."""
+    if kind == "fresh" or not prompts:
+        return [rng.randint(1, 50_000) for _ in range(rng.randint(1, max(1, usable * 16 - max_tokens)))]
+    if kind == "prefix":
+        base = rng.choice(prompts)
+        return base[: rng.randint(1, len(base))] + [rng.randint(1, 50_000) for _ in range(rng.randint(1, 48))]
+    if kind == "follow" and finished:
+        return rng.choice(finished) + [rng.randint(1, 50_000) for _ in range(rng.randint(1, 64))]
+    base = rng.choice(finished or prompts)
+    return base + [rng.randint(1, 50_000) for _ in range(max(usable * 16 - 1 - len(base), 1))]
+
+
+def _waits(scheduler, request_id: str) -> bool:
+    return any(entry.request_id == request_id for entry in scheduler.waiting)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_a_random_mix_keeps_every_ref_accounted_and_an_idle_head_admitted(seed):
+    """The fork's random-mix test on kvsim's scheduler (60 of its 200
+    seeds): after every step the allocator checker accounts for every ref
+    (tables, waiter pins, graces), and a head waiter that fits an idle
+    pool is admitted within three passes; nothing leaks at the end."""
+    import random
+
+    from sim.allocator_invariants import check_allocator
+
+    rng = random.Random(seed)
+    num_blocks = rng.randint(16, 40)
+    usable = num_blocks - 1
+    scheduler = grace_scheduler(num_blocks, eagle=rng.random() < 0.7)
+    manager = scheduler.kv_cache_manager
+    prompts: list[list[int]] = []
+    finished: list[list[int]] = []
+    live: set[str] = set()
+    prompts_of: dict[str, list[int]] = {}
+    tokens_of: dict[str, list[int]] = {}
+    stuck = 0
+    for index in range(80):
+        if len(live) < 4 and rng.random() < 0.6:
+            kind = rng.choice(["fresh", "prefix", "follow", "exact", "exact"])
+            max_tokens = 1 if kind == "exact" else rng.randint(1, 6)
+            tokens = _random_prompt(rng, kind, usable, max_tokens, prompts, finished)[
+                : usable * 16 - max_tokens
+            ]
+            prompts.append(tokens)
+            scheduler.add_request(Spec(f"q{index}", tuple(tokens), max_tokens))
+            live.add(f"q{index}")
+            prompts_of[f"q{index}"] = tokens
+        if live and rng.random() < 0.08:
+            scheduler.finish_requests(rng.choice(sorted(live)), RequestStatus.FINISHED_ABORTED)
+        head = next(scheduler._waiting_requests()) if scheduler.waiting and not scheduler.running else None
+        output = step(scheduler)
+        check_allocator(manager)
+        if head is not None and -(-(head.num_prompt_tokens + head.max_tokens) // 16) <= usable:
+            stuck = 0 if head.request_id in _ids(output) else stuck + 1
+            assert stuck < 3, f"seed {seed}: head {head.request_id} not admitted on an idle pool"
+        tokens_of.update({r.request_id: list(r.all_token_ids) for r in scheduler.running})
+        for request_id in sorted(live):
+            if request_id not in scheduler.requests and not _waits(scheduler, request_id):
+                live.discard(request_id)
+                if len(tokens_of.get(request_id, ())) > len(prompts_of[request_id]):
+                    finished.append(tokens_of[request_id])  # a finished turn, with its outputs
+    scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+    step(scheduler)
+    manager.yield_pinned_hits()
+    check_allocator(manager)
+    assert manager.block_pool.get_num_free_blocks() == usable
+
+
+def test_control_the_checker_finds_a_pin_nobody_accounts_for(monkeypatch):
+    """The random mix's checker counts pins and graces as holders: hide
+    them and a pinned block's ref is reported."""
+    from sim.allocator_invariants import AllocatorInvariantError, check_allocator
+
+    manager = pinning_manager(64)
+    a0 = _finished_first_turn(manager)
+    assert manager.pin_waiting_hit(follow_up(a0, 20, seed=3)) > 0
+    check_allocator(manager)
+    monkeypatch.setattr(PinningKVCacheManager, "pin_holders", lambda self: [])
+    with pytest.raises(AllocatorInvariantError):
+        check_allocator(manager)
