@@ -124,10 +124,21 @@ class PinningKVCacheManager(KVCacheManager):
         # Admitted: the table now references the hit; the pins are redundant.
         self.release_pinned_hit(request.request_id)
         if self._graces and num_new_computed_tokens > 0 and new_computed_blocks is not None:
+            reused = num_new_computed_tokens + kwargs.get("num_external_computed_tokens", 0)
             self._release_grace_for_hit(
-                new_computed_blocks.blocks, request.num_computed_tokens + num_new_computed_tokens
+                self._admitted_hit(new_computed_blocks.blocks, reused),
+                request.num_computed_tokens + num_new_computed_tokens,
             )
         return blocks
+
+    def _admitted_hit(self, hit: HitBlocks, num_reused_tokens: int) -> HitBlocks:
+        """The hit as ``allocate_slots`` adopts it: a group that retains a
+        longer hit keeps only the blocks the reused tokens cover."""
+        groups = list(hit)
+        for group_id in self.retained_hit_group_ids:
+            block_size = self.managers[group_id].block_size
+            groups[group_id] = groups[group_id][: -(-num_reused_tokens // block_size)]
+        return tuple(groups)
 
     def _shortfall(self, request: Request, kwargs: dict[str, Any]) -> int:
         """vLLM's failed check, required minus available: the full-sequence
