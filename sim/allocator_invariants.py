@@ -8,7 +8,8 @@ one shared ``BlockPool`` serving every KV-cache group:
 * a block's reference count equals the number of its holders: block-table
   entries, retained Mamba checkpoints, ring slot pages, popped blocks waiting
   for the fence, both ends of a pending copy-on-write copy (a sub-block
-  prefix hit's tail, vLLM's ``_apply_cow``);
+  prefix hit's tail, vLLM's ``_apply_cow``), the fork's waiter and grace
+  pins (``sim/kv_cache_pins.py``);
 * a block id belongs to one group at a time, and a block with two holders is
   a cached (hashed) block or a copy's end: no block has two exclusive owners;
 * ring slots are unique, single-owner, and lie in pages the ring holds; a
@@ -73,6 +74,10 @@ def _collect(
         if isinstance(mgr, RingCircularBufferManager) and mgr.slot_pool is not None:
             for page in mgr.slot_pool.pages():
                 holders.add(page, f"group {gid} ring page", gid, pool)
+    # The fork's waiter and grace pins (patches 0095-0097): one ref each.
+    for holder, blocks in getattr(manager, "pin_holders", list)():
+        for block in blocks:
+            holders.add(block, holder, None, pool)
     for index, blocks in enumerate(deferred):
         for block in blocks:
             holders.add(block, f"deferred free #{index}", None, pool)

@@ -32,6 +32,15 @@ class ForkPatches:
     # Patch 0023 (port of vLLM #48532): a deferred free returns a request's
     # blocks in the same per-group order as an immediate free.
     deferred_free_eviction_order: bool = True
+    # Patches 0095 and 0096: a waiting request's prefix hit is pinned (up to
+    # 16 waiters) until it is admitted or freed; pins yield before anyone
+    # is preempted. Active with prefix caching and no KV connector.
+    waiter_pins: bool = True
+    # Patch 0097: a finished turn's hashed blocks stay referenced (up to 16
+    # turns) until its next turn is admitted on them; graces yield first.
+    # The fork activates graces only with a prefix-match unit finer than
+    # the block (at unit == block they are inactive, as shipped).
+    grace_pins: bool = True
 
     @classmethod
     def upstream(cls) -> ForkPatches:

@@ -248,7 +248,7 @@ def build_kv_cache_manager(
         mtp_hashing = MTPHashing.for_engine("eagle-drop", plan.engine, enable_prefix_caching=enable_caching)
     config = scheduler_kv_cache_config(plan, fork=fork, num_gpu_blocks=num_gpu_blocks)
     max_model_len = int(plan.engine.model_config.max_model_len)
-    manager = KVCacheManager(
+    manager = _manager_class(fork)(
         config,
         max_model_len=max_model_len,
         scheduler_block_size=plan.block_size,
@@ -261,6 +261,28 @@ def build_kv_cache_manager(
         # vLLM's KV events are how kvsim counts prefix-cache evictions
         # (BlockRemoved when a cached block is reused).
         enable_kv_cache_events=log_stats,
+        **_pin_arguments(plan, fork),
     )
     manager.deferred_free_eviction_order = fork.deferred_free_eviction_order
     return manager
+
+
+def _manager_class(fork: ForkPatches) -> type[KVCacheManager]:
+    """vLLM's manager (plus kvsim's free paths) unless a pin patch is on:
+    then the fork's pinning manager (patches 0095-0097)."""
+    if not (fork.waiter_pins or fork.grace_pins):
+        return KVCacheManager
+    # Imported here: the pinning manager subclasses this module's manager.
+    from sim.kv_cache_pins import PinningKVCacheManager
+
+    return PinningKVCacheManager
+
+
+def _pin_arguments(plan: KVCachePlan, fork: ForkPatches) -> dict[str, bool]:
+    if not (fork.waiter_pins or fork.grace_pins):
+        return {}
+    return {
+        "waiter_pins": fork.waiter_pins,
+        "grace_pins": fork.grace_pins,
+        "kv_connector": plan.engine.kv_transfer_config is not None,
+    }

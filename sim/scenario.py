@@ -112,6 +112,8 @@ class ForkSection(StrictModel):
     mamba_retain_checkpoint: bool | None = None
     mamba_hold_partial_tail: bool | None = None
     deferred_free_eviction_order: bool | None = None
+    waiter_pins: bool | None = None
+    grace_pins: bool | None = None
 
     @model_validator(mode="before")
     @classmethod

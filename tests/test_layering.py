@@ -19,6 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "sim.single_type_kv_cache_manager",
         "sim.kv_cache_manager",
+        "sim.kv_cache_pins",
         "sim.allocator_invariants",
     ),
     ("sim.sched",),
@@ -33,6 +34,7 @@ FORBIDDEN = {
     "sim.sched": {"simpy", "pandas", "matplotlib"},
     "sim.kv_cache_plan": {"simpy", "pandas", "matplotlib"},
     "sim.kv_cache_manager": {"simpy", "pandas", "matplotlib"},
+    "sim.kv_cache_pins": {"simpy", "pandas", "matplotlib"},
     "sim.workloads": {"vllm", "simpy", "torch", "pandas", "matplotlib"},
 }
 

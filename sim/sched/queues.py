@@ -11,7 +11,7 @@ lists.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from sim.vllm_bridge import Request, RequestStatus, SamplingParams
@@ -70,6 +70,14 @@ class RequestQueues:
             params = SamplingParams(max_tokens=output_len, ignore_eos=True)
             self._params_by_output_len[output_len] = params
         return params
+
+    def _waiting_requests(self) -> Iterator[Request]:
+        """The waiting queue in order, each entry built as it is reached
+        (the pin pass reads requests behind the head)."""
+        for index, entry in enumerate(list(self.waiting)):
+            if not isinstance(entry, Request):
+                entry = self.waiting[index] = self._materialize(entry)
+            yield entry
 
     def _peek_waiting(self) -> Request:
         head = self.waiting[0]

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 from sim.kv_cache_manager import KVCacheManager, MTPHashing
@@ -25,6 +26,7 @@ from sim.sched.fast_path import FastPath, FastPathScheduling, NoFastPath
 from sim.sched.freeing import BlockFreeing
 from sim.sched.model_runner import OUTPUT_TOKEN_BASE
 from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepOutcome, StepTally
+from sim.sched.pins import NoPins, SchedulerPins, scheduler_pins
 from sim.sched.queues import RequestQueues
 from sim.sched.stats import StatsReporting
 from sim.sched.steady import NO_STEADY, SteadyItems
@@ -188,6 +190,9 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
         self._params_by_output_len: dict[int, SamplingParams] = {}
         self.fast_path: FastPath | NoFastPath = FastPath(self) if fast_path else NoFastPath()
         self.observer = SchedulerObserver()
+        # The fork's prefix-hit pins (patches 0095-0097), entered at three
+        # named points; NoPins when the manager pins nothing (upstream).
+        self.pins: NoPins | SchedulerPins = scheduler_pins(kv_cache_manager, self.fast_path)
 
     # ---------------------------------------------------------------- schedule
     def schedule(self, steady: SteadyItems = NO_STEADY) -> SchedulerOutput:
@@ -201,6 +206,8 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
         self._schedule_running(step)
         if not step.preempted_ids and not self.fast_path.skips_waiting(step):
             self._schedule_waiting(step)
+        if not step.preempted_ids:
+            self.pins.pin_waiting(self._waiting_requests())  # pin point 3
         output = self._finish_schedule(step)
         self.observer.step_scheduled(output)
         return output
@@ -268,6 +275,8 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
             return True
         self.fast_path.allocator_changes()
         while self.kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is None:
+            if self.pins.yield_for_running():  # pin point 1: a pin yields before any victim
+                continue
             victim = self.running[-1]
             if not self._blocks_can_be_freed(victim):
                 return False
@@ -317,7 +326,8 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
                 break
             if padded and num_new != 1 + self.config.num_speculative_tokens:
                 num_new, padded = 1, False  # the split clipped the padding: drop it
-            allocated = self.kv_cache_manager.allocate_slots(
+            allocate = partial(
+                self.kv_cache_manager.allocate_slots,
                 request,
                 num_new,
                 num_new_computed_tokens=num_hit,
@@ -326,6 +336,9 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
                 full_sequence_must_fit=self.config.scheduler_reserve_full_isl,
                 has_scheduled_reqs=bool(self.running),
             )
+            allocated = allocate()
+            if allocated is None:
+                allocated = self.pins.admit_head(request, blocks, allocate)  # pin point 2
             if allocated is None:
                 break  # head-of-line blocking: never try the requests behind it
             self.kv_cache_manager.record_prefix_cache_stats(request, num_hit)
