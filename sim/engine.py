@@ -116,9 +116,11 @@ class Simulation:
     def _build_async_engine(self, config: SchedulerConfig) -> None:
         """The rig's loop: ``AsyncScheduler`` with a decode stagger of pp, a
         batch queue of pp + 1 micro-batches, the pipeline clock (the fast
-        path is off: ``sim/sched/async_scheduler.py``)."""
+        path without its steady lane: ``sim/sched/async_scheduler.py``)."""
         pp = self.scenario.deployment.pipeline_parallel_size
-        scheduler = AsyncScheduler(config, self.kv_cache_manager, decode_stagger=pp)
+        scheduler = AsyncScheduler(
+            config, self.kv_cache_manager, decode_stagger=pp, fast_path=self.scenario.simulation.fast_path
+        )
         self.scheduler = scheduler
         self.core = BatchQueueEngineCore(scheduler, self.model_runner, self.scenario.max_concurrent_batches)
         self.clock = PipelineClock(pp, self.step_time.stage_s, self.step_time.handoff_s)

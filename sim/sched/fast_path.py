@@ -155,9 +155,8 @@ class FastPath:
         if span is not None:
             self.allocations.record(request.request_id, *span)
 
-    def skips_caching(self, request: Request) -> bool:
-        """Whether this ``cache_blocks`` call is settled (rule 1)."""
-        computed = request.num_computed_tokens
+    def skips_caching(self, request: Request, computed: int) -> bool:
+        """Whether this ``cache_blocks(request, computed)`` call is settled (rule 1)."""
         if not self.caching.is_settled(request.request_id, computed, computed):
             return False
         if self.audit:
@@ -165,9 +164,8 @@ class FastPath:
             self.audited.cachings += 1
         return True
 
-    def cached(self, request: Request) -> None:
-        """A real ``cache_blocks`` call was made."""
-        computed = request.num_computed_tokens
+    def cached(self, request: Request, computed: int) -> None:
+        """A real ``cache_blocks(request, computed)`` call was made."""
         self.caching.record(request.request_id, computed, computed)
 
     def blocks_freed(self, request_id: str) -> None:
@@ -179,6 +177,11 @@ class FastPath:
     def allocator_changes(self) -> None:
         """A real call may change the allocator: every remembered waiting
         loop is void (versions only grow, so none can match again)."""
+        self.allocator_version += 1
+
+    def waiting_request_changes(self) -> None:
+        """A waiting request the waiting loop skipped may be admitted now
+        (its stale output drained, rule 9): every remembered loop is void."""
         self.allocator_version += 1
 
     # ------------------------------------------------ known-idle waiting
@@ -270,16 +273,19 @@ class NoFastPath:
     def allocated(self, request: Request, num_new: int, num_lookahead: int) -> None:
         return None
 
-    def skips_caching(self, request: Request) -> bool:
+    def skips_caching(self, request: Request, computed: int) -> bool:
         return False
 
-    def cached(self, request: Request) -> None:
+    def cached(self, request: Request, computed: int) -> None:
         return None
 
     def blocks_freed(self, request_id: str) -> None:
         return None
 
     def allocator_changes(self) -> None:
+        return None
+
+    def waiting_request_changes(self) -> None:
         return None
 
     def skips_waiting(self, step: _StepState) -> bool:

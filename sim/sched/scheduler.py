@@ -350,10 +350,13 @@ class Scheduler:
         """The positions a decoding request's next ``num_tokens`` slots
         span (None: not decoding). Decoding: only the last known token and
         drafts are left to compute, so the prefill end lies behind the span
-        too."""
-        if request.num_computed_tokens < request.num_tokens - 1:
+        too. The span starts at the tokens processed, behind the tokens
+        still in flight (async scheduling: ``allocate_slots`` frees skipped
+        blocks on that basis; 0 in flight in sync mode)."""
+        computed = request.num_computed_tokens
+        if computed < request.num_tokens - 1:
             return None
-        return request.num_computed_tokens, request.num_computed_tokens + num_tokens
+        return computed - request.num_in_flight_tokens, computed + num_tokens
 
     def _schedule_waiting(self, step: _StepState) -> None:
         inputs = self.fast_path.waiting_starts(step)
@@ -640,12 +643,15 @@ class Scheduler:
             self._cache_blocks(request)
         request.spec_token_ids = [DRAFT_TOKEN_ID] * self.config.num_speculative_tokens
 
-    def _cache_blocks(self, request: Request) -> None:
-        if self.fast_path.skips_caching(request):
+    def _cache_blocks(self, request: Request, num_computed_tokens: int | None = None) -> None:
+        """``cache_blocks`` up to ``num_computed_tokens`` (default: the
+        request's computed tokens), unless the call is settled."""
+        computed = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        if self.fast_path.skips_caching(request, computed):
             return
         self.fast_path.allocator_changes()
-        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-        self.fast_path.cached(request)
+        self.kv_cache_manager.cache_blocks(request, computed)
+        self.fast_path.cached(request, computed)
 
     def _finish(self, request: Request) -> None:
         self.running.remove(request)
