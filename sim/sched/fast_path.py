@@ -53,8 +53,8 @@ is broken:
    ``::test_a_lane_skipping_every_waiting_loop_changes_the_frames``.
 5. A request in the lane has a stale ``Request`` (computed tokens, output
    tokens): read ``Scheduler.requests`` / ``running`` only after
-   ``EngineCore.flush``. ``LiveEngine`` (``kvsim serve``) steps the
-   scheduler without ``EngineCore``, so it never uses the lane and may read
+   ``EngineCore.flush``. ``LiveEngine`` (``kvsim serve``) builds its
+   ``EngineCore`` with ``steady_lane=False``, so it may read (and abort)
    requests every step.
    ``tests/test_steady.py::test_without_the_hand_over_at_the_horizon_requests_lag``.
 6. A kept request's ``limit`` and ``unstoppable`` are computed once, when it
@@ -72,7 +72,16 @@ is broken:
    first; the pool replay's observer relies on it).
    ``tests/test_fast_path.py::test_every_gate_scenario_gives_the_same_frames_with_and_without_the_fast_path``.
 
-Every rule is also checked whole: every gate scenario's frames are the same
+9. In async mode (``AsyncScheduler``, no steady lane) a decode's
+   ``allocate_slots`` reads back to its processed tokens, behind the
+   tokens in flight (vLLM frees skipped blocks there), so its window spans
+   from them (``Scheduler.decode_span``); its ``cache_blocks`` calls are at
+   the processed tokens. A preempted request's stale output draining
+   changes what the waiting loop reads without an allocator call: it voids
+   the memo (``waiting_request_changes``).
+   ``tests/test_fast_path.py::test_the_check_catches_an_async_window_blind_to_the_tokens_in_flight``.
+
+Every rule is also checked whole, in both engine modes: every gate scenario's frames are the same
 with the fast path off, and the conformance driver steps the lane against
 vLLM's own ``Scheduler``. Glossary: ``docs/fast-path.md``.
 """
@@ -116,7 +125,7 @@ class _IdleWaiting:
 
 
 class FastPath:
-    """The fast path of one scheduler (rules 1-8 above)."""
+    """The fast path of one scheduler (rules 1-9 above)."""
 
     enabled = True
 
