@@ -32,7 +32,7 @@ from sim.pipeline_clock import PipelineClock, SerialClock
 from sim.scenario import MAX_SAMPLE_ROWS, AllocatorSection, Scenario, SideCacheSwitch
 from sim.sched.async_scheduler import AsyncScheduler
 from sim.sched.engine_core import BatchQueueEngineCore, EngineCall, EngineCore
-from sim.sched.engine_loop import IDLE, run_engine
+from sim.sched.engine_loop import Idle, run_engine
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import SchedulerOutput, StepOutcome
 from sim.sched.scheduler import Scheduler, SchedulerConfig
@@ -187,7 +187,7 @@ class Simulation:
         try:
             while True:
                 pause = next(steps)
-                yield self._sleep() if pause is IDLE else self.env.timeout(pause)
+                yield self._sleep() if isinstance(pause, Idle) else self.env.timeout(pause)
         except StopIteration as end:
             self.recording.stalled = end.value
         self.recording.end_time_s = float(self.env.now)

@@ -32,13 +32,13 @@ from sim.sched.engine_core import EngineCall
 from sim.sched.output import SchedulerOutput
 
 
-class _Idle:
+class Idle:
     def __repr__(self) -> str:
         return "IDLE"
 
 
 # Yielded when nothing but a new request can change the engine.
-IDLE: Final = _Idle()
+IDLE: Final = Idle()
 
 
 class StepClock(Protocol):
@@ -85,7 +85,7 @@ class EngineIO(Protocol):
         ...
 
 
-Pause = float | _Idle
+Pause = float | Idle
 
 
 def run_engine(core: EngineCore, clock: StepClock, io: EngineIO) -> Generator[Pause, None, bool]:
