@@ -154,10 +154,13 @@ def current_rss_mib() -> float:
 
 
 def _run_vllm(scenario, layout: str, workload) -> tuple[float, int, float, float]:  # noqa: ANN001
-    """vLLM's Scheduler over the trace, timed without building it."""
+    """vLLM's Scheduler over the trace, timed without building it (async
+    mode: its ``EngineCore`` with the batch queue over its ``AsyncScheduler``)."""
     from sim.conformance.driver import drive, plan_for, vllm_backend
     from sim.step_time import StepTimeModel
 
+    if scenario.engine.mode == "async":
+        return _run_vllm_engine(scenario, layout, workload)
     backend = vllm_backend(scenario, plan_for(scenario, layout))  # type: ignore[arg-type]
     step_time = StepTimeModel(scenario.step_time_config())
     trajectory, wall_s, cpu_s = _timed(
@@ -165,6 +168,27 @@ def _run_vllm(scenario, layout: str, workload) -> tuple[float, int, float, float
     )
     simulated_s = trajectory.times_s[-1] if trajectory.times_s else 0.0
     return simulated_s, len(trajectory.steps), wall_s, cpu_s
+
+
+def _run_vllm_engine(scenario, layout: str, workload) -> tuple[float, int, float, float]:  # noqa: ANN001
+    """vLLM's ``step_with_batch_queue`` over the trace on the pipeline clock;
+    its steps are the engine calls that scheduled something (kvsim's rows
+    are the micro-batches that ran something)."""
+    from sim.conformance.async_engine import async_clock, drive_engine, vllm_engine
+    from sim.conformance.driver import plan_for, vllm_settings, vllm_unavailable_as_one_line
+    from sim.step_time import StepTimeModel
+
+    plan = plan_for(scenario, layout)  # type: ignore[arg-type]
+    with vllm_unavailable_as_one_line("EngineCore"):
+        engine = vllm_engine(scenario, plan, vllm_settings(scenario, plan))
+    engine.scheduler.defer_block_free = False  # as kvsim conform --engine async compares it
+    clock = async_clock(scenario, StepTimeModel(scenario.step_time_config()))
+    trajectory, wall_s, cpu_s = _timed(
+        lambda: drive_engine(engine, workload.requests, clock, scenario.simulation.max_time_s)
+    )
+    simulated_s = trajectory.times_s[-1] if trajectory.times_s else 0.0
+    steps = sum(1 for state in trajectory.steps if state.scheduled_tokens)
+    return simulated_s, steps, wall_s, cpu_s
 
 
 def _timed(work: Callable[[], T]) -> tuple[T, float, float]:

@@ -3,18 +3,19 @@
 Three processes, named for what they do: ``arrivals`` feeds the workload's
 requests to the scheduler at their arrival times (a closed-loop follow-up
 turn instead arrives its think time after the turn it follows ends:
-``follow_up``, one short process per turn); ``engine_loop`` schedules a
-step, waits the step's duration, applies the sampled tokens, and records the
-step; ``sampler`` records the gauges at a fixed interval (time-uniform
-curves, exact at each instant: the state changes only at events). The
-scheduler, the allocator and the step-time model never see SimPy.
+``follow_up``, one short process per turn); ``engine_loop`` runs the
+one engine loop (``sim/sched/engine_loop.py``: schedule, let the step's time
+pass, apply the sampled tokens) with SimPy as its clock and records each
+step applied; ``sampler`` records the gauges at a fixed interval
+(time-uniform curves, exact at each instant: the state changes only at
+events). The scheduler, the allocator and the step-time model never see
+SimPy.
 Everything a simulation owns (clock, RNG, allocator, ids) lives in it, so two
 simulations in one process do not interfere. No twin in vLLM.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Generator
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -29,10 +30,11 @@ from sim.config import ModelConfig
 from sim.kv_cache_manager import MTPHashing, build_kv_cache_manager
 from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
 from sim.metrics import SAMPLE_RECORD, SAMPLED_TOTALS, STEP_RECORD
-from sim.pipeline_clock import PipelineClock
+from sim.pipeline_clock import PipelineClock, SerialClock
 from sim.scenario import MAX_SAMPLE_ROWS, AllocatorSection, Scenario, SideCacheSwitch
 from sim.sched.async_scheduler import AsyncScheduler
-from sim.sched.engine_core import BatchQueueEngineCore, EngineCore
+from sim.sched.engine_core import BatchQueueEngineCore, EngineCall, EngineCore
+from sim.sched.engine_loop import Idle, run_engine
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import SchedulerOutput, StepOutcome
 from sim.sched.scheduler import Scheduler, SchedulerConfig
@@ -67,8 +69,17 @@ def _runner_rng(seed: int) -> np.random.Generator:
 
 
 class Simulation:
+    """``steady_lane=False``: the sync engine core without the fast path's
+    steady lane (a caller that reads requests between steps: ``kvsim serve``)."""
+
     def __init__(
-        self, scenario: Scenario, layout: SideCacheSwitch, workload: Workload, *, progress: bool = False
+        self,
+        scenario: Scenario,
+        layout: SideCacheSwitch,
+        workload: Workload,
+        *,
+        progress: bool = False,
+        steady_lane: bool = True,
     ) -> None:
         self.scenario = scenario
         self.layout = layout
@@ -88,11 +99,13 @@ class Simulation:
         self.step_time = StepTimeModel(scenario.step_time_config())
         self.scheduler: Scheduler
         self.core: EngineCore | BatchQueueEngineCore
+        self.clock: SerialClock | PipelineClock
         if scenario.engine.mode == "async":
             self._build_async_engine(config)
         else:
             self.scheduler = Scheduler(config, self.kv_cache_manager, fast_path=scenario.simulation.fast_path)
-            self.core = EngineCore(self.scheduler, self.model_runner)
+            self.core = EngineCore(self.scheduler, self.model_runner, steady_lane=steady_lane)
+            self.clock = SerialClock(self.step_time.step_time_s)
         self.env = simpy.Environment()
         self._wakeup = self.env.event()
         # The processes are events that trigger when they end.
@@ -110,9 +123,11 @@ class Simulation:
     def _build_async_engine(self, config: SchedulerConfig) -> None:
         """The rig's loop: ``AsyncScheduler`` with a decode stagger of pp, a
         batch queue of pp + 1 micro-batches, the pipeline clock (the fast
-        path is off: ``sim/sched/async_scheduler.py``)."""
+        path without its steady lane: ``sim/sched/async_scheduler.py``)."""
         pp = self.scenario.deployment.pipeline_parallel_size
-        scheduler = AsyncScheduler(config, self.kv_cache_manager, decode_stagger=pp)
+        scheduler = AsyncScheduler(
+            config, self.kv_cache_manager, decode_stagger=pp, fast_path=self.scenario.simulation.fast_path
+        )
         self.scheduler = scheduler
         self.core = BatchQueueEngineCore(scheduler, self.model_runner, self.scenario.max_concurrent_batches)
         self.clock = PipelineClock(pp, self.step_time.stage_s, self.step_time.handoff_s)
@@ -205,70 +220,34 @@ class Simulation:
         return self._wakeup
 
     def engine_loop(self) -> Generator[simpy.Event, Any, None]:
-        if isinstance(self.core, BatchQueueEngineCore):
-            yield from self._batch_queue_steps(self.core)
-        else:
-            yield from self._engine_steps(self.core)
+        """The one engine loop on SimPy's clock: its pauses become timeouts,
+        its idle waits a sleep until the next arrival."""
+        steps = run_engine(self.core, self.clock, self)
+        try:
+            while True:
+                pause = next(steps)
+                yield self._sleep() if isinstance(pause, Idle) else self.env.timeout(pause)
+        except StopIteration as end:
+            self.recording.stalled = end.value
         self.recording.end_time_s = float(self.env.now)
 
-    def _batch_queue_steps(self, core: BatchQueueEngineCore) -> Generator[simpy.Event, Any, None]:
-        """The async loop (``BatchQueueEngineCore``): each call may schedule
-        a micro-batch and may wait for the oldest one's output, which lands
-        when the pipeline clock says; a row per micro-batch applied. With
-        only empty steps in flight and nothing scheduled, only an arrival
-        can change anything: the engine sleeps until one (vLLM spins)."""
-        scheduled_at_s: deque[float] = deque()
-        while True:
-            if not core.has_work():
-                if self._arrivals_ended():
-                    return
-                yield self._sleep()
-                continue
-            self.clock.now_s = self.env.now
-            call = core.step()
-            if call.scheduled is not None:
-                self.clock.schedule(call.scheduled, samples=any(core.scheduler.last_samples.values()))
-                scheduled_at_s.append(self.env.now)
-            if call.processed is not None and call.outcome is not None:
-                landed_s = self.clock.wait()
-                if landed_s > self.env.now:
-                    yield self.env.timeout(landed_s - self.env.now)
-                started_s = scheduled_at_s.popleft()
-                if not call.processed.is_empty:
-                    self._record_step(call.processed, call.outcome, started_s, landed_s - started_s)
-            if core.idle(call):
-                if self._arrivals_ended():
-                    self.recording.stalled = self.scheduler.has_unfinished_requests()
-                    return
-                yield self._sleep()
+    # The engine loop's I/O (``engine_loop.EngineIO``).
+    def start_s(self) -> float:
+        return self.env.now
 
-    def _engine_steps(self, core: EngineCore) -> Generator[simpy.Event, Any, None]:
-        while True:
-            if not self.scheduler.has_unfinished_requests():
-                if self._arrivals_ended():
-                    return
-                yield self._sleep()
-                continue
-            started_s = self.env.now
-            scheduled = core.schedule()
-            if scheduled.output.is_empty:
-                # Nothing fits now: let the steps in flight complete; if that
-                # returns no blocks, wait for the next arrival.
-                if self.scheduler.complete_in_flight_steps():
-                    continue
-                if self._arrivals_ended():
-                    self.recording.stalled = True
-                    return
-                yield self._sleep()
-                continue
-            step_s = self.step_time.step_time_s(scheduled.output)
-            yield self.env.timeout(step_s)
-            outcome = core.complete(scheduled)
-            self._record_step(scheduled.output, outcome, started_s, step_s)
-
-    def _arrivals_ended(self) -> bool:
+    def arrivals_ended(self) -> bool:
         arrivals_done = self._arrivals is not None and not self._arrivals.is_alive
         return arrivals_done and self._num_pending_follow_ups == 0
+
+    def stopped(self) -> bool:
+        return False  # SimPy stops the run at the horizon
+
+    def record(self, call: EngineCall, started_s: float, step_s: float) -> None:
+        """A row for each step applied that ran something."""
+        processed = call.processed
+        if processed is not None and not processed.is_empty:
+            assert call.outcome is not None
+            self._record_step(processed, call.outcome, started_s, step_s)
 
     def sampler(self, interval_s: float) -> Generator[simpy.Event, Any, None]:
         """Until the engine is done, and at most ``MAX_SAMPLE_ROWS`` rows (a

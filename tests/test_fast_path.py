@@ -27,6 +27,8 @@ from helpers.fast_path import (
 
 from sim.analysis.gates import DEFAULT_GATES, gate_scenario, load_gates
 from sim.engine import Simulation
+from sim.scenario import load_scenario
+from sim.sched.scheduler import Scheduler
 from sim.sched.settled import SettledSteps
 
 # ----------------------------------------------------------------- windows
@@ -181,12 +183,15 @@ def test_requests_of_one_output_length_share_their_sampling_params(tmp_path):
 # ------------------------------------------------------- skipped calls
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("layout", ["off", "on"])
 @pytest.mark.parametrize(
     ("name", "overrides"), CHECKED_CASES, ids=lambda v: Path(str(v)).stem if isinstance(v, str) else ""
 )
-def test_every_skipped_call_changes_nothing(name, overrides, layout, tmp_path):
-    simulation = checked_simulation(name, overrides, layout, tmp_path)
+def test_every_skipped_call_changes_nothing(name, overrides, layout, mode, tmp_path):
+    """In both engine modes (async: the batch queue, outputs applied two
+    micro-batches after the next schedule, no steady lane)."""
+    simulation = checked_simulation(name, [*overrides, f"engine.mode={mode}"], layout, tmp_path)
     counts = audited(simulation, lane=False)
     simulation.run()
     # Control: the fast path did skip calls here, so the check had work.
@@ -211,28 +216,61 @@ def test_the_check_catches_a_call_skipped_across_a_boundary(monkeypatch, tmp_pat
         simulation.run()
 
 
+def _span_blind_to_tokens_in_flight(self, request, num_tokens):
+    """``Scheduler.decode_span`` from the computed tokens, as if none were
+    in flight (they never are in sync mode)."""
+    computed = request.num_computed_tokens
+    return None if computed < request.num_tokens - 1 else (computed, computed + num_tokens)
+
+
+def test_the_check_catches_an_async_window_blind_to_the_tokens_in_flight(monkeypatch, tmp_path):
+    """Failing control (async mode, fast-path rule 1): ``allocate_slots``
+    frees skipped blocks at the processed tokens, behind those in flight;
+    a window that leaves them out settles a call that frees a block."""
+    monkeypatch.setattr(Scheduler, "decode_span", _span_blind_to_tokens_in_flight)
+    name, overrides = CHECKED_CASES[1]  # pool-bound decode
+    simulation = checked_simulation(name, [*overrides, "engine.mode=async"], "off", tmp_path)
+    audited(simulation, lane=False)
+    with pytest.raises(AssertionError, match="changed the allocator"):
+        simulation.run()
+
+
 # ---------------------------------------------------------------- frames
 
 
 GATES = load_gates(DEFAULT_GATES).gates
 
 
+def _in_mode(scenario, mode: str):
+    return scenario.model_copy(update={"engine": scenario.engine.model_copy(update={"mode": mode})})
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("layout", ["off", "on"])
 @pytest.mark.parametrize("gate", sorted(GATES))
-def test_every_gate_scenario_gives_the_same_frames_with_and_without_the_fast_path(gate, layout):
-    scenario = gate_scenario(DEFAULT_GATES, gate, GATES[gate])
+def test_every_gate_scenario_gives_the_same_frames_with_and_without_the_fast_path(gate, layout, mode):
+    scenario = _in_mode(gate_scenario(DEFAULT_GATES, gate, GATES[gate]), mode)
     fast, step_by_step = (
         frames_with_fast_path(scenario, layout, True),
         frames_with_fast_path(scenario, layout, False),
     )
     for frame in fast:
-        assert fast[frame] == step_by_step[frame], f"{gate} [{layout}]: {frame} differ"
+        assert fast[frame] == step_by_step[frame], f"{gate} [{layout}, {mode}]: {frame} differ"
 
 
-def test_a_fast_path_that_skips_across_boundaries_changes_the_frames(monkeypatch, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_default_scenario_gives_the_same_frames_with_and_without_the_fast_path(mode):
+    """The shipped default (its first 150 requests: the check, not the load)."""
+    scenario = load_scenario("default", ["workload.max_requests=150", f"engine.mode={mode}"])
+    assert frames_with_fast_path(scenario, "on", True) == frames_with_fast_path(scenario, "on", False)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_fast_path_that_skips_across_boundaries_changes_the_frames(monkeypatch, tmp_path, mode):
     """Failing control: settle every decode call after the first (ignoring
     block boundaries) and the frames comparison above goes red."""
     name, overrides = CHECKED_CASES[0]
+    overrides = [*overrides, f"engine.mode={mode}"]
     scenario = scenarios.scenario(tmp_path, name, overrides, workload=DECODE_ACROSS_BOUNDARIES)
     step_by_step = frames_with_fast_path(scenario, "off", False)
     settle_every_call_after_the_first(monkeypatch)

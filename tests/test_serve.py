@@ -19,6 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import sim.vllm_bridge  # noqa: F401  (sets VLLM_TARGET_DEVICE before vLLM's argument parser runs)
 from sim.commands.serve import boot_log_lines
+from sim.sched.engine_core import BatchQueueEngineCore
+from sim.serving.live_engine import LiveEngine
 from sim.serving.server import tokenize_text
 
 SPEED = 50.0
@@ -75,6 +77,24 @@ def test_mtp_streams_several_tokens_per_step(tmp_path):
     # CONTROL: no draft accepted, one token per step.
     chunks = _serve(tmp_path, check, mtp={"acceptance_rates": [0.0, 0.0, 0.0]})
     assert _token_counts(chunks) == [1] * 9
+
+
+@pytest.mark.parametrize("acceptance", [1.0, 0.0])
+def test_async_mode_serves_through_the_batch_queue(tmp_path, acceptance):
+    """``engine.mode: async``: the same engine loop over the batch queue and
+    the pipeline clock. A lone request decodes every other micro-batch, all
+    drafts accepted: 1 + 4 + 4 tokens, as in sync mode; none accepted: one
+    token a decode (the control: the chunks follow the acceptances)."""
+
+    async def check(client: TestClient) -> list[dict[str, Any]]:
+        return await _stream(client, {"prompt": list(range(100)), "max_tokens": 9})
+
+    rates = [acceptance] * 3
+    chunks = _serve(tmp_path, check, mtp={"acceptance_rates": rates}, engine={"mode": "async"})
+    assert _token_counts(chunks) == ([1, 4, 4] if acceptance else [1] * 9)
+    assert chunks[-1]["usage"] == {"prompt_tokens": 100, "completion_tokens": 9, "total_tokens": 109}
+    served = scenario(tmp_path, workload=NO_WORKLOAD, engine={"mode": "async"})
+    assert isinstance(LiveEngine(served, "on").sim.core, BatchQueueEngineCore)
 
 
 def test_metrics_have_vllm_names_types_and_counts(tmp_path):

@@ -24,6 +24,7 @@ from sim.analysis.runs import scenario_workload
 from sim.config import ConfigError, StrictModel, read_yaml, validate
 from sim.engine import Recording, Simulation
 from sim.paths import DEFAULT_MODEL, SCENARIOS_DIR
+from sim.pipeline_clock import SerialClock
 from sim.scenario import Scenario
 from sim.sched.output import SchedulerOutput
 from sim.step_time import StepTimeModel
@@ -112,7 +113,7 @@ def measure(figure: Figure, step_time: dict[str, Any] | None = None) -> dict[str
     scenario = rig_scenario(figure, step_time)
     sim = Simulation(scenario, figure.layout, scenario_workload(scenario))
     recorder = _Recorder(sim.step_time)
-    sim.step_time = recorder  # type: ignore[assignment]
+    sim.clock = SerialClock(recorder.step_time_s)  # the synchronous engine's clock, timing through it
     recording = sim.run()
     decode_s = [s for out, s in recorder.steps if not out.num_prefill_tokens]
     if not decode_s:

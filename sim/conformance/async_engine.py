@@ -2,14 +2,18 @@
 ``AsyncScheduler`` against vLLM 0.33.0's own ``EngineCore.step_with_batch_queue``
 over its real ``AsyncScheduler`` (``sim/vllm_bridge/engine_core.py``).
 
-Both run under one pipeline clock (``sim/pipeline_clock.py``): requests
-are added between engine calls once the clock has reached their arrival;
-a call that waits on the oldest step moves the clock to its landing. When
-a call schedules nothing, applies nothing and only empty steps are in
-flight, nothing but an arrival can change the engine: the clock jumps to
-the next arrival (the real engine would spin on empty steps meanwhile), or
-the run has stalled. Both sample through the same ``ModelRunner`` at
-schedule time, in schedule order.
+Both run under kvsim's one engine loop (``sim/sched/engine_loop.py``) and
+the conformance driver's I/O (``driver.TraceDriver``) on one pipeline clock
+(``sim/pipeline_clock.py``): requests are added between engine calls once
+the clock has reached their arrival; a call that waits on the oldest step
+moves the clock to its landing. When a call schedules nothing, applies
+nothing and only empty steps are in flight, nothing but an arrival can
+change the engine: the clock jumps to the next arrival (the real engine
+would spin on empty steps meanwhile), or the run has stalled. Each engine
+makes its whole call at once (vLLM's cannot be split where it blocks; its
+workers answer at once), and the clock then says how long it blocked.
+Both sample through the same ``ModelRunner`` at schedule time, in schedule
+order.
 
 Each engine call is one record (``EngineStepState``): the step it
 scheduled (requests, computed tokens before, tokens, output placeholders
@@ -28,6 +32,7 @@ from typing import Any
 from sim.conformance.backends import StepState, kvsim_kv_cache_manager, model_runner, scheduled_request
 from sim.conformance.driver import (
     Comparison,
+    TraceDriver,
     Trajectory,
     compare,
     conformance_scenario,
@@ -41,7 +46,7 @@ from sim.kv_cache_plan import KVCachePlan
 from sim.pipeline_clock import PipelineClock
 from sim.scenario import Scenario, SideCacheSwitch
 from sim.sched.async_scheduler import AsyncScheduler
-from sim.sched.engine_core import BatchQueueEngineCore, BatchStep, sampling_counts
+from sim.sched.engine_core import BatchQueueEngineCore, EngineCall, sampling_counts
 from sim.sched.model_runner import ModelRunner
 from sim.sched.output import ScheduledRequest, SchedulerOutput
 from sim.sched.scheduler import RequestSpec
@@ -80,13 +85,7 @@ class _KvsimEngine:
     def has_work(self) -> bool:
         return self.core.has_work()
 
-    def only_empty_in_flight(self) -> bool:
-        return all(output.is_empty for output, _ in self.core.batch_queue)
-
-    def last_step_samples(self) -> bool:
-        return any(self.scheduler.last_samples.values())
-
-    def step(self) -> tuple[BatchStep, EngineStepState]:
+    def step(self) -> tuple[EngineCall, EngineStepState]:
         call = self.core.step()
         scheduled = call.scheduled
         if scheduled is not None:
@@ -115,7 +114,7 @@ def _ids(output: SchedulerOutput | None) -> list[str]:
 
 
 def _state(
-    call: BatchStep,
+    call: EngineCall,
     *,
     placeholders: dict[str, int],
     finished: list[str],
@@ -183,12 +182,6 @@ class _VllmEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_requests() or bool(self.core.batch_queue)
 
-    def only_empty_in_flight(self) -> bool:
-        return all(output.is_empty for output in self._in_flight)
-
-    def last_step_samples(self) -> bool:
-        return self._samples
-
     def _on_schedule(self, out: Any) -> None:
         self._scheduled = converted = self._convert(out)
         self._in_flight.append(converted)
@@ -230,13 +223,18 @@ class _VllmEngine:
             self.scheduler.requests[request_id], num_scheduled, num_spec, admitted and num_spec > 0
         )
 
-    def step(self) -> tuple[BatchStep, EngineStepState]:
+    def step(self) -> tuple[EngineCall, EngineStepState]:
         self._scheduled, self._samples = None, False
         outputs, executed = self.core.step_with_batch_queue()
         self.core.post_step(executed)
         scheduled = self._scheduled
         processed = self._in_flight.popleft() if outputs is not None else None
-        call = BatchStep(scheduled, processed)
+        call = EngineCall(scheduled, self._samples, waits=processed is not None, processed=processed)
+        call.idle = (
+            (scheduled is None or scheduled.is_empty)
+            and (processed is None or processed.is_empty)
+            and all(output.is_empty for output in self._in_flight)
+        )
         finished, prefix = _finished_and_prefix(outputs)
         s = self.scheduler
         state = _state(
@@ -266,45 +264,43 @@ def _finished_and_prefix(outputs: dict | None) -> tuple[list[str], tuple[int, in
     return finished, (p.queries + p.preempted_queries, p.hits + p.preempted_hits)
 
 
+class _EngineCalls:
+    """An engine making its whole call at once, as the engine loop drives
+    a core (``engine_loop.EngineCore``): the call is made before the
+    clock blocks, and nothing is left to do after it."""
+
+    def __init__(self, engine: _KvsimEngine | _VllmEngine) -> None:
+        self.engine = engine
+        self._state: EngineStepState | None = None
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.engine.scheduler.has_unfinished_requests())
+
+    def begin_step(self) -> EngineCall:
+        call, self._state = self.engine.step()
+        return call
+
+    def end_step(self, call: EngineCall) -> None:
+        """Made already."""
+
+    def take_state(self) -> EngineStepState | None:
+        state, self._state = self._state, None
+        return state
+
+
 def drive_engine(
     engine: _KvsimEngine | _VllmEngine,
     requests: Iterable[RequestSpec],
     clock: PipelineClock,
     max_time_s: float | None = None,
 ) -> Trajectory:
-    """Run ``engine`` over the trace until it drains (or the horizon)."""
-    pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.request_id)))
-    states: list[EngineStepState] = []
-    times_s: list[float] = []
-    stalled = False
-    while max_time_s is None or clock.now_s < max_time_s:
-        while pending and pending[0].arrival_s <= clock.now_s:
-            engine.add_request(pending.popleft())
-        if not engine.has_work():
-            if not pending:
-                break
-            clock.idle_until(pending[0].arrival_s)
-            continue
-        call, state = engine.step()
-        if call.scheduled is not None:
-            clock.schedule(call.scheduled, samples=engine.last_step_samples())
-        if call.processed is not None:
-            clock.wait()
-        states.append(state)
-        times_s.append(clock.now_s)
-        if _idle(call) and engine.only_empty_in_flight():
-            if pending:
-                clock.idle_until(pending[0].arrival_s)
-            elif engine.scheduler.has_unfinished_requests():
-                stalled = True  # nothing left that could change it
-                break
-    return Trajectory(backend=engine.name, steps=tuple(states), times_s=tuple(times_s), stalled=stalled)
-
-
-def _idle(call: BatchStep) -> bool:
-    return (call.scheduled is None or call.scheduled.is_empty) and (
-        call.processed is None or call.processed.is_empty
-    )
+    """Run ``engine`` over the trace until it drains (or the horizon); a
+    state per engine call."""
+    driver = TraceDriver(requests, clock, engine.add_request, max_time_s)
+    return driver.run(_EngineCalls(engine), engine.name)
 
 
 def async_clock(scenario: Scenario, step_time: StepTimeModel) -> PipelineClock:

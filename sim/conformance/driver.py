@@ -1,10 +1,12 @@
 """The clock both backends run under, and the step-by-step comparison.
 
-The clock is kvsim's engine model (``sim/engine.py``) without SimPy:
-requests arrive at their trace times and join the waiting queue before the
-next ``schedule()``; a step lasts what kvsim's step-time model says of its
-output; the engine idles until the next arrival when nothing can run. Steps
-run one after another (no PP batch queue, no async scheduling), as in kvsim.
+Both backends run under kvsim's one engine loop (``sim/sched/engine_loop.py``)
+with a clock that jumps instead of SimPy's (``TraceDriver``): requests
+arrive at their trace times and join the waiting queue before the next
+engine call; a step lasts what kvsim's step-time model says of its output;
+the engine idles until the next arrival when nothing can run. Here steps
+run one after another (``EngineCore.step``: no PP batch queue, no async
+scheduling); ``async_engine.py`` drives the batch queue the same way.
 
 Fenced frees are off for the comparison (``defer_block_free=false``): vLLM
 0.33.0 fences only with a KV-consumer connector, which the Flash-Next
@@ -16,9 +18,9 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Protocol
 
 from sim.config import ConfigError
 from sim.conformance.backends import (
@@ -31,7 +33,10 @@ from sim.conformance.backends import (
 from sim.engine import allocator_options, scheduler_config
 from sim.kv_cache_manager import MTPHashing, MTPHashMode
 from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
+from sim.pipeline_clock import PipelineClock, SerialClock
 from sim.scenario import ForkSection, Scenario, SideCacheSwitch
+from sim.sched.engine_core import EngineCall
+from sim.sched.engine_loop import IDLE, EngineCore, run_engine
 from sim.sched.scheduler import RequestSpec
 from sim.step_time import StepTimeModel
 
@@ -50,6 +55,108 @@ class Trajectory:
     stalled: bool
 
 
+class RecordingCore(EngineCore, Protocol):
+    """An engine core that keeps the comparison's record of each call."""
+
+    def take_state(self) -> StepState | None:
+        """The record of the call just made (None: nothing to compare)."""
+        ...
+
+
+class TraceDriver:
+    """The engine loop's clock and I/O for a trace (``engine_loop.EngineIO``):
+    requests join before the next call once the clock has reached their
+    arrival (in arrival, then id, order); an idle engine jumps to the next
+    arrival; the run ends at the horizon (a step that would end past it
+    never ends; none starts at or after it)."""
+
+    def __init__(
+        self,
+        requests: Iterable[RequestSpec],
+        clock: SerialClock | PipelineClock,
+        add_request: Callable[[RequestSpec], Any],
+        max_time_s: float | None,
+    ) -> None:
+        self.pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.request_id)))
+        self.clock = clock
+        self.add_request = add_request
+        self.max_time_s = max_time_s
+        self.states: list[StepState] = []
+        self.times_s: list[float] = []
+        self._core: RecordingCore | None = None
+
+    def run(self, core: RecordingCore, name: str) -> Trajectory:
+        self._core = core
+        self._deliver()
+        steps = run_engine(core, self.clock, self)
+        stalled = False
+        try:
+            while not self._past_horizon(next(steps)):
+                self._deliver()
+        except StopIteration as end:
+            stalled = end.value
+        return Trajectory(
+            backend=name, steps=tuple(self.states), times_s=tuple(self.times_s), stalled=stalled
+        )
+
+    def _past_horizon(self, pause: object) -> bool:
+        if pause is IDLE:
+            self.clock.idle_until(self.pending[0].arrival_s)
+        return self.max_time_s is not None and self.clock.now_s > self.max_time_s
+
+    def _deliver(self) -> None:
+        pending, now_s = self.pending, self.clock.now_s
+        while pending and pending[0].arrival_s <= now_s:
+            self.add_request(pending.popleft())
+
+    def start_s(self) -> float:
+        return self.clock.now_s
+
+    def arrivals_ended(self) -> bool:
+        return not self.pending
+
+    def stopped(self) -> bool:
+        return self.max_time_s is not None and self.clock.now_s >= self.max_time_s
+
+    def record(self, call: EngineCall, started_s: float, step_s: float) -> None:
+        assert self._core is not None
+        state = self._core.take_state()
+        if state is not None:
+            self.states.append(state)
+            self.times_s.append(self.clock.now_s)
+
+
+class _BackendCore:
+    """A ``Backend`` as ``EngineCore.step`` drives it (``engine_core.py``):
+    an empty step lets the steps in flight complete; a step's state is
+    taken when its output is applied."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._state: StepState | None = None
+
+    def has_work(self) -> bool:
+        return self.backend.has_unfinished_requests()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.backend.has_unfinished_requests()
+
+    def begin_step(self) -> EngineCall:
+        output = self.backend.schedule()
+        if output.is_empty:
+            return EngineCall(idle=not self.backend.complete_in_flight_steps())
+        return EngineCall(output, waits=True)
+
+    def end_step(self, call: EngineCall) -> None:
+        assert call.scheduled is not None
+        call.processed = call.scheduled
+        self._state = self.backend.execute(call.scheduled)
+
+    def take_state(self) -> StepState | None:
+        state, self._state = self._state, None
+        return state
+
+
 def drive(
     backend: Backend,
     requests: Iterable[RequestSpec],
@@ -57,34 +164,8 @@ def drive(
     max_time_s: float | None = None,
 ) -> Trajectory:
     """Run ``backend`` over the trace until it drains (or the horizon)."""
-    pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.request_id)))
-    now_s = 0.0
-    states: list[StepState] = []
-    times_s: list[float] = []
-    stalled = False
-    while max_time_s is None or now_s < max_time_s:
-        while pending and pending[0].arrival_s <= now_s:
-            backend.add_request(pending.popleft())
-        if not backend.has_unfinished_requests():
-            if not pending:
-                break
-            now_s = pending[0].arrival_s
-            continue
-        output = backend.schedule()
-        if output.is_empty:
-            if backend.complete_in_flight_steps():
-                continue
-            if not pending:
-                stalled = True
-                break
-            now_s = pending[0].arrival_s
-            continue
-        now_s += step_time.step_time_s(output)
-        if max_time_s is not None and now_s > max_time_s:
-            break  # the engine stops at the horizon: this step never ends
-        states.append(backend.execute(output))
-        times_s.append(now_s)
-    return Trajectory(backend=backend.name, steps=tuple(states), times_s=tuple(times_s), stalled=stalled)
+    driver = TraceDriver(requests, SerialClock(step_time.step_time_s), backend.add_request, max_time_s)
+    return driver.run(_BackendCore(backend), backend.name)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,8 +21,13 @@ scheduled while the steps before it are still in flight, so
   ``processed_step_seq += 1``): with ``max_concurrent_batches`` = pp + 1 the
   fence lags the schedule by pp micro-batches.
 
-The fast path (settled allocator calls, the steady lane) is off in async
-mode: its proofs assume every output is applied before the next schedule.
+The fast path (``fast_path.py``) works here too, but for the steady lane
+(its bookkeeping assumes every output is applied before the next
+schedule): a decode's settled ``allocate_slots`` calls span from its
+processed tokens (behind those in flight, where vLLM frees skipped blocks)
+to its lookahead; its ``cache_blocks`` calls are at the processed tokens;
+and a preempted request whose stale output drains voids the known-idle
+waiting loop (fast-path rule 9).
 """
 
 from __future__ import annotations
@@ -37,9 +42,14 @@ from sim.vllm_bridge import Request, RequestStatus, check_stop
 
 class AsyncScheduler(Scheduler):
     def __init__(
-        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, *, decode_stagger: int
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        *,
+        decode_stagger: int,
+        fast_path: bool = True,
     ) -> None:
-        super().__init__(config, kv_cache_manager, fast_path=False)
+        super().__init__(config, kv_cache_manager, fast_path=fast_path)
         self.decode_stagger = decode_stagger
         self._placeholder_drafts = [-1] * config.num_speculative_tokens
         # The fence sequence number of each step in flight (non-empty steps count).
@@ -111,6 +121,8 @@ class AsyncScheduler(Scheduler):
         if stale:
             request.num_stale_output_tokens -= item.num_scheduled_tokens
             assert request.num_stale_output_tokens >= 0
+            if request.num_stale_output_tokens == 0:
+                self.fast_path.waiting_request_changes()
         if request.is_finished() or not sampled:
             return
         running = request.status == RequestStatus.RUNNING
@@ -122,9 +134,7 @@ class AsyncScheduler(Scheduler):
         appended, stopped = self._append_sampled(request, sampled, stale)
         tally.num_generated_tokens += appended
         if not stale and running and (had_placeholders or self.config.num_speculative_tokens):
-            self.kv_cache_manager.cache_blocks(
-                request, request.num_computed_tokens - request.num_in_flight_tokens
-            )
+            self._cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)
         if stopped:
             self._finish_stopped(request, running)
             tally.finished[request.request_id] = request.num_output_tokens

@@ -1,12 +1,24 @@
-"""One engine step without a clock: schedule, execute, apply.
+"""The engine core without a clock: one engine step, or one call of the
+batch-queue loop, split where vLLM blocks on the workers.
 
-Twin of ``vllm/v1/engine/core.py``'s ``EngineCore.step`` (0.33.0), reduced
-to the scheduler and the simulated model runner. The step is split where
-the model runs (``schedule`` / ``complete``) so the SimPy engine loop can
-let the step's duration pass in between; ``step`` does both at once for
-callers without a clock (the scheduler tests). Steady decode steps take
-kvsim's fast lane (``steady.py``) when the fast path is on. Plain Python:
-no SimPy.
+Twin of ``vllm/v1/engine/core.py``'s ``EngineCore`` (0.33.0), reduced to
+the scheduler and the simulated model runner:
+
+- ``EngineCore`` is ``EngineCore.step`` (``engine.mode: sync``): schedule,
+  execute, apply the output; one step in flight;
+- ``BatchQueueEngineCore`` is ``step_with_batch_queue`` (``engine.mode:
+  async``, ``AsyncScheduler``): up to ``max_concurrent_batches`` (pp + 1)
+  micro-batches in flight; a call schedules one whenever the scheduler has
+  requests and blocks on the oldest only when the queue is full or nothing
+  was left to schedule.
+
+vLLM's call blocks on ``future.result()`` between handing a step to the
+workers and applying the oldest step's output. Each core splits its call
+there: ``begin_step`` (up to the block) and ``end_step`` (after it), so the
+one engine loop (``engine_loop.py``) lets the step's time pass in between,
+on whatever clock its caller keeps. ``step`` makes the whole call at once
+(callers without a clock). Steady decode steps take kvsim's fast lane
+(``steady.py``) when the fast path is on. Plain Python: no SimPy.
 """
 
 from __future__ import annotations
@@ -31,11 +43,58 @@ class ScheduledStep:
     num_steady: int = 0
 
 
+@dataclass(slots=True)
+class EngineCall:
+    """One call of the engine core (vLLM's ``step_fn``): the step it handed
+    to the workers (None: none) and, once ``end_step`` ran, the step whose
+    output it applied (None: it did not block)."""
+
+    scheduled: SchedulerOutput | None = None
+    # Some request of ``scheduled`` samples a token (the pipeline clock's broadcast).
+    samples: bool = True
+    # The call blocks on the oldest step in flight; ``end_step`` follows.
+    waits: bool = False
+    processed: SchedulerOutput | None = None
+    outcome: StepOutcome | None = None
+    # The processed step's sampled tokens (None: the steady lane kept them).
+    sampled: ModelRunnerOutput | None = None
+    # Nothing but a new request can change the engine now.
+    idle: bool = False
+
+
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, model_runner: ModelRunner) -> None:
+    """``EngineCore.step``: one step in flight. ``steady_lane=False`` keeps
+    every request's ``Request`` current after each step (fast-path rule 5:
+    a caller that reads requests between steps, or aborts them)."""
+
+    def __init__(self, scheduler: Scheduler, model_runner: ModelRunner, *, steady_lane: bool = True) -> None:
         self.scheduler = scheduler
         self.model_runner = model_runner
-        self.steady = scheduler.fast_path.make_lane(model_runner)
+        self.steady = scheduler.fast_path.make_lane(model_runner) if steady_lane else None
+        self._in_flight: ScheduledStep | None = None
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def begin_step(self) -> EngineCall:
+        """Schedule and hand the step to the workers. An empty step is not
+        run: the steps in flight complete instead (their fenced frees
+        return), and the engine is idle if that changed nothing."""
+        scheduled = self.schedule()
+        if scheduled.output.is_empty:
+            return EngineCall(idle=not self.scheduler.complete_in_flight_steps())
+        self._in_flight = scheduled
+        return EngineCall(scheduled=scheduled.output, waits=True)
+
+    def end_step(self, call: EngineCall) -> None:
+        """The step's output landed: apply it."""
+        step, self._in_flight = self._in_flight, None
+        assert step is not None and step.output is call.scheduled, "end the step begun"
+        call.processed = step.output
+        call.sampled, call.outcome = self._complete(step)
 
     def schedule(self) -> ScheduledStep:
         if self.steady is not None:
@@ -47,10 +106,13 @@ class EngineCore:
 
     def complete(self, step: ScheduledStep) -> StepOutcome:
         """The workers ran ``step``: apply what they sampled."""
+        return self._complete(step)[1]
+
+    def _complete(self, step: ScheduledStep) -> tuple[ModelRunnerOutput | None, StepOutcome]:
         if self.steady is not None:  # it scheduled every step, so it completes them
-            return self.steady.complete(step.output)
+            return None, self.steady.complete(step.output)
         sampled = self.model_runner.execute(step.output, step.token_counts)
-        return self.scheduler.update_from_output(step.output, sampled)
+        return sampled, self.scheduler.update_from_output(step.output, sampled)
 
     def step(self) -> tuple[SchedulerOutput, StepOutcome | None]:
         """Schedule and complete one step at once. An empty step lets the
@@ -67,17 +129,6 @@ class EngineCore:
         the requests between steps)."""
         if self.steady is not None:
             self.steady.flush()
-
-
-@dataclass(frozen=True)
-class BatchStep:
-    """One call of the batch-queue loop: the step it scheduled (None when
-    nothing was left to schedule) and the oldest step whose output it
-    applied (None when it did not wait)."""
-
-    scheduled: SchedulerOutput | None
-    processed: SchedulerOutput | None = None
-    outcome: StepOutcome | None = None
 
 
 class BatchQueueEngineCore:
@@ -100,29 +151,42 @@ class BatchQueueEngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_requests() or bool(self.batch_queue)
 
-    def step(self) -> BatchStep:
-        scheduled = None
-        if self.scheduler.has_requests():
-            scheduled = self.scheduler.schedule()
-            self.batch_queue.appendleft((scheduled, self._execute(scheduled)))
-            if len(self.batch_queue) < self.max_concurrent_batches and (
-                not scheduled.is_empty or self.scheduler.has_requests()
-            ):
-                return BatchStep(scheduled)
-        elif not self.batch_queue:
-            return BatchStep(None)
-        output, sampled = self.batch_queue.pop()
-        return BatchStep(scheduled, output, self.scheduler.update_from_output(output, sampled))
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
 
-    def idle(self, call: BatchStep) -> bool:
-        """The call scheduled and applied nothing, and only empty steps are
-        in flight: nothing but a new request can change the engine now."""
-        scheduled, processed = call.scheduled, call.processed
-        return (
-            (scheduled is None or scheduled.is_empty)
-            and (processed is None or processed.is_empty)
-            and all(output.is_empty for output, _ in self.batch_queue)
+    def begin_step(self) -> EngineCall:
+        scheduler = self.scheduler
+        if not scheduler.has_requests():
+            return EngineCall(None, waits=bool(self.batch_queue), idle=not self.batch_queue)
+        scheduled = scheduler.schedule()
+        self.batch_queue.appendleft((scheduled, self._execute(scheduled)))
+        samples = any(scheduler.last_samples.values())
+        if len(self.batch_queue) < self.max_concurrent_batches and (
+            not scheduled.is_empty or scheduler.has_requests()
+        ):
+            return EngineCall(scheduled, samples, idle=scheduled.is_empty and self.only_empty_in_flight())
+        return EngineCall(scheduled, samples, waits=True)
+
+    def end_step(self, call: EngineCall) -> None:
+        """The oldest step's output landed: apply it. The call was idle if
+        it scheduled and applied nothing and only empty steps are in flight."""
+        output, sampled = self.batch_queue.pop()
+        call.processed, call.sampled = output, sampled
+        call.outcome = self.scheduler.update_from_output(output, sampled)
+        scheduled = call.scheduled
+        call.idle = (
+            (scheduled is None or scheduled.is_empty) and output.is_empty and self.only_empty_in_flight()
         )
+
+    def step(self) -> EngineCall:
+        """One whole call (callers without a clock)."""
+        call = self.begin_step()
+        if call.waits:
+            self.end_step(call)
+        return call
+
+    def only_empty_in_flight(self) -> bool:
+        return all(output.is_empty for output, _ in self.batch_queue)
 
     def flush(self) -> None:
         """Nothing kept aside (no steady lane in async mode)."""

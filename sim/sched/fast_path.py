@@ -53,8 +53,8 @@ is broken:
    ``::test_a_lane_skipping_every_waiting_loop_changes_the_frames``.
 5. A request in the lane has a stale ``Request`` (computed tokens, output
    tokens): read ``Scheduler.requests`` / ``running`` only after
-   ``EngineCore.flush``. ``LiveEngine`` (``kvsim serve``) steps the
-   scheduler without ``EngineCore``, so it never uses the lane and may read
+   ``EngineCore.flush``. ``LiveEngine`` (``kvsim serve``) builds its
+   ``EngineCore`` with ``steady_lane=False``, so it may read (and abort)
    requests every step.
    ``tests/test_steady.py::test_without_the_hand_over_at_the_horizon_requests_lag``.
 6. A kept request's ``limit`` and ``unstoppable`` are computed once, when it
@@ -72,7 +72,16 @@ is broken:
    first; the pool replay's observer relies on it).
    ``tests/test_fast_path.py::test_every_gate_scenario_gives_the_same_frames_with_and_without_the_fast_path``.
 
-Every rule is also checked whole: every gate scenario's frames are the same
+9. In async mode (``AsyncScheduler``, no steady lane) a decode's
+   ``allocate_slots`` reads back to its processed tokens, behind the
+   tokens in flight (vLLM frees skipped blocks there), so its window spans
+   from them (``Scheduler.decode_span``); its ``cache_blocks`` calls are at
+   the processed tokens. A preempted request's stale output draining
+   changes what the waiting loop reads without an allocator call: it voids
+   the memo (``waiting_request_changes``).
+   ``tests/test_fast_path.py::test_the_check_catches_an_async_window_blind_to_the_tokens_in_flight``.
+
+Every rule is also checked whole, in both engine modes: every gate scenario's frames are the same
 with the fast path off, and the conformance driver steps the lane against
 vLLM's own ``Scheduler``. Glossary: ``docs/fast-path.md``.
 """
@@ -116,7 +125,7 @@ class _IdleWaiting:
 
 
 class FastPath:
-    """The fast path of one scheduler (rules 1-8 above)."""
+    """The fast path of one scheduler (rules 1-9 above)."""
 
     enabled = True
 
@@ -155,9 +164,8 @@ class FastPath:
         if span is not None:
             self.allocations.record(request.request_id, *span)
 
-    def skips_caching(self, request: Request) -> bool:
-        """Whether this ``cache_blocks`` call is settled (rule 1)."""
-        computed = request.num_computed_tokens
+    def skips_caching(self, request: Request, computed: int) -> bool:
+        """Whether this ``cache_blocks(request, computed)`` call is settled (rule 1)."""
         if not self.caching.is_settled(request.request_id, computed, computed):
             return False
         if self.audit:
@@ -165,9 +173,8 @@ class FastPath:
             self.audited.cachings += 1
         return True
 
-    def cached(self, request: Request) -> None:
-        """A real ``cache_blocks`` call was made."""
-        computed = request.num_computed_tokens
+    def cached(self, request: Request, computed: int) -> None:
+        """A real ``cache_blocks(request, computed)`` call was made."""
         self.caching.record(request.request_id, computed, computed)
 
     def blocks_freed(self, request_id: str) -> None:
@@ -179,6 +186,11 @@ class FastPath:
     def allocator_changes(self) -> None:
         """A real call may change the allocator: every remembered waiting
         loop is void (versions only grow, so none can match again)."""
+        self.allocator_version += 1
+
+    def waiting_request_changes(self) -> None:
+        """A waiting request the waiting loop skipped may be admitted now
+        (its stale output drained, rule 9): every remembered loop is void."""
         self.allocator_version += 1
 
     # ------------------------------------------------ known-idle waiting
@@ -270,16 +282,19 @@ class NoFastPath:
     def allocated(self, request: Request, num_new: int, num_lookahead: int) -> None:
         return None
 
-    def skips_caching(self, request: Request) -> bool:
+    def skips_caching(self, request: Request, computed: int) -> bool:
         return False
 
-    def cached(self, request: Request) -> None:
+    def cached(self, request: Request, computed: int) -> None:
         return None
 
     def blocks_freed(self, request_id: str) -> None:
         return None
 
     def allocator_changes(self) -> None:
+        return None
+
+    def waiting_request_changes(self) -> None:
         return None
 
     def skips_waiting(self, step: _StepState) -> bool:
@@ -358,7 +373,10 @@ class FastPathScheduling:
         """The positions a decoding request's next ``num_tokens`` slots
         span (None: not decoding). Decoding: only the last known token and
         drafts are left to compute, so the prefill end lies behind the span
-        too."""
-        if request.num_computed_tokens < request.num_tokens - 1:
+        too. The span starts at the tokens processed, behind the tokens
+        still in flight (async scheduling: ``allocate_slots`` frees skipped
+        blocks on that basis; 0 in flight in sync mode)."""
+        computed = request.num_computed_tokens
+        if computed < request.num_tokens - 1:
             return None
-        return request.num_computed_tokens, request.num_computed_tokens + num_tokens
+        return computed - request.num_in_flight_tokens, computed + num_tokens

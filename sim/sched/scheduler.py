@@ -506,9 +506,12 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
             self._cache_blocks(request)
         request.spec_token_ids = [DRAFT_TOKEN_ID] * self.config.num_speculative_tokens
 
-    def _cache_blocks(self, request: Request) -> None:
-        if self.fast_path.skips_caching(request):
+    def _cache_blocks(self, request: Request, num_computed_tokens: int | None = None) -> None:
+        """``cache_blocks`` up to ``num_computed_tokens`` (default: the
+        request's computed tokens), unless the call is settled."""
+        computed = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        if self.fast_path.skips_caching(request, computed):
             return
         self.fast_path.allocator_changes()
-        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-        self.fast_path.cached(request)
+        self.kv_cache_manager.cache_blocks(request, computed)
+        self.fast_path.cached(request, computed)

@@ -1,6 +1,8 @@
 """The simulator as a live engine: the same ``Simulation`` parts (scheduler
-over the real allocator, model runner, step-time model) stepped by an asyncio
-loop on the wall clock scaled by ``speed`` instead of by SimPy.
+over the real allocator, model runner, engine core and clock) stepped by the
+one engine loop (``sim/sched/engine_loop.py``) on the wall clock scaled by
+``speed`` instead of by SimPy, in either ``engine.mode``. The steady lane is
+off: requests are read after every step and may be aborted between steps.
 
 Virtual time is ``(wall - start) * speed`` seconds. A step that starts right
 after the previous one starts at that step's virtual end (not at the wall
@@ -9,8 +11,7 @@ run; an idle engine starts its next step at the virtual time it woke.
 
 A request whose client goes away is aborted as vLLM's engine core aborts it
 (``abort``: ``Scheduler.finish_requests`` with ``FINISHED_ABORTED``), its
-blocks freed through the scheduler's own path. (The loop here is local to
-``kvsim serve``; a shared engine loop may later take its place.)
+blocks freed through the scheduler's own path.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 
 from sim.engine import Simulation
 from sim.scenario import Scenario, SideCacheSwitch
+from sim.sched.engine_core import EngineCall
+from sim.sched.engine_loop import IDLE, run_engine
 from sim.sched.output import ModelRunnerOutput, StepOutcome
 from sim.serving.server_metrics import ServerMetrics
 from sim.vllm_bridge import RequestStatus
@@ -86,7 +89,7 @@ class LiveEngine:
         if speed <= 0:
             raise ValueError(f"speed: expected > 0, got {speed}")
         empty = Workload(name=scenario.name, source="live requests over HTTP", requests=())
-        self.sim = Simulation(scenario, layout, empty)
+        self.sim = Simulation(scenario, layout, empty, steady_lane=False)
         self.scheduler = self.sim.scheduler
         self.model_name = scenario.load_model().name
         self.metrics = ServerMetrics(self.model_name, self.sim.plan)
@@ -165,36 +168,47 @@ class LiveEngine:
         self._wakeup.set()
 
     async def run(self) -> None:
-        """Schedule, wait the step's duration, apply the output: as
-        ``Simulation.engine_loop``, on the scaled wall clock."""
-        free_at_s = 0.0  # virtual time the last step ended
-        while not self._stopping:
-            if not self.scheduler.has_unfinished_requests():
+        """The engine loop, its pauses slept on the scaled wall clock."""
+        steps = run_engine(self.sim.core, self.sim.clock, self)
+        for pause in steps:
+            if pause is IDLE:
                 # Idle: the steps in flight complete, so the blocks fenced
                 # behind them (the last finished or aborted requests') return.
                 if self.scheduler.complete_in_flight_steps():
                     self._publish_gauges()
                 await self._idle()
                 continue
-            started_s = max(free_at_s, self.now_s()) if self._was_idle else free_at_s
-            output = self.scheduler.schedule()
-            if output.is_empty:
-                if not self.scheduler.complete_in_flight_steps():
-                    await self._idle()
-                continue
-            self._was_idle = False
-            token_counts = self.scheduler.token_counts()
-            free_at_s = started_s + self.sim.step_time.step_time_s(output)
-            await self._sleep_until(free_at_s)
+            landed_s = self.sim.clock.now_s
+            await self._sleep_until(landed_s)
             # Behind the wall clock when a step's computing took longer than
             # its scaled duration: --speed is then too high for this machine.
-            self.max_lag_s = max(self.max_lag_s, self.now_s() - free_at_s)
-            runner_output = self.sim.model_runner.execute(output, token_counts)
-            outcome = self.scheduler.update_from_output(output, runner_output)
-            prompt_tokens = self._prompt_tokens(outcome)  # before finished streams go
-            self._deliver(runner_output, outcome)
-            self.metrics.record_step(output, outcome, prompt_tokens)
-            self._publish_gauges()
+            self.max_lag_s = max(self.max_lag_s, self.now_s() - landed_s)
+
+    # The engine loop's I/O (``engine_loop.EngineIO``). A step that starts
+    # right after the previous one starts at the clock's time, when that
+    # one landed; after an idle wait, at the time the engine woke.
+    def start_s(self) -> float:
+        clock = self.sim.clock
+        if self._was_idle:
+            self._was_idle = False
+            return max(clock.now_s, self.now_s())
+        return clock.now_s
+
+    def arrivals_ended(self) -> bool:
+        return False  # a client may always send one more
+
+    def stopped(self) -> bool:
+        return self._stopping
+
+    def record(self, call: EngineCall, started_s: float, step_s: float) -> None:
+        output, outcome = call.processed, call.outcome
+        if output is None or output.is_empty or outcome is None:
+            return
+        assert call.sampled is not None, "no steady lane: every step's tokens are sampled"
+        prompt_tokens = self._prompt_tokens(outcome)  # before finished streams go
+        self._deliver(call.sampled, outcome)
+        self.metrics.record_step(output, outcome, prompt_tokens)
+        self._publish_gauges()
 
     async def _idle(self) -> None:
         """Wait for an arrival (or a stop), at most ``IDLE_POLL_S``."""

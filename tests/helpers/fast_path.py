@@ -44,7 +44,8 @@ def audited(simulation: Simulation, *, lane: bool) -> AuditCounts:
     assert isinstance(fast_path, FastPath)
     fast_path.audit = True
     fast_path.use_lane = lane
-    simulation.core = EngineCore(simulation.scheduler, simulation.model_runner)
+    if isinstance(simulation.core, EngineCore):  # the batch queue has no lane
+        simulation.core = EngineCore(simulation.scheduler, simulation.model_runner)
     return fast_path.audited
 
 
