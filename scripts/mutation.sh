@@ -128,7 +128,7 @@ tests/test_calibrate.py::test_bounds_keep_an_efficiency_at_most_one \
 tests/test_calibrate.py::test_a_replay_without_its_scenario_is_a_one_line_error"
   [conformance]="sim/conformance/*|tests/test_values_conformance.py tests/test_conformance.py::test_every_step_is_identical tests/test_conformance.py::test_the_modes_differ_where_vllm_says tests/test_conformance.py::test_a_scheduler_that_cannot_be_built_gives_one_line_and_exit_2"
   [replay]="sim/replay/*|tests/test_values_replay.py tests/test_replay.py tests/test_serve.py"
-  [loaders]="sim/workloads/loaders.py|tests/test_values_bounds.py tests/test_workloads.py tests/test_trace_interchange.py"
+  [loaders]="sim/workloads/loaders.py|tests/test_values_loaders.py tests/test_values_bounds.py tests/test_workloads.py tests/test_trace_interchange.py"
   [config]="sim/config.py|tests/test_values_bounds.py tests/test_bad_input.py"
   # The pool replay package: its value tests, the replay's own tests (the
   # full-size CUDA case skips without a device) and the worker views.

@@ -108,3 +108,96 @@ def test_a_header_only_trace_is_empty(tmp_path):
     rng = np.random.default_rng(0)
     got = _error(loaders.load_sharegpt_lengths, sharegpt, arrival=Poisson(rate_per_s=1.0), rng=rng)
     assert got == f"{sharegpt}:1: empty trace: no requests"
+
+
+def test_an_unsorted_azure_trace_and_one_past_the_span_name_line_and_stamps(tmp_path, monkeypatch):
+    rows = "2023-11-16 18:15:42.0,10,1\n2023-11-16 18:15:41.5,10,1\n"
+    path = _file(tmp_path, "a.csv", AZURE + rows)
+    assert _error(loaders.load_azure, path) == (
+        f"{path}:3: timestamp '2023-11-16 18:15:41.5' is before the previous request's "
+        "'2023-11-16 18:15:42.0': the trace must be sorted by time"
+    )
+    monkeypatch.setattr(loaders, "MAX_SIMULATED_S", 1.0)
+    rows = "2023-11-16 18:15:40,10,1\n2023-11-16 18:15:41,10,1\n2023-11-16 18:15:42,10,1\n"
+    path = _file(tmp_path, "b.csv", AZURE + rows)
+    assert _error(loaders.load_azure, path) == (
+        f"{path}:4: arrives 2 s after the trace starts: more than 1 s (a year), "
+        "past any trace; check the unit"
+    )
+
+
+def test_azure_and_sharegpt_workloads_are_named_by_the_file_and_say_their_source(tmp_path):
+    path = _file(tmp_path, "day.csv", AZURE + "2023-11-16 18:15:40,10,1\n2023-11-16 18:15:41,20,2\n")
+    azure = loaders.load_azure(path)
+    assert azure.name == "day" and loaders.load_azure(path, name="mine").name == "mine"
+    assert azure.source == f"azure trace {path}: 2 requests, times relative to the first; no prefix sharing"
+    lengths = _file(tmp_path, "pairs.csv", SHAREGPT + "5,3,8,0.6\n7,1,8,7.0\n9,9,18,1.0\n")
+    arrival = Poisson(rate_per_s=2.0)
+    sharegpt = loaders.load_sharegpt_lengths(
+        lengths, arrival=arrival, rng=np.random.default_rng(0), max_requests=2
+    )
+    assert sharegpt.name == "pairs"
+    assert sharegpt.source == (
+        f"sharegpt lengths {lengths}: first 2 rows in file order, arrivals {arrival!r}; no prefix sharing"
+    )
+    assert [(r.prompt_len, r.output_len) for r in sharegpt.requests] == [(5, 3), (7, 1)]
+
+
+@pytest.mark.parametrize(
+    ("row", "problem"),
+    [
+        ("5,3", "expected 4 columns (num_prefill_tokens,num_decode_tokens,num_total_tokens,pd_ratio), got 2"),
+        ("5,x,8,0.6", "num_decode_tokens: expected a positive integer, got 'x'"),
+        ("5,3,y,0.6", "num_total_tokens: expected a positive integer, got 'y'"),
+        ("5,3,9,0.6", "num_total_tokens: expected 5 + 3, got 9"),
+        ("5,3,8,ratio", "pd_ratio: expected a number, got 'ratio'"),
+    ],
+)
+def test_a_bad_sharegpt_row_is_one_line_with_its_column_and_cell(tmp_path, row, problem):
+    path = _file(tmp_path, "s.csv", SHAREGPT + "1,1,2,1.0\n" + row + "\n")
+    got = _error(
+        loaders.load_sharegpt_lengths, path, arrival=Poisson(rate_per_s=1.0), rng=np.random.default_rng(0)
+    )
+    assert got == f"{path}:3: {problem}"
+
+
+def test_sharegpt_max_requests_and_the_request_bound(tmp_path, monkeypatch):
+    path = _file(tmp_path, "s.csv", SHAREGPT + "1,1,2,1.0\n2,2,4,1.0\n3,3,6,1.0\n")
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="^max_requests: expected >= 1, got 0$"):
+        loaders.load_sharegpt_lengths(path, arrival=Poisson(rate_per_s=1.0), rng=rng, max_requests=0)
+    monkeypatch.setattr(loaders, "MAX_WORKLOAD_REQUESTS", 2)
+    assert _error(loaders.load_sharegpt_lengths, path, arrival=Poisson(rate_per_s=1.0), rng=rng) == (
+        f"{path}:4: more than 2 requests: cut the trace into slices (a workload holds at most that many)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("record", "problem"),
+    [
+        ('{"input_length": 1, "output_length": 1, "hash_ids": [0]}', "missing field 'timestamp'"),
+        ('{"timestamp": 0, "output_length": 1, "hash_ids": [0]}', "missing field 'input_length'"),
+        ('{"timestamp": 0, "input_length": 1, "output_length": 1}', "missing field 'hash_ids'"),
+        (
+            '{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}',
+            "input_length: expected a positive integer, got 0",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [-1]}',
+            "hash_ids: expected a list of integers >= 0",
+        ),
+        ("[1, 2]", "expected a JSON object"),
+    ],
+)
+def test_a_bad_mooncake_line_is_one_line_with_its_field(tmp_path, record, problem):
+    good = '{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [0]}'
+    path = _file(tmp_path, "t.jsonl", good + "\n" + record + "\n")
+    assert _error(loaders.load_mooncake, path) == f"{path}:2: {problem}"
+
+
+def test_a_wrong_csv_header_is_shown_with_the_expected_one(tmp_path):
+    path = _file(tmp_path, "a.csv", "\nTIMESTAMP,Context,Generated\n")
+    assert _error(loaders.load_azure, path) == (
+        f"{path}:2: expected header 'TIMESTAMP,ContextTokens,GeneratedTokens', "
+        "got 'TIMESTAMP,Context,Generated'"
+    )
