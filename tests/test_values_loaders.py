@@ -201,3 +201,39 @@ def test_a_wrong_csv_header_is_shown_with_the_expected_one(tmp_path):
         f"{path}:2: expected header 'TIMESTAMP,ContextTokens,GeneratedTokens', "
         "got 'TIMESTAMP,Context,Generated'"
     )
+
+
+def _mooncake_line(timestamp) -> str:
+    return f'{{"timestamp": {timestamp}, "input_length": 1, "output_length": 1, "hash_ids": [0]}}'
+
+
+def test_mooncake_epoch_times_are_rebased_and_the_source_says_so(tmp_path):
+    """Epoch milliseconds (2023-11-14): arrivals 0 and 1.5 s, named by the
+    file; a trace from 0 keeps its times and says nothing of re-basing."""
+    path = _file(
+        tmp_path, "day.jsonl", _mooncake_line(1_700_000_000_000) + "\n" + _mooncake_line(1_700_000_001_500)
+    )
+    workload = loaders.load_mooncake(path)
+    assert [r.arrival_s for r in workload.requests] == [0.0, 1.5] and workload.name == "day"
+    assert workload.source == (
+        f"mooncake trace {path}: 2 requests, timestamps ms -> s, "
+        "absolute times re-based to the first (1700000000000 ms)"
+    )
+    plain = _file(tmp_path, "plain.jsonl", _mooncake_line(0) + "\n" + _mooncake_line(250))
+    assert loaders.load_mooncake(plain, name="mine").name == "mine"
+    assert loaders.load_mooncake(plain).source == f"mooncake trace {plain}: 2 requests, timestamps ms -> s"
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("-1", "-1"),
+        ('"' + "x" * 38 + '"', "'" + "x" * 38 + "'"),  # 40 characters with quotes: shown whole
+        ('"' + "x" * 39 + '"', "'" + "x" * 36 + "..."),  # 41: cut to 37 and "..."
+    ],
+)
+def test_a_bad_value_is_shown_whole_up_to_forty_characters(tmp_path, value, shown):
+    path = _file(tmp_path, "t.jsonl", _mooncake_line(value) + "\n")
+    assert (
+        _error(loaders.load_mooncake, path) == f"{path}:1: timestamp: expected milliseconds >= 0, got {shown}"
+    )
