@@ -237,3 +237,40 @@ def test_a_bad_value_is_shown_whole_up_to_forty_characters(tmp_path, value, show
     assert (
         _error(loaders.load_mooncake, path) == f"{path}:1: timestamp: expected milliseconds >= 0, got {shown}"
     )
+
+
+def test_malformed_json_shows_pythons_own_reason_clipped(tmp_path):
+    """A 5,000-digit number: Python refuses the conversion (its message, cut
+    at 37 characters and "..."); a cut line: the decoder's message."""
+    try:
+        int("9" * 5000)
+    except ValueError as error:
+        reason = str(error)[:37] + "..."
+    path = _file(tmp_path, "t.jsonl", _mooncake_line(0) + "\n" + _mooncake_line("9" * 5000) + "\n")
+    assert _error(loaders.load_mooncake, path) == f"{path}:2: malformed JSON ({reason})"
+    cut = _file(tmp_path, "c.jsonl", '{"timestamp": 0,\n')
+    assert (
+        _error(loaders.load_mooncake, cut)
+        == f"{cut}:1: malformed JSON (Expecting property name enclosed in double quotes)"
+    )
+
+
+def test_a_line_loses_only_its_carriage_return(tmp_path):
+    """CRLF files: the "\\r" goes, trailing spaces and letters stay (here
+    shown in the header error, whose whitespace runs become one space)."""
+    path = tmp_path / "a.csv"
+    path.write_bytes(b"TIMESTAMP,ContextTokens,GeneratedX  \r\n")
+    assert _error(loaders.load_azure, path) == (
+        f"{path}:1: expected header 'TIMESTAMP,ContextTokens,GeneratedTokens', "
+        "got 'TIMESTAMP,ContextTokens,GeneratedX '"
+    )
+
+
+def test_a_trace_file_past_the_byte_bound_is_refused_before_reading(tmp_path, monkeypatch):
+    monkeypatch.setattr(loaders, "MAX_TRACE_BYTES", 100)
+    path = _file(tmp_path, "t.jsonl", _mooncake_line(0) + "\n" + _mooncake_line(1) + "\n")
+    assert path.stat().st_size > 100
+    with pytest.raises(ConfigError, match=f"^{path}"):
+        loaders.load_mooncake(path)
+    monkeypatch.setattr(loaders, "MAX_TRACE_BYTES", path.stat().st_size)  # control: at the bound it loads
+    assert len(loaders.load_mooncake(path).requests) == 2
