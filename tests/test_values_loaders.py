@@ -256,13 +256,14 @@ def test_malformed_json_shows_pythons_own_reason_clipped(tmp_path):
 
 
 def test_a_line_loses_only_its_carriage_return(tmp_path):
-    """CRLF files: the "\\r" goes, trailing spaces and letters stay (here
-    shown in the header error, whose whitespace runs become one space)."""
+    """CRLF files: the "\\r" goes, a trailing letter stays, and a 40-character
+    line is still shown whole (41 with its "\\r" would be cut)."""
+    header = "TIMESTAMP,ContextTokens,Generated" + "X" * 7
+    assert len(header) == 40
     path = tmp_path / "a.csv"
-    path.write_bytes(b"TIMESTAMP,ContextTokens,GeneratedX  \r\n")
+    path.write_bytes(header.encode() + b"\r\n")
     assert _error(loaders.load_azure, path) == (
-        f"{path}:1: expected header 'TIMESTAMP,ContextTokens,GeneratedTokens', "
-        "got 'TIMESTAMP,ContextTokens,GeneratedX '"
+        f"{path}:1: expected header 'TIMESTAMP,ContextTokens,GeneratedTokens', got '{header}'"
     )
 
 
