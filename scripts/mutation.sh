@@ -28,6 +28,9 @@ if [[ -n "${KVSIM_MUTATION_CHILDREN:-}" ]]; then
   children=(--max-children "$KVSIM_MUTATION_CHILDREN")
 fi
 read -r -a only_mutants <<<"${KVSIM_MUTANTS:-}"
+# torch's OpenMP thread pool, once used, hangs in a forked child, and mutmut
+# forks one per mutant: the pool replay's mutants all timed out. One thread.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 # module -> "source file|test files" (the tests that pin that module's rules).
 # The fast path's unit tests and one case that makes every skipped call
