@@ -116,7 +116,7 @@ def test_the_clock_runs_steps_back_to_back_and_idles_to_the_next_arrival():
     run = drive(backend, requests, HALF_SECOND)
     assert run.times_s == (0.5, 1.0, 3.5)
     assert [s.running for s in run.steps] == [("r1",), ("r1", "r3"), ("r2",)]
-    assert backend.added == ["r1", "r3", "r2"] and run.stalled is False
+    assert backend.added == ["r1", "r3", "r2"] and run.stalled is False and run.backend == "scripted"
 
 
 def test_requests_arriving_together_join_in_id_order():
@@ -393,6 +393,9 @@ def test_both_backends_hand_the_step_time_model_the_same_records():
         kvsim.execute(ours)
         vllm.execute(theirs)
     assert not vllm.has_unfinished_requests() and prompt_rows > 0 and decode_rows > 0
+    # Only the step just scheduled may be executed on kvsim's side.
+    with pytest.raises(AssertionError, match="^execute the step scheduled$"):
+        kvsim.execute(SchedulerOutput(step_index=0, scheduled=()))
     # A prompt that leaves no room for one output token is refused by both
     # (vLLM's input processor; kvsim's scheduler); one token less is taken.
     limit = kvsim.scheduler.config.max_model_len
@@ -408,3 +411,14 @@ def test_both_backends_hand_the_step_time_model_the_same_records():
 
     assert not kvsim.add_request(prompt_of(limit)) and not vllm.add_request(prompt_of(limit))
     assert kvsim.add_request(prompt_of(limit - 1)) and vllm.add_request(prompt_of(limit - 1))
+
+
+def test_the_backends_sample_through_the_engines_own_rng_stream():
+    """Draws match a ``kvsim run`` of the same seed: the stream is the
+    simulation's (``sim.engine``), not another of the seed's."""
+    from sim.conformance.backends import model_runner
+    from sim.engine import _runner_rng
+
+    ours, engines = model_runner((0.5,), seed=7).uniforms.rng.random(4), _runner_rng(7).random(4)
+    assert list(ours) == list(engines)
+    assert list(model_runner((0.5,), seed=8).uniforms.rng.random(4)) != list(engines)  # control: another seed
