@@ -8,7 +8,9 @@ the other must still be recovered."""
 from __future__ import annotations
 
 import math
+import warnings
 
+import annotated_types
 import numpy as np
 import pandas as pd
 import pytest
@@ -195,3 +197,266 @@ def test_an_unidentifiable_coefficient_stays_at_its_start_and_the_other_is_recov
     assert result.rms_error_fitted < result.rms_error_start / 5
     assert result.at_bound == () and result.alike == () and not result.budget_spent
     assert 5 <= result.num_simulations <= 60
+
+
+# ------------------------------------------- the fit on a hand-made model
+# The simulation replaced by a model whose request times are closed-form:
+# TTFT = (10, 20) x the step overhead, end-to-end = TTFT + (0.1, 0.3) / the
+# memory efficiency; the compute efficiency moves nothing. The fit, the
+# screen's verdicts, the bound and the budget are then checked against
+# these formulas (numpy as the oracle), in milliseconds, not simulations.
+TTFT_STEPS = np.array([10.0, 20.0])
+DECODE_BYTES = np.array([0.1, 0.3])
+FIT = ["compute_efficiency", "step_overhead_s", "memory_efficiency"]
+
+
+def _model_times(overhead: float, memory_efficiency: float) -> tuple[np.ndarray, np.ndarray]:
+    ttft = TTFT_STEPS * overhead
+    return ttft, ttft + DECODE_BYTES / memory_efficiency
+
+
+def _closed_form(self, values):
+    # A coefficient not fitted stays at the scenario's value (set below).
+    ttft, e2e = _model_times(values.get("step_overhead_s", 0.004), values.get("memory_efficiency", 0.5))
+    return pd.DataFrame({"ttft_s": ttft, "e2e_s": e2e}, index=self.measured.index)
+
+
+def _measured(overhead: float, memory_efficiency: float) -> pd.DataFrame:
+    ttft, e2e = _model_times(overhead, memory_efficiency)
+    return pd.DataFrame(
+        {
+            "layout": ["on", "on"],
+            "request_id": ["r0", "r1"],
+            "arrival_s": [0.0, 0.0],
+            "first_token_s": ttft,
+            "finished_s": e2e,
+        }
+    )
+
+
+def _oracle_residuals(overhead, memory_efficiency, measured_overhead, measured_memory):
+    sim, meas = _model_times(overhead, memory_efficiency), _model_times(measured_overhead, measured_memory)
+    return np.concatenate([(s - m) / np.maximum(m, 0.010) for s, m in zip(sim, meas, strict=True)])
+
+
+@pytest.fixture
+def closed_form(tmp_path, monkeypatch):
+    monkeypatch.setattr(c.RequestTimeError, "simulated_times", _closed_form)
+    return make_scenario(
+        tmp_path,
+        "closed",
+        ["step_time.step_overhead_s=0.004", "step_time.memory_efficiency=0.5"],
+        workload=DECODE_ONLY,
+        layouts=["on"],
+    )
+
+
+def test_the_fit_recovers_the_closed_form_models_coefficients(closed_form):
+    """Truth: overhead 6 ms (start 4), memory efficiency 0.4 (start 0.5).
+    Control: the same fit from a measurement made at the start gives the
+    start back with zero error."""
+    result = c.calibrate(closed_form, _measured(0.006, 0.4), FIT)
+    assert result.start == {"compute_efficiency": 0.74, "step_overhead_s": 0.004, "memory_efficiency": 0.5}
+    assert result.unidentifiable == ("compute_efficiency",) and result.sensitivity["compute_efficiency"] == 0
+    assert set(result.fitted) == {"step_overhead_s", "memory_efficiency"}
+    # xatol 0.005 in log space: within 1 % of the truth.
+    assert result.fitted["step_overhead_s"] == pytest.approx(0.006, rel=0.01)
+    assert result.fitted["memory_efficiency"] == pytest.approx(0.4, rel=0.01)
+    start_residuals = _oracle_residuals(0.004, 0.5, 0.006, 0.4)
+    assert result.rms_error_start == pytest.approx(float(np.sqrt(np.mean(start_residuals**2))))
+    fitted_residuals = _oracle_residuals(
+        result.fitted["step_overhead_s"], result.fitted["memory_efficiency"], 0.006, 0.4
+    )
+    assert result.rms_error_fitted == pytest.approx(float(np.sqrt(np.mean(fitted_residuals**2))))
+    assert result.rms_error_fitted < 0.01 < result.rms_error_start
+    assert result.at_bound == () and not result.budget_spent
+    assert 7 < result.num_simulations < 200
+    control = c.calibrate(closed_form, _measured(0.004, 0.5), FIT)
+    assert control.fitted == {"step_overhead_s": 0.004, "memory_efficiency": 0.5}
+    assert control.rms_error_start == 0.0 == control.rms_error_fitted
+
+
+def test_a_truth_past_the_bound_is_fitted_at_the_bound(closed_form):
+    """An overhead 25 times the start stops at 10 times (a decade), flagged;
+    the memory efficiency, inside its bounds, is not flagged."""
+    result = c.calibrate(closed_form, _measured(0.1, 0.4), FIT, max_simulations=400)
+    assert result.fitted["step_overhead_s"] == pytest.approx(0.04, rel=1e-9)
+    assert result.at_bound == ("step_overhead_s",)
+    # A memory efficiency past 1 stops at 1 (its field's cap), a doubling
+    # up from 0.5 against a decade down: flagged, the bounds being asymmetric.
+    capped = c.calibrate(closed_form, _measured(0.006, 1.5), FIT, max_simulations=400)
+    assert capped.fitted["memory_efficiency"] == pytest.approx(1.0, rel=1e-6)
+    assert capped.at_bound == ("memory_efficiency",)
+
+
+def test_a_spent_budget_returns_the_best_screened_point(closed_form):
+    """Seven simulations screen three coefficients (1 + 2 x 3) and leave the
+    fit none: the result is the best point among the start and the free
+    coefficients' screening moves (the unidentifiable one's are excluded),
+    by the oracle's squared error."""
+    result = c.calibrate(closed_form, _measured(0.006, 0.4), FIT, max_simulations=7)
+    assert result.budget_spent and result.num_simulations == 7
+    step = 1.1
+    points = [
+        (0.004, 0.5),
+        (0.004 / step, 0.5),
+        (0.004 * step, 0.5),
+        (0.004, 0.5 / step),
+        (0.004, 0.5 * step),
+    ]
+    errors = [float(np.sum(_oracle_residuals(o, m, 0.006, 0.4) ** 2)) for o, m in points]
+    best = points[int(np.argmin(errors))]
+    assert best == (0.004 * step, 0.5)  # the overhead moved up: the truth is above it
+    assert result.fitted == pytest.approx({"step_overhead_s": best[0], "memory_efficiency": best[1]})
+    with pytest.raises(ConfigError, match="--max-simulations: 6: at least 7 to screen 3"):
+        c.calibrate(closed_form, _measured(0.006, 0.4), FIT, max_simulations=6)
+    with pytest.raises(ConfigError, match="^--max-seconds: spent before the fit began; allow more$"):
+        c.calibrate(closed_form, _measured(0.006, 0.4), FIT, max_seconds=-1.0)
+
+
+def test_a_replay_with_nothing_finished_cannot_be_calibrated(closed_form):
+    unfinished = _measured(0.006, 0.4).assign(finished_s=np.nan)
+    with pytest.raises(ConfigError, match="^replay: no finished request to calibrate against$"):
+        c.calibrate(closed_form, unfinished, FIT)
+
+
+def test_the_fit_list_messages_name_every_coefficient_comma_separated():
+    allowed = (
+        "memory_efficiency, compute_efficiency, p2p_bandwidth_bytes_per_s, allreduce_latency_s, "
+        "pp_send_latency_s, host_read_efficiency, host_gather_latency_s, "
+        "kernel_overhead_per_layer_s, sampling_s, step_overhead_s, gdn_flops_per_state_entry"
+    )
+    # Every float field of StepTimeConfig, in declaration order; not the
+    # strings (gpu, quantization), ints (the parallelism, drafts) or optionals.
+    assert ", ".join(c.fittable_coefficients()) == allowed
+    with pytest.raises(ConfigError) as unknown:
+        c.check_coefficients(["gpu", "step_overhead_s", "tensor_parallel_size"])
+    assert str(unknown.value) == f"--fit: cannot fit gpu, tensor_parallel_size; choose among {allowed}"
+    with pytest.raises(ConfigError) as twice:
+        c.check_coefficients(["sampling_s", "sampling_s"])
+    assert str(twice.value) == "--fit: a coefficient is named twice: sampling_s, sampling_s"
+
+
+def test_a_sensitivity_exactly_at_the_threshold_is_fitted_and_alike_is_inclusive(closed_form, monkeypatch):
+    """``MIN_SENSITIVITY`` and ``ALIKE_COSINE`` are inclusive: effects of RMS
+    exactly 1e-4 (one entry 1e-4: sqrt(mean(1e-8)) = 1e-4 in floats) and a
+    cosine of exactly 19/20 (b = (19, 5, 3, 2, 1): |b| = 20)."""
+    assert c.rms(np.array([1e-4, 0.0, 0.0, 0.0])) == 5e-5 and c.rms(np.array([1e-4])) == c.MIN_SENSITIVITY
+    exact = {"a": np.array([1.0, 0, 0, 0, 0]), "b": np.array([19.0, 5, 3, 2, 1])}
+    assert c.alike_pairs(exact) == (("a", "b", 0.95),)
+    at_threshold = {"a": np.array([1e-4]), "b": np.array([2e-4])}
+    assert c.alike_pairs(at_threshold) == (("a", "b", 1.0),)
+
+    # The screen replaced: compute efficiency's effect is exactly at the threshold.
+    def screen(error, bounds):
+        return {"compute_efficiency": np.array([1e-4]), "step_overhead_s": np.array([1.0])}
+
+    monkeypatch.setattr(c, "screen", screen)
+    result = c.calibrate(closed_form, _measured(0.006, 0.4), ["compute_efficiency", "step_overhead_s"])
+    assert result.unidentifiable == () and set(result.fitted) == {"compute_efficiency", "step_overhead_s"}
+
+
+class RecordingBowl:
+    """Residuals ``scale * (x - minimum)``: a bowl whose minimum is known;
+    records every point asked, as ``RequestTimeError`` does."""
+
+    def __init__(self, minimum: list[float], scale: float) -> None:
+        self.names = tuple(f"c{i}" for i in range(len(minimum)))
+        self.minimum, self.scale = np.array(minimum), scale
+        self.evaluations: dict[tuple[float, ...], np.ndarray] = {}
+        self.asked: list[np.ndarray] = []
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        self.asked.append(np.array(x))
+        self.evaluations[tuple(np.round(x, 12))] = residuals = self.scale * (np.asarray(x) - self.minimum)
+        return residuals
+
+
+def test_the_fit_starts_from_a_25_percent_simplex_and_leaves_fixed_coefficients_at_zero():
+    """Nelder-Mead's first simplex: the start and +log(1.25) on each free
+    coefficient (coefficient 1 fixed, never moved). Control: scipy's own
+    default simplex (5 % of a nonzero start, 0.00025 at zero) differs."""
+    bowl = RecordingBowl([0.1, 0.0, -0.1], scale=1.0)
+    wide = [(-1.0, 1.0)] * 3
+    assert c._fit_free(bowl, [0, 2], wide) is False
+    step = math.log(1.25)
+    first = {tuple(np.round(x, 12)) for x in bowl.asked[:3]}
+    assert first == {(0.0, 0.0, 0.0), (round(step, 12), 0.0, 0.0), (0.0, 0.0, round(step, 12))}
+    assert all(x[1] == 0.0 for x in bowl.asked)
+    best, residuals = c._best_with(bowl, [0, 2])
+    assert best == pytest.approx([0.1, 0.0, -0.1], abs=0.005)
+    assert residuals == pytest.approx(bowl.scale * (best - bowl.minimum))
+
+
+def test_the_fit_stops_at_half_a_percent_where_the_error_is_flat():
+    """A flat bowl (squared error 1e-6 x distance^2: below ``fatol`` 1e-6
+    at once): only the simplex size stops the fit, at 0.005 (log space):
+    the best point is within it of the minimum but not much finer.
+    Control: scipy's default xatol (1e-4) would land within 2e-4."""
+    bowl = RecordingBowl([0.3, -0.2], scale=1e-3)
+    c._fit_free(bowl, [0, 1], [(-1.0, 1.0)] * 2)
+    best, _ = c._best_with(bowl, [0, 1])
+    distance = float(np.max(np.abs(best - bowl.minimum)))
+    assert 2e-4 < distance < 0.005
+
+
+def test_the_fit_goes_on_while_the_error_moves_more_than_fatol():
+    """A steep bowl in four coefficients (squared error 1e4 x distance^2):
+    the simplex reaches 0.005 long before the error's spread is under
+    1e-6, so the fit goes on to ~1e-5; it takes more than 60 simulations
+    (scipy's maxfev is 10^6 here, the budget is kvsim's)."""
+    bowl = RecordingBowl([0.2, -0.3, 0.1, 0.4], scale=100.0)
+    assert c._fit_free(bowl, [0, 1, 2, 3], [(-1.0, 1.0)] * 4) is False
+    best, _ = c._best_with(bowl, [0, 1, 2, 3])
+    # 1e4 x d^2 spread below 1e-6: d ~ 1e-5 (scipy's default fatol, 1e-4,
+    # stops near 8e-5).
+    assert float(np.max(np.abs(best - bowl.minimum))) < 2e-5
+    assert len(bowl.evaluations) > 60
+
+
+@pytest.mark.parametrize(
+    ("limits", "low", "high"),
+    [
+        # Strict limits (Gt, Lt) and inclusive ones (Ge, Le) both bind, a
+        # part in 1e9 inside; no StepTimeConfig field has a lower limit
+        # above 0 or an Lt today, so one field's limits are swapped in.
+        ([annotated_types.Gt(0.5), annotated_types.Lt(2.0)], 0.5 * (1 + 1e-9), 2.0 * (1 - 1e-9)),
+        ([annotated_types.Ge(0.5), annotated_types.Le(2.0)], 0.5 * (1 + 1e-9), 2.0 * (1 - 1e-9)),
+        ([annotated_types.Ge(0.01)], 0.1, 10.0),  # a decade each way, inside the limit
+    ],
+)
+def test_log_bounds_honour_every_kind_of_pydantic_limit(monkeypatch, limits, low, high):
+    from sim.step_time import StepTimeConfig
+
+    monkeypatch.setattr(StepTimeConfig.model_fields["sampling_s"], "metadata", limits)
+    low_x, high_x = c.log_bounds("sampling_s", 1.0)
+    assert math.exp(low_x) == pytest.approx(low, rel=1e-12) and math.exp(high_x) == pytest.approx(
+        high, rel=1e-12
+    )
+
+
+def test_times_and_residuals_are_floats_from_object_columns():
+    """A frame built from Python lists with None for "not finished" has
+    object columns: the times come out float, and a request the simulation
+    did not finish still counts 1 (NaN is replaced only in float arrays)."""
+    requests = pd.DataFrame(
+        {
+            "layout": ["on", "on"],
+            "request_id": [1, 2],
+            "arrival_s": [0.0, 1.0],
+            "first_token_s": [0.5, 1.25],
+            "finished_s": [2.0, 3.0],
+        },
+        dtype=object,
+    )
+    measured = c.finished_times(requests)
+    assert measured["ttft_s"].dtype == np.float64 and measured["e2e_s"].dtype == np.float64
+    simulated = measured.iloc[:1].astype(object)  # request 2 unfinished
+    residuals = c.relative_residuals(simulated, measured.astype(object))
+    assert residuals.dtype == np.float64 and list(residuals) == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_the_rms_of_nothing_is_nan_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert math.isnan(c.rms(np.array([])))

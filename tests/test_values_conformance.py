@@ -116,7 +116,7 @@ def test_the_clock_runs_steps_back_to_back_and_idles_to_the_next_arrival():
     run = drive(backend, requests, HALF_SECOND)
     assert run.times_s == (0.5, 1.0, 3.5)
     assert [s.running for s in run.steps] == [("r1",), ("r1", "r3"), ("r2",)]
-    assert backend.added == ["r1", "r3", "r2"] and run.stalled is False
+    assert backend.added == ["r1", "r3", "r2"] and run.stalled is False and run.backend == "scripted"
 
 
 def test_requests_arriving_together_join_in_id_order():
@@ -362,3 +362,63 @@ def test_an_unbuildable_scheduler_is_named_by_the_first_line_of_its_error(monkey
     with pytest.raises(BackendUnavailable) as caught:
         vllm_backend(scenario, plan)
     assert str(caught.value) == f"vLLM's Scheduler cannot be built (TypeError: {shown})"
+
+
+# ------------------------------------------------ the backends' own records
+def test_both_backends_hand_the_step_time_model_the_same_records():
+    """What the step-time model reads of each step (every request's
+    scheduled, computed, draft and prompt tokens; the step index; who was
+    admitted, resumed, preempted) is the same from vLLM's Scheduler as from
+    kvsim's, step for step over the long-chunked trace in lookahead mode;
+    vLLM's own ``Request`` carries each arrival time, and the hashing vLLM
+    derived is kvsim's. The records are not trivially equal: prompt chunks
+    (prompt tokens left > 0) and decodes (0) both occur."""
+    from sim.conformance.driver import conformance_scenario, kvsim_backend, plan_for, vllm_backend
+
+    scenario, requests = _long_chunked()
+    scenario = conformance_scenario(scenario, "lookahead")
+    plan = plan_for(scenario, "off")
+    kvsim, vllm = kvsim_backend(scenario, plan), vllm_backend(scenario, plan)
+    assert vllm.mtp_hashing() == kvsim.scheduler.config.mtp_hashing
+    for request in requests:
+        assert kvsim.add_request(request) and vllm.add_request(request)
+        assert vllm.scheduler.requests[request.request_id].arrival_time == request.arrival_s
+    fields = ("step_index", "scheduled", "new_request_ids", "resumed_request_ids", "preempted_request_ids")
+    prompt_rows = decode_rows = 0
+    while kvsim.has_unfinished_requests():
+        ours, theirs = kvsim.schedule(), vllm.schedule()
+        assert [getattr(ours, f) for f in fields] == [getattr(theirs, f) for f in fields], ours.step_index
+        prompt_rows += sum(r.num_prompt_tokens_left > 0 for r in theirs.scheduled)
+        decode_rows += sum(r.num_prompt_tokens_left == 0 for r in theirs.scheduled)
+        kvsim.execute(ours)
+        vllm.execute(theirs)
+    assert not vllm.has_unfinished_requests() and prompt_rows > 0 and decode_rows > 0
+    # Only the step just scheduled may be executed on kvsim's side.
+    with pytest.raises(AssertionError, match="^execute the step scheduled$"):
+        kvsim.execute(SchedulerOutput(step_index=0, scheduled=()))
+    # A prompt that leaves no room for one output token is refused by both
+    # (vLLM's input processor; kvsim's scheduler); one token less is taken.
+    limit = kvsim.scheduler.config.max_model_len
+
+    def prompt_of(tokens: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            request_id=f"p{tokens}",
+            arrival_s=0.0,
+            prompt_len=tokens,
+            output_len=1,
+            prompt_token_ids=lambda: list(range(tokens)),
+        )
+
+    assert not kvsim.add_request(prompt_of(limit)) and not vllm.add_request(prompt_of(limit))
+    assert kvsim.add_request(prompt_of(limit - 1)) and vllm.add_request(prompt_of(limit - 1))
+
+
+def test_the_backends_sample_through_the_engines_own_rng_stream():
+    """Draws match a ``kvsim run`` of the same seed: the stream is the
+    simulation's (``sim.engine``), not another of the seed's."""
+    from sim.conformance.backends import model_runner
+    from sim.engine import _runner_rng
+
+    ours, engines = model_runner((0.5,), seed=7).uniforms.rng.random(4), _runner_rng(7).random(4)
+    assert list(ours) == list(engines)
+    assert list(model_runner((0.5,), seed=8).uniforms.rng.random(4)) != list(engines)  # control: another seed

@@ -14,6 +14,7 @@ import torch
 
 from sim.analysis.runs import scenario_workload
 from sim.pool_replay import PoolCorruption, PoolReplay, replay_pool
+from sim.pool_replay.fingerprints import UNKNOWN
 from sim.scenario import load_scenario
 
 SMALL = Path(__file__).parent / "data" / "pool-replay.yaml"
@@ -152,3 +153,42 @@ def test_a_block_two_requests_hold_is_caught_before_the_second_writes_it(small, 
         rf"writes view block {s['block']} held by {s['first']}$",
         message,
     ), (message, shared)
+
+
+@pytest.mark.parametrize("layout", ["off", "on"])
+def test_a_page_changed_behind_the_allocator_is_caught_when_a_prefix_hit_reads_it(small, layout, monkeypatch):
+    """One word of a cell of the first prefix hit's first cached block (a
+    group of one slot per block, a cell somebody wrote) is flipped just
+    before the hit is checked: the hit check names the hitting request.
+    (No other check runs between the flip and the hit's.)"""
+    on_hit = PoolReplay._on_hit
+    corrupted: dict[str, object] = {}
+
+    def corrupt_then_hit(self, request_id, blocks, num_hit):
+        for group in self.groups if not corrupted else ():
+            if group.kind == "ring" or group.slots_per_block != 1:
+                continue
+            hit = [b.block_id for b in blocks.blocks[group.index] if not b.is_null]
+            for row_class in group.classes if hit else ():
+                rows = torch.nonzero(row_class.shadow[hit[0]] != UNKNOWN).flatten().tolist()
+                if rows and not corrupted:
+                    word_set = row_class.word_sets[0]
+                    index = word_set.word_index(torch.tensor([hit[0]]), torch.tensor([rows[0]]))
+                    self.words[index[0, 0, 0]] ^= 1
+                    corrupted.update(request=request_id, group=group.index, block=hit[0], row=rows[0])
+        on_hit(self, request_id, blocks, num_hit)
+
+    monkeypatch.setattr(PoolReplay, "_on_hit", corrupt_then_hit)
+    with pytest.raises(PoolCorruption) as caught:
+        replay_pool(*small[:1], layout, small[1])
+    message, c = str(caught.value), corrupted
+    assert c, "the small replay has no prefix hit to corrupt"
+    # The cell's writer is named, then the reader; flipping the word's lowest
+    # bit turns the written position p into p ^ 1.
+    found = re.match(
+        rf"^step \d+: request r\d+, group {c['group']}, .*view block {c['block']} row {c['row']} "
+        rf"when {c['request']} hits it: expected its position (\d+), found .*position (\d+)\)$",
+        message,
+    )
+    assert found, (message, c)
+    assert int(found[2]) == int(found[1]) ^ 1
