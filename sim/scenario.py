@@ -88,7 +88,9 @@ class MTPSection(StrictModel):
     (``scenarios/rig/acceptance.yaml``; ``sim.rig``). Default: the profile
     ``RIG_ACCEPTANCE_PROFILE``; rates given alone replace it."""
 
-    acceptance_rates: tuple[float, ...] = Field(default_factory=lambda: _profile_rates(RIG_ACCEPTANCE_PROFILE))
+    acceptance_rates: tuple[float, ...] = Field(
+        default_factory=lambda: _profile_rates(RIG_ACCEPTANCE_PROFILE)
+    )
     acceptance_profile: str | None = RIG_ACCEPTANCE_PROFILE
 
     @model_validator(mode="before")
