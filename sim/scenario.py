@@ -1,7 +1,8 @@
 """Scenario files: one YAML document that says what to simulate.
 
-Layered and strict: the defaults below (the fork's reference deployment on
-the rig), then the scenario file, then ``--set key=value`` overrides (dotted
+Layered and strict: the defaults below (the rig as shipped: the fork's
+v2.5.1 serving configuration, ``scripts/serve-v2.5.sh``, on vLLM 0.33.0's
+async engine loop), then the scenario file, then ``--set key=value`` overrides (dotted
 keys, values read as YAML). An unknown key anywhere is an error naming the
 key and the file. No twin in vLLM.
 """
@@ -46,7 +47,8 @@ SideCacheSwitch = Literal["off", "on"]
 class SchedulerSection(StrictModel):
     """vLLM scheduler flags (their engine-argument names)."""
 
-    max_num_batched_tokens: int = Field(8192, gt=0)
+    # The rig's --max-num-batched-tokens (vLLM's own default is 8192).
+    max_num_batched_tokens: int = Field(1024, gt=0)
     long_prefill_token_threshold: int = Field(0, ge=0)
     scheduler_reserve_full_isl: bool = True
     defer_block_free: bool = True
@@ -60,31 +62,51 @@ class EngineSection(StrictModel):
     """The engine loop. ``sync``: one step at a time, each output applied
     before the next schedule (vLLM's ``EngineCore.step``, what kvsim's
     scheduler conforms to with ``kvsim conform``). ``async``: the rig's
-    loop, vLLM 0.33.0 with async scheduling on Model Runner V2 (a batch
-    queue of pp + 1 micro-batches, ``AsyncScheduler``, the pipeline clock;
-    ``kvsim conform --engine async``)."""
+    loop and the default, vLLM 0.33.0 with async scheduling on Model Runner
+    V2 (a batch queue of pp + 1 micro-batches, ``AsyncScheduler``, the
+    pipeline clock; ``kvsim conform --engine async``)."""
 
-    mode: Literal["sync", "async"] = "sync"
+    mode: Literal["sync", "async"] = "async"
+
+
+# The rig's default serving: thinking on (serve-v2.5.sh passes
+# enable_thinking true as the chat template's default), at the card's 4 K
+# depth (the default traffic's median prompt, 8.6 K tokens, is nearer 4 K
+# than 32 K; 3.02 against 3.07 tokens per step either way).
+RIG_ACCEPTANCE_PROFILE = "thinking-on-4k"
+
+
+def _profile_rates(name: str) -> tuple[float, ...]:
+    from sim.rig import acceptance_profile
+
+    return acceptance_profile(name).acceptance_rates()
 
 
 class MTPSection(StrictModel):
     """Draft acceptance: P(draft i accepted | drafts before it accepted),
     given as rates or as a profile measured on the rig
-    (``scenarios/rig/acceptance.yaml``; ``sim.rig``)."""
+    (``scenarios/rig/acceptance.yaml``; ``sim.rig``). Default: the profile
+    ``RIG_ACCEPTANCE_PROFILE``; rates given alone replace it."""
 
-    acceptance_rates: tuple[float, ...] = (0.8, 0.7, 0.6)
-    acceptance_profile: str | None = None
+    acceptance_rates: tuple[float, ...] = Field(
+        default_factory=lambda: _profile_rates(RIG_ACCEPTANCE_PROFILE)
+    )
+    acceptance_profile: str | None = RIG_ACCEPTANCE_PROFILE
 
     @model_validator(mode="before")
     @classmethod
     def _rates_of_the_profile(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or data.get("acceptance_profile") is None:
+        if not isinstance(data, dict):
             return data
-        if "acceptance_rates" in data:
+        if "acceptance_profile" not in data:
+            # Rates alone are the user's, not the default profile's.
+            return {**data, "acceptance_profile": None} if "acceptance_rates" in data else data
+        if data["acceptance_profile"] is None:
+            return data
+        rates = _profile_rates(str(data["acceptance_profile"]))
+        # A results record (scenario.json) carries both, the rates those of the profile.
+        if "acceptance_rates" in data and tuple(data["acceptance_rates"] or ()) != rates:
             raise ValueError("give acceptance_rates or acceptance_profile, not both")
-        from sim.rig import acceptance_profile
-
-        rates = acceptance_profile(str(data["acceptance_profile"])).acceptance_rates()
         return {**data, "acceptance_rates": rates}
 
     @model_validator(mode="after")
@@ -134,6 +156,14 @@ MAX_SAMPLE_ROWS = 100_000
 SCENARIO_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
 
 
+# The rig's deployment flags where they differ from vLLM's (DeploymentConfig
+# keeps vLLM's, which `kvsim layout` reads): --block-size 4096,
+# --prefix-match-unit 64, --use-replayssm (RecoverSSM). A scenario's
+# deployment section starts from these; `block_size: null`,
+# `prefix_match_unit: null`, `use_replayssm: false` give vLLM's.
+RIG_DEPLOYMENT: dict[str, Any] = {"block_size": 4096, "prefix_match_unit": 64, "use_replayssm": True}
+
+
 class SimulationSection(StrictModel):
     # Stop at this simulated time even if requests remain (None: run dry).
     max_time_s: float | None = Field(None, gt=0, le=MAX_SIMULATED_S, allow_inf_nan=False)
@@ -168,7 +198,7 @@ class Scenario(StrictModel):
     seed: int = Field(0, ge=0, le=MAX_SEED)
     model: str = str(DEFAULT_MODEL)
     layouts: tuple[SideCacheSwitch, ...] = ("off", "on")
-    deployment: DeploymentConfig = DeploymentConfig()
+    deployment: DeploymentConfig = DeploymentConfig(**RIG_DEPLOYMENT)
     scheduler: SchedulerSection = SchedulerSection()
     engine: EngineSection = EngineSection()
     mtp: MTPSection = MTPSection()
@@ -189,6 +219,14 @@ class Scenario(StrictModel):
                 "component: letters, digits and . _ + - (not first), at most 100 characters"
             )
         return name
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rig_deployment(cls, data: Any) -> Any:
+        """A deployment section given as keys starts from the rig's flags."""
+        if isinstance(data, dict) and isinstance(data.get("deployment"), dict):
+            return {**data, "deployment": {**RIG_DEPLOYMENT, **data["deployment"]}}
+        return data
 
     @model_validator(mode="after")
     def _engine_mode_runs_here(self) -> Scenario:

@@ -30,7 +30,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from helpers.scenarios import HAND_STEP_TIME, RecordingBar
+from helpers.scenarios import HAND_STEP_TIME, RecordingBar, pre_rig
 
 import sim.engine
 from sim.analysis.frames import frames
@@ -51,13 +51,15 @@ def hand_scenario_file(tmp_path_factory) -> Path:
     path: Path = tmp_path_factory.mktemp("timeline") / "timeline.yaml"
     path.write_text(
         yaml.safe_dump(
-            {
-                "name": "timeline",
-                "seed": 0,
-                "mtp": {"acceptance_rates": [0.0, 0.0, 0.0]},
-                "simulation": {"sample_interval_s": None, "check_invariants": True},
-                "step_time": HAND_STEP_TIME,
-            }
+            pre_rig(
+                {
+                    "name": "timeline",
+                    "seed": 0,
+                    "mtp": {"acceptance_rates": [0.0, 0.0, 0.0]},
+                    "simulation": {"sample_interval_s": None, "check_invariants": True},
+                    "step_time": HAND_STEP_TIME,
+                }
+            )
         )
     )
     return path

@@ -144,6 +144,69 @@ def test_the_shipped_scenario_is_the_deployment():
     assert (plan.kv_cache_tokens, plan.hash_block_size) == (924_993, 64)
 
 
+# serve-v2.5.sh as exec'd (halt95/qwen38-flash-next-3090s; /work/shared/notes/
+# fork-patch-series.md section 4): no --async-scheduling flag, but vLLM 0.33.0
+# on Model Runner V2 under PP schedules asynchronously (docs/fidelity.md).
+SERVE_V25 = {"max_num_seqs": 8, "kv_cache_memory_bytes": 4_100_000_000, "block_size": 4096}
+SERVE_V25_UNIT, SERVE_V25_BUDGET = 64, 1024
+
+
+def _sections(scenario):
+    d = scenario.deployment
+    return (
+        (d.max_num_seqs, d.kv_cache_memory_bytes, d.block_size, d.prefix_match_unit, d.use_replayssm),
+        scenario.scheduler.max_num_batched_tokens,
+        scenario.engine.mode,
+        scenario.max_concurrent_batches,
+    )
+
+
+RIG = ((8, 4_100_000_000, 4096, SERVE_V25_UNIT, True), SERVE_V25_BUDGET, "async", 3)
+
+
+def test_the_scenario_defaults_are_the_rig_as_shipped(tmp_path):
+    """Issue 21.1: a scenario that says nothing runs serve-v2.5.sh's flags on
+    the async loop (a batch queue of pp + 1 = 3), MTP at the card's thinking-on
+    4 K acceptance (1 + r + r^2 + r^3 = 3.02 tokens per step, BENCH-CARD
+    2026-09-17). CONTROL: the tests' pinned old defaults (PRE_RIG) are not."""
+    bare = load_scenario(str(write_scenario(tmp_path, "bare", rig=True)))
+    assert _sections(bare) == RIG
+    assert bare.mtp.acceptance_profile == "thinking-on-4k"
+    r = bare.mtp.acceptance_rates[0]
+    assert bare.mtp.acceptance_rates == (r, r, r) and abs(1 + r + r**2 + r**3 - 3.02) < 1e-5
+    plan = plan_kv_cache(bare.load_model(), bare.deployment, side_cache_layout=True)
+    assert (plan.kv_cache_tokens, plan.num_blocks, plan.hash_block_size) == (924_993, 248, 64)
+    old = load_scenario(str(write_scenario(tmp_path, "old")))
+    assert _sections(old) == ((8, 4_100_000_000, None, None, False), 8192, "sync", 2)
+    assert old.mtp.acceptance_rates == (0.8, 0.7, 0.6) and old.mtp.acceptance_profile is None
+
+
+def test_a_partial_deployment_section_keeps_the_rigs_block_flags(tmp_path):
+    """The defaults hold key by key: 32 sequences keep block 4096, unit 64,
+    RecoverSSM; null gives vLLM's (the computed block: the layout-alone pool
+    853,994). Rates given alone replace the default profile."""
+    given = {"max_num_seqs": 32}
+    partial = load_scenario(str(write_scenario(tmp_path, "p", rig=True, deployment=given)))
+    d = partial.deployment
+    assert (d.max_num_seqs, d.block_size, d.prefix_match_unit, d.use_replayssm) == (32, 4096, 64, True)
+    stock = {**given, "block_size": None, "prefix_match_unit": None, "use_replayssm": False}
+    vllms = load_scenario(str(write_scenario(tmp_path, "v", rig=True, deployment=stock)))
+    plan = plan_kv_cache(vllms.load_model(), vllms.deployment, side_cache_layout=True)
+    assert (plan.block_size, plan.kv_cache_tokens) == (3200, 853_994)
+    rates = load_scenario(str(write_scenario(tmp_path, "r", rig=True, mtp={"acceptance_rates": [0.5] * 3})))
+    assert (rates.mtp.acceptance_rates, rates.mtp.acceptance_profile) == ((0.5, 0.5, 0.5), None)
+
+
+def test_the_default_scenario_spells_out_the_defaults(tmp_path):
+    """scenarios/default.yaml names every rig setting it runs, and they are
+    the scenario defaults; old-defaults.yaml is the control."""
+    default, bare = load_scenario("default"), load_scenario(str(write_scenario(tmp_path, rig=True)))
+    assert _sections(default) == _sections(bare) == RIG
+    assert default.mtp == bare.mtp
+    old = load_scenario("old-defaults")
+    assert _sections(old) == ((16, 4_100_000_000, None, None, False), 8192, "sync", 2)
+
+
 def test_the_unit_reaches_vllms_managers_and_the_hasher(flash_next):
     """The plan's hash block is what vLLM's KVCacheManager hashes on, and
     its coordinator turns sub-block (partial) hits on, as vLLM's engine core

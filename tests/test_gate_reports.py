@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from helpers.scenarios import HAND_STEP_TIME, RecordingBar
+from helpers.scenarios import HAND_STEP_TIME, RecordingBar, pre_rig
 
 from sim.analysis import gates
 from sim.analysis.gates import GateReport, load_gates, run_gates, select, write_report
@@ -79,7 +79,7 @@ EXPECTED_ROWS = [
 
 
 def write_gates(directory: Path, text: str = GATES) -> Path:
-    (directory / "tiny.yaml").write_text(yaml.safe_dump(TINY, sort_keys=False))
+    (directory / "tiny.yaml").write_text(yaml.safe_dump(pre_rig(TINY), sort_keys=False))
     path = directory / "gates.yaml"
     path.write_text(text)
     return path

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.scenarios import pre_rig
 
 import sim.engine
 from sim.analysis import gates
@@ -56,7 +57,7 @@ gates:
 
 
 def write_gates(directory: Path, text: str = GATES) -> Path:
-    (directory / "tiny.yaml").write_text(yaml.safe_dump(TINY, sort_keys=False))
+    (directory / "tiny.yaml").write_text(yaml.safe_dump(pre_rig(TINY), sort_keys=False))
     path = directory / "gates.yaml"
     path.write_text(text)
     return path

@@ -33,7 +33,12 @@ from sim.results import write_results
 TINY_SCENARIO = """\
 name: tiny
 seed: 0
-deployment: {max_num_seqs: 32}
+deployment: {max_num_seqs: 32, block_size: null, prefix_match_unit: null, use_replayssm: false}
+# kvsim's old defaults (tests/helpers/scenarios.py PRE_RIG), where the
+# figures' shapes were drawn.
+scheduler: {max_num_batched_tokens: 8192}
+engine: {mode: sync}
+mtp: {acceptance_rates: [0.8, 0.7, 0.6]}
 workload:
   trace: synthetic
   num_requests: 40

@@ -159,7 +159,8 @@ def test_a_record_changed_by_hand_is_refused_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"^r/scenario.json: workload: prefix_unit: not used by mooncake"):
         scenario_from_record(data, "r/scenario.json")
     data = scenario_to_dict(load_scenario("default"))
-    data["mtp"]["acceptance_rates"] = [0.5]
+    # The default's rates come from the rig's profile: rates by hand drop it.
+    data["mtp"].update(acceptance_rates=[0.5], acceptance_profile=None)
     with pytest.raises(ConfigError, match="r/scenario.json: mtp.acceptance_rates: 1 rates given"):
         scenario_from_record(data, "r/scenario.json")
     with pytest.raises(ConfigError, match="expected a mapping"):

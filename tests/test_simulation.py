@@ -93,7 +93,10 @@ def test_allocator_invariants_hold_after_every_step_of_the_default_scenario(defa
     layouts (a broken one raises inside the run)."""
     summary = default_run_checked.summary.set_index("layout")
     assert (summary["num_finished"] == summary["num_requests"]).all()
-    assert summary.loc["off", "num_preemptions"] > 0  # the pool is under pressure
+    # The pool cycles: cached blocks are evicted to make room (on the rig's
+    # 8 sequences the pool never runs out, so nothing is preempted; the
+    # old defaults' 16 sequences preempted 14 times).
+    assert (summary["prefix_cache_evicted_blocks"] > 1000).all()
 
 
 def test_littles_law_on_a_stable_run(tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from helpers.scenarios import pre_rig
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -52,7 +53,7 @@ NUM_RUNS = 6
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("scenario") / "tiny.yaml"
-    path.write_text(yaml.safe_dump(TINY, sort_keys=False))
+    path.write_text(yaml.safe_dump(pre_rig(TINY), sort_keys=False))
     return path
 
 

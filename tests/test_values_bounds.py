@@ -54,6 +54,8 @@ PP_PAST = {"deployment": {"pipeline_parallel_size": 1025, "layer_partition": [1]
 
 # (model class, key, value at the bound, value one past it, base settings).
 # Lower bounds (gt=0: 1 and 0; ge=0: 0 and -1) and upper bounds alike.
+NO_UNIT = {"deployment": {"prefix_match_unit": None}}
+NO_BLOCK = {"deployment": {"block_size": None}}
 SCENARIO_BOUNDS: list[tuple[type[BaseModel], str, Any, Any, dict]] = [
     (config_module.DeploymentConfig, "deployment.tensor_parallel_size", 1, 0, {}),
     (config_module.DeploymentConfig, "deployment.tensor_parallel_size", 1024, 1025, {}),
@@ -72,13 +74,28 @@ SCENARIO_BOUNDS: list[tuple[type[BaseModel], str, Any, Any, dict]] = [
     (config_module.DeploymentConfig, "deployment.max_num_seqs", 1, 0, {}),
     (config_module.DeploymentConfig, "deployment.decode_context_parallel_size", 1, 0, {}),
     (config_module.DeploymentConfig, "deployment.decode_context_parallel_size", 1024, 1025, {}),
-    (config_module.DeploymentConfig, "deployment.block_size", 1, 0, {}),
+    # The rig's 64-token prefix-match unit divides neither a 1-token block
+    # nor a 4,096-token block's bound: each row frees the other key.
+    (config_module.DeploymentConfig, "deployment.block_size", 1, 0, NO_UNIT),
     (config_module.DeploymentConfig, "deployment.prefix_match_unit", 1, 0, {}),
     (config_module.DeploymentConfig, "deployment.block_size", TEN_M_TOKENS, TEN_M_TOKENS + 1, {}),
-    (config_module.DeploymentConfig, "deployment.prefix_match_unit", TEN_M_TOKENS, TEN_M_TOKENS + 1, {}),
+    (
+        config_module.DeploymentConfig,
+        "deployment.prefix_match_unit",
+        TEN_M_TOKENS,
+        TEN_M_TOKENS + 1,
+        NO_BLOCK,
+    ),
     (scenario_module.SchedulerSection, "scheduler.max_num_batched_tokens", 1, 0, {}),
     (scenario_module.SchedulerSection, "scheduler.long_prefill_token_threshold", 0, -1, {}),
-    (scenario_module.SchedulerSection, "scheduler.max_concurrent_batches", 1, 0, {}),
+    # Explicit only on the synchronous loop (async derives pp + 1).
+    (
+        scenario_module.SchedulerSection,
+        "scheduler.max_concurrent_batches",
+        1,
+        0,
+        {"engine": {"mode": "sync"}},
+    ),
     (scenario_module.SimulationSection, "simulation.max_time_s", SMALLEST, 0.0, {}),
     (scenario_module.SimulationSection, "simulation.max_time_s", YEAR_S, NEXT_UP(YEAR_S, math.inf), {}),
     (scenario_module.SimulationSection, "simulation.sample_interval_s", SMALLEST, 0.0, {}),

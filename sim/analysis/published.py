@@ -33,7 +33,10 @@ PUBLISHED = SCENARIOS_DIR / "rig" / "published.yaml"
 Metric = Literal["decode_interval_ms", "tokens_per_step", "decode_tok_s", "ttft_s", "prefill_tok_s"]
 # The fork's serving settings (benchmarks/2026-09-17/BENCH-CARD.md, fingerprint).
 RIG_SCHEDULER = {"max_num_batched_tokens": 1024}
-RIG_DEPLOYMENT = {"max_num_seqs": 8}
+# The card's deployment (2026-09-17, v2): the planner's computed block
+# (pool 806,792), hits on the block, no RecoverSSM; not the scenario
+# defaults (v2.5.1's block flags).
+RIG_DEPLOYMENT = {"max_num_seqs": 8, "block_size": None, "prefix_match_unit": None, "use_replayssm": False}
 
 
 class Figure(StrictModel):
