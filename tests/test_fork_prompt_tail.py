@@ -12,13 +12,11 @@ failing control is retention off: a burst then evicts it.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
-from helpers.fork import BLOCK, decode, hybrid_manager, prefill, tokens
+from helpers.fork import BLOCK, decode, hybrid_manager, partial_hit_split, prefill, tokens
 
 from sim.fork_patches import ForkPatches
-from sim.vllm_bridge import Request, SamplingParams, Scheduler, get_request_block_hasher, sha256
+from sim.vllm_bridge import Request, SamplingParams, get_request_block_hasher, sha256
 
 UNIT = 8
 MAMBA = 1
@@ -31,30 +29,9 @@ def _request(request_id: str, token_ids: list[int], unit: int = UNIT) -> Request
     return Request(request_id, token_ids, params, None, block_hasher=hasher)
 
 
-def _split(req: Request, num_new: int, num_hit: int, unit: int) -> int:
-    """vLLM 0.33.0's split with fine-grained (partial) hits on, as its
-    Scheduler sets ``mamba_partial_cache_hit`` when the unit is below the
-    block: a chunk also stops at the prompt's tail key."""
-    stub = SimpleNamespace(
-        block_size=BLOCK,
-        hash_block_size=unit,
-        cache_config=SimpleNamespace(block_size=BLOCK),
-        use_eagle_block_drop=True,
-        num_hash_lookahead_tokens=0,
-        num_prefill_lookahead=0,
-        max_num_scheduled_tokens=8192,
-        scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
-        mamba_partial_cache_hit=unit < BLOCK,
-        mamba_shared_prefix_checkpoint=False,
-        mamba_has_prefill_checkpoint_blocks=False,
-        mamba_prefill_checkpoint_alignment=None,
-    )
-    return Scheduler._mamba_block_aligned_split(stub, req, num_new, num_hit)
-
-
 def _prefill(manager, req: Request, unit: int = UNIT) -> list[int]:
     chunks: list[int] = []
-    prefill(manager, req, split=lambda r, n, hit: _split(r, n, hit, unit), chunks=chunks)
+    prefill(manager, req, split=partial_hit_split(unit), chunks=chunks)
     return chunks
 
 

@@ -17,9 +17,11 @@ Two rigs, with the fork tests' sizes:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
+from helpers import allocator
 from helpers.fork import mamba_spec
 from sim.fork_patches import AS_SHIPPED, ForkPatches
 from sim.kv_cache_manager import KVCacheManager, MTPHashing
@@ -117,46 +119,22 @@ def drain_copies(manager: KVCacheManager) -> None:
 
 
 def prefill(manager: KVCacheManager, req: Request) -> int:
-    """The prompt in the split's chunks; returns the admitted hit."""
+    """The prompt in the partial-hit split's chunks, no admission gate, the
+    copy refs released after each step; returns the admitted hit."""
     split = MambaAlignedSplit(
         block_size=BLOCK, max_num_scheduled_tokens=8192, hash_block_size=UNIT, partial_hash_hits=True
     )
-    computed, num_hit, _ = manager.get_computed_blocks(req)
-    first = True
-    while req.num_computed_tokens < req.num_tokens:
-        start = req.num_computed_tokens + (num_hit if first else 0)
-        num_new = split(req, req.num_tokens - start, num_hit if first else 0)
-        assert num_new > 0
-        blocks = manager.allocate_slots(
-            req,
-            num_new,
-            num_new_computed_tokens=num_hit if first else 0,
-            new_computed_blocks=computed if first else None,
-            num_lookahead_tokens=K,
-        )
-        assert blocks is not None, "a prefill chunk did not fit"
-        req.num_computed_tokens = start + num_new
-        manager.new_step_starts()
-        drain_copies(manager)
-        first = False
+    settle = partial(drain_copies, manager)
+    num_hit = allocator.prefill(
+        manager, req, 8192, trace=settle, check=False, split=split, admission_gate=False
+    )
+    assert num_hit is not None, "a prefill chunk did not fit"
     return num_hit
 
 
 def decode(manager: KVCacheManager, req: Request, steps: int) -> None:
     """MTP decode steps (the last token and K drafts), none accepted."""
-    next_token = 50_000 + len(req.output_token_ids)
-    if req.num_computed_tokens == req.num_tokens:
-        req.append_output_token_ids(next_token)
-        next_token += 1
-    for _ in range(steps):
-        req.spec_token_ids = [next_token + i for i in range(K)]
-        assert manager.allocate_slots(req, 1 + K, num_lookahead_tokens=K) is not None, "a decode did not fit"
-        req.spec_token_ids = []
-        req.num_computed_tokens += 1
-        req.append_output_token_ids([next_token])
-        next_token += 1
-        manager.new_step_starts()
-        drain_copies(manager)
+    allocator.decode(manager, req, steps, trace=partial(drain_copies, manager), check=False)
 
 
 def run(manager: KVCacheManager, req: Request, decode_steps: int = 2) -> int:
