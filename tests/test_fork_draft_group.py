@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers.allocator import TINY_MODEL, tiny_plan
-from helpers.fork import mamba_spec, prefill, unit_request
+from helpers.fork import mamba_spec, partial_hit_split, prefill, unit_request
 
 from sim.config import DeploymentConfig, load_model
 from sim.fork_patches import ForkPatches
@@ -37,7 +37,6 @@ from sim.vllm_bridge import (
     KVCacheGroupSpec,
     MambaManager,
     MambaSpec,
-    Scheduler,
     engine_config,
     init_none_hash,
     planning,
@@ -182,24 +181,9 @@ BLOCK, UNIT = 1024, 64
 PREFIX = list(range(1, 20_001))
 
 
-def _split(req, num_new: int, num_hit: int) -> int:
-    """vLLM 0.33.0's split with partial hits on (the unit is below the
-    block): it stops at the prompt's tail key, under the drop."""
-    stub = SimpleNamespace(
-        block_size=BLOCK,
-        hash_block_size=UNIT,
-        cache_config=SimpleNamespace(block_size=BLOCK),
-        use_eagle_block_drop=True,
-        num_hash_lookahead_tokens=0,
-        num_prefill_lookahead=0,
-        max_num_scheduled_tokens=1 << 20,
-        scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
-        mamba_partial_cache_hit=True,
-        mamba_shared_prefix_checkpoint=False,
-        mamba_has_prefill_checkpoint_blocks=False,
-        mamba_prefill_checkpoint_alignment=None,
-    )
-    return Scheduler._mamba_block_aligned_split(stub, req, num_new, num_hit)
+# vLLM 0.33.0's split with partial hits on (the unit is below the block): it
+# stops at the prompt's tail key, under the drop.
+_split = partial_hit_split(UNIT, block=BLOCK, max_num_scheduled_tokens=1 << 20)
 
 
 def _sibling_hit(prompt_len: int, *, draft_group_identified: bool, before_0063: bool = False) -> int:

@@ -128,21 +128,23 @@ def admission_need(manager: KVCacheManager, req: Request, computed=None, num_hit
     )
 
 
-def partial_hit_split(unit: int, *, use_eagle_block_drop: bool = True) -> Callable[[Request, int, int], int]:
+def partial_hit_split(
+    unit: int, *, block: int = BLOCK, max_num_scheduled_tokens: int = 8192, use_eagle_block_drop: bool = True
+) -> Callable[[Request, int, int], int]:
     """vLLM 0.33.0's ``Scheduler._mamba_block_aligned_split`` (Mamba block
-    ``BLOCK``) with partial hits on, as its Scheduler sets
+    ``block``) with partial hits on, as its Scheduler sets
     ``mamba_partial_cache_hit`` when the hash ``unit`` is below the block: a
     chunk also stops at the prompt's tail key."""
     stub = SimpleNamespace(
-        block_size=BLOCK,
+        block_size=block,
         hash_block_size=unit,
-        cache_config=SimpleNamespace(block_size=BLOCK),
+        cache_config=SimpleNamespace(block_size=block),
         use_eagle_block_drop=use_eagle_block_drop,
         num_hash_lookahead_tokens=0,
         num_prefill_lookahead=0,
-        max_num_scheduled_tokens=8192,
+        max_num_scheduled_tokens=max_num_scheduled_tokens,
         scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
-        mamba_partial_cache_hit=unit < BLOCK,
+        mamba_partial_cache_hit=unit < block,
         mamba_shared_prefix_checkpoint=False,
         mamba_has_prefill_checkpoint_blocks=False,
         mamba_prefill_checkpoint_alignment=None,
