@@ -101,7 +101,7 @@ class Simulation:
         self.core: EngineCore | BatchQueueEngineCore
         self.clock: SerialClock | PipelineClock
         if scenario.engine.mode == "async":
-            self._build_async_engine(config)
+            self._build_async_engine(config, steady_lane)
         else:
             self.scheduler = Scheduler(config, self.kv_cache_manager, fast_path=scenario.simulation.fast_path)
             self.core = EngineCore(self.scheduler, self.model_runner, steady_lane=steady_lane)
@@ -120,16 +120,17 @@ class Simulation:
         self._num_pending_follow_ups = 0
         self.recording = Recording(scenario=scenario.name, layout=layout, plan=self.plan.to_dict())
 
-    def _build_async_engine(self, config: SchedulerConfig) -> None:
+    def _build_async_engine(self, config: SchedulerConfig, steady_lane: bool) -> None:
         """The rig's loop: ``AsyncScheduler`` with a decode stagger of pp, a
-        batch queue of pp + 1 micro-batches, the pipeline clock (the fast
-        path without its steady lane: ``sim/sched/async_scheduler.py``)."""
+        batch queue of pp + 1 micro-batches, the pipeline clock."""
         pp = self.scenario.deployment.pipeline_parallel_size
         scheduler = AsyncScheduler(
             config, self.kv_cache_manager, decode_stagger=pp, fast_path=self.scenario.simulation.fast_path
         )
         self.scheduler = scheduler
-        self.core = BatchQueueEngineCore(scheduler, self.model_runner, self.scenario.max_concurrent_batches)
+        self.core = BatchQueueEngineCore(
+            scheduler, self.model_runner, self.scenario.max_concurrent_batches, steady_lane=steady_lane
+        )
         self.clock = PipelineClock(pp, self.step_time.stage_s, self.step_time.handoff_s)
 
     # ------------------------------------------------------------------- run

@@ -98,7 +98,9 @@ class _KvsimEngine:
         state = _state(
             call,
             placeholders={
-                rid: s.requests[rid].num_output_placeholders for rid in _ids(scheduled) if rid in s.requests
+                rid: self.core.num_output_placeholders(s.requests[rid])
+                for rid in _ids(scheduled)
+                if rid in s.requests
             },
             finished=sorted(call.outcome.finished) if call.outcome else [],
             running=[r.request_id for r in s.running],

@@ -21,9 +21,10 @@ scheduled while the steps before it are still in flight, so
   ``processed_step_seq += 1``): with ``max_concurrent_batches`` = pp + 1 the
   fence lags the schedule by pp micro-batches.
 
-The fast path (``fast_path.py``) works here too, but for the steady lane
-(its bookkeeping assumes every output is applied before the next
-schedule): a decode's settled ``allocate_slots`` calls span from its
+The fast path (``fast_path.py``) works here too, its steady lane as
+``async_steady.py`` (it keeps the counters above aside for its requests;
+``_finish_schedule`` leaves the decodes it took to it): a decode's settled
+``allocate_slots`` calls span from its
 processed tokens (behind those in flight, where vLLM frees skipped blocks)
 to its lookahead; its ``cache_blocks`` calls are at the processed tokens;
 and a preempted request whose stale output drains voids the known-idle
@@ -87,7 +88,11 @@ class AsyncScheduler(Scheduler):
         self._finished_since_schedule = False
         self._step_seqs.append((output.step_index, self.sched_step_seq))
         self.last_samples = {}
+        taken = step.steady.taken
         for item in output.scheduled:
+            if item.request_id in taken:  # the steady lane keeps its counters
+                self.last_samples[item.request_id] = True
+                continue
             request = self.requests[item.request_id]
             request.num_in_flight_tokens += item.num_scheduled_tokens
             self.last_samples[item.request_id] = not request.is_prefill_chunk

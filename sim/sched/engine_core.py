@@ -18,7 +18,8 @@ there: ``begin_step`` (up to the block) and ``end_step`` (after it), so the
 one engine loop (``engine_loop.py``) lets the step's time pass in between,
 on whatever clock its caller keeps. ``step`` makes the whole call at once
 (callers without a clock). Steady decode steps take kvsim's fast lane
-(``steady.py``) when the fast path is on. Plain Python: no SimPy.
+(``steady.py``; ``async_steady.py`` in the batch queue) when the fast path
+is on. Plain Python: no SimPy.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from sim.sched.async_scheduler import AsyncScheduler
 from sim.sched.model_runner import ModelRunner
 from sim.sched.output import ModelRunnerOutput, SchedulerOutput, StepOutcome
 from sim.sched.scheduler import Scheduler
+from sim.vllm_bridge import Request
 
 
 @dataclass(frozen=True)
@@ -141,12 +143,19 @@ class BatchQueueEngineCore:
     them (the draws follow the schedule order, as the outputs do)."""
 
     def __init__(
-        self, scheduler: AsyncScheduler, model_runner: ModelRunner, max_concurrent_batches: int
+        self,
+        scheduler: AsyncScheduler,
+        model_runner: ModelRunner,
+        max_concurrent_batches: int,
+        *,
+        steady_lane: bool = True,
     ) -> None:
         self.scheduler = scheduler
         self.model_runner = model_runner
         self.max_concurrent_batches = max_concurrent_batches
         self.batch_queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+        # The async steady lane (``async_steady.py``; rule 5 as in sync mode).
+        self.steady = scheduler.fast_path.make_async_lane() if steady_lane else None
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests() or bool(self.batch_queue)
@@ -158,7 +167,8 @@ class BatchQueueEngineCore:
         scheduler = self.scheduler
         if not scheduler.has_requests():
             return EngineCall(None, waits=bool(self.batch_queue), idle=not self.batch_queue)
-        scheduled = scheduler.schedule()
+        steady = self.steady
+        scheduled = scheduler.schedule() if steady is None else steady.schedule()
         self.batch_queue.appendleft((scheduled, self._execute(scheduled)))
         samples = any(scheduler.last_samples.values())
         if len(self.batch_queue) < self.max_concurrent_batches and (
@@ -172,7 +182,10 @@ class BatchQueueEngineCore:
         it scheduled and applied nothing and only empty steps are in flight."""
         output, sampled = self.batch_queue.pop()
         call.processed, call.sampled = output, sampled
-        call.outcome = self.scheduler.update_from_output(output, sampled)
+        if self.steady is None:
+            call.outcome = self.scheduler.update_from_output(output, sampled)
+        else:
+            call.outcome = self.steady.complete(output, sampled)
         scheduled = call.scheduled
         call.idle = (
             (scheduled is None or scheduled.is_empty) and output.is_empty and self.only_empty_in_flight()
@@ -189,7 +202,16 @@ class BatchQueueEngineCore:
         return all(output.is_empty for output, _ in self.batch_queue)
 
     def flush(self) -> None:
-        """Nothing kept aside (no steady lane in async mode)."""
+        """Hand the steady requests their state (call this before reading
+        the requests between calls)."""
+        if self.steady is not None:
+            self.steady.flush()
+
+    def num_output_placeholders(self, request: Request) -> int:
+        """``request``'s output placeholders, the steady lane's if it keeps them."""
+        if self.steady is None:
+            return request.num_output_placeholders
+        return self.steady.num_output_placeholders(request)
 
     def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """What the workers will sample: a request samples unless its chunk

@@ -9,7 +9,8 @@ when ``simulation.fast_path`` is off, so the scheduler never branches on it):
   call in a block's window is made, the next are skipped;
 - **the steady lane** (``steady.py``): a request whose decode steps are alike
   keeps its tokens aside and is scheduled as it is, past the running loop's
-  arithmetic (``EngineCore`` makes it with ``make_lane``);
+  arithmetic (``EngineCore`` makes it with ``make_lane``; in async mode
+  ``BatchQueueEngineCore`` makes ``async_steady.py``'s with ``make_async_lane``);
 - **known-idle waiting loops**: a waiting loop that admitted nobody admits
   nobody again while its inputs, its head and the allocator are unchanged
   (the allocator's version counts the calls that may change it).
@@ -72,14 +73,17 @@ is broken:
    first; the pool replay's observer relies on it).
    ``tests/test_fast_path.py::test_every_gate_scenario_gives_the_same_frames_with_and_without_the_fast_path``.
 
-9. In async mode (``AsyncScheduler``, no steady lane) a decode's
+9. In async mode (``AsyncScheduler``; the lane is ``async_steady.py``) a decode's
    ``allocate_slots`` reads back to its processed tokens, behind the
    tokens in flight (vLLM frees skipped blocks there), so its window spans
    from them (``Scheduler.decode_span``); its ``cache_blocks`` calls are at
    the processed tokens. A preempted request's stale output draining
    changes what the waiting loop reads without an allocator call: it voids
-   the memo (``waiting_request_changes``).
-   ``tests/test_fast_path.py::test_the_check_catches_an_async_window_blind_to_the_tokens_in_flight``.
+   the memo (``waiting_request_changes``). The async lane keeps a decode's
+   in-flight tokens, placeholders and stagger; its window is the same span.
+   ``tests/test_fast_path.py::test_the_check_catches_an_async_window_blind_to_the_tokens_in_flight``,
+   ``tests/test_async_steady.py::test_the_check_catches_an_async_lane_blind_to_the_tokens_in_flight``,
+   ``::test_a_lane_that_ignores_the_stagger_fails_the_conformance_gate``.
 
 Every rule is also checked whole, in both engine modes: every gate scenario's frames are the same
 with the fast path off, and the conformance driver steps the lane against
@@ -93,8 +97,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from sim.allocator_invariants import allocator_snapshot
+from sim.sched.async_steady import AsyncSteadyDecode
 from sim.sched.settled import SettledSteps
-from sim.sched.steady import SteadyDecode
+from sim.sched.steady import SKIP, SteadyDecode
 
 if TYPE_CHECKING:
     from sim.sched.model_runner import ModelRunner
@@ -147,6 +152,11 @@ class FastPath:
     def make_lane(self, model_runner: ModelRunner) -> SteadyDecode | None:
         """The steady lane for an engine core (``EngineCore`` makes one)."""
         return SteadyDecode(self.scheduler, self, model_runner) if self.use_lane else None
+
+    def make_async_lane(self) -> AsyncSteadyDecode | None:
+        """The steady lane for a batch-queue engine core (async mode)."""
+        scheduler = self.scheduler
+        return AsyncSteadyDecode(scheduler, self) if self.use_lane else None  # type: ignore[arg-type]
 
     # ------------------------------------------------------ settled calls
     def skips_allocation(self, request: Request, num_new: int, num_lookahead: int) -> bool:
@@ -276,6 +286,9 @@ class NoFastPath:
     def make_lane(self, model_runner: ModelRunner) -> SteadyDecode | None:
         return None
 
+    def make_async_lane(self) -> AsyncSteadyDecode | None:
+        return None
+
     def skips_allocation(self, request: Request, num_new: int, num_lookahead: int) -> bool:
         return False
 
@@ -358,6 +371,9 @@ class FastPathScheduling:
             item = items.get(request_id)
             if item is None:
                 break
+            if item is SKIP:  # async: its stagger holds it back, as the running loop's skip would
+                index += 1
+                continue
             num_new = item.num_scheduled_tokens
             if step.token_budget < num_new or 0 < threshold < num_new:
                 steady.hand_over(running[index])

@@ -65,6 +65,10 @@ class SteadyItems:
     taken: set[str] = field(default_factory=set)
 
 
+# The async lane's offer for a kept request its decode stagger holds back
+# this step: the running loop passes over it, as it would (``async_steady.py``).
+SKIP = object()
+
 # A step with no steady decodes (never mutated: with no items nothing is taken).
 NO_STEADY = SteadyItems(items={}, hand_over=lambda request: None)
 

@@ -13,7 +13,7 @@ from sim.analysis.runs import scenario_workload
 from sim.engine import Simulation
 from sim.paths import SCENARIOS_DIR
 from sim.scenario import load_scenario
-from sim.sched.engine_core import EngineCore
+from sim.sched.engine_core import BatchQueueEngineCore, EngineCore
 from sim.sched.fast_path import AuditCounts, FastPath
 
 
@@ -44,8 +44,12 @@ def audited(simulation: Simulation, *, lane: bool) -> AuditCounts:
     assert isinstance(fast_path, FastPath)
     fast_path.audit = True
     fast_path.use_lane = lane
-    if isinstance(simulation.core, EngineCore):  # the batch queue has no lane
+    # Rebuilt so the core makes its lane (or none) with the switch as set.
+    core = simulation.core
+    if isinstance(core, EngineCore):
         simulation.core = EngineCore(simulation.scheduler, simulation.model_runner)
+    else:
+        simulation.core = BatchQueueEngineCore(core.scheduler, core.model_runner, core.max_concurrent_batches)
     return fast_path.audited
 
 
