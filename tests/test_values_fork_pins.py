@@ -265,3 +265,32 @@ def test_0095s_head_rule_yields_the_pins_behind_the_head(fork):
         assert isinstance(scheduler.pins, SchedulerPins)
         assert len(manager.pinned_hit_blocks("W")) == 3 and pool.get_num_free_blocks() == 8
     assert "H" in _ids(step(scheduler))
+
+
+@pytest.mark.parametrize(
+    ("reused", "released"), [(16, ["B", "A"]), (48, ["A"])], ids=["retained-longer", "whole-hit"]
+)
+def test_a_group_retaining_a_longer_hit_is_matched_on_the_blocks_it_adopts(reused, released):
+    """vLLM trims a group that retains a longer hit (a host tier) to the
+    reused tokens' blocks, cdiv(reused, 16). A (48 tokens: X1, A2, A3) and B
+    (X1, B2, admitted on A's X1 while A ran) hold graces. H is offered A's
+    three blocks but reuses 16 tokens: its adopted hit is X1, held by both
+    graces, and 16 + 2 x 16 reaches both prompts: both go. Control: reusing
+    all 48, the deepest block A3 is A's alone: B keeps its grace."""
+    scheduler = grace_scheduler(64)
+    manager = scheduler.kv_cache_manager
+    x = tuple(range(500, 516))
+    a = Spec("A", x + tuple(range(1000, 1032)), 3)
+    scheduler.add_request(a)
+    step(scheduler)
+    scheduler.add_request(Spec("B", x + tuple(range(2000, 2016)), 1))
+    assert step(scheduler).admitted_hits["B"] == 16
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+    assert manager.grace_order() == ["B", "A"]
+    manager.retained_hit_group_ids = (0,)
+    h = request("H", [*a.tokens, 7, 7, *range(3000, 3040)], unit=16)
+    hit, num_hit, _ = manager.get_computed_blocks(h)
+    assert num_hit == 48
+    assert manager.allocate_slots(h, h.num_tokens - reused, reused, hit) is not None
+    assert [rid for rid in ("B", "A") if rid not in manager.grace_order()] == released
