@@ -18,6 +18,7 @@ from helpers.fork import BLOCK, MAMBA_GROUPS, hybrid_manager
 
 from sim.fork_patches import ForkPatches
 from sim.single_type_kv_cache_manager import PartialTailHoldingMambaManager, RetainingMambaManager
+from sim.vllm_bridge import MambaManager
 
 RETAIN_ONLY = ForkPatches(mamba_hold_partial_tail=False)
 
@@ -88,3 +89,22 @@ def test_only_a_hashed_state_is_held_and_a_moved_source_is_followed_by_others_on
     mamba._follow_moved_hash("O", source, copy)
     assert mamba.retained_checkpoints() == {"O": own, "S": copy, "U": other}
     assert (source.ref_cnt, copy.ref_cnt) == (1, 2)
+
+
+def test_the_checkpoint_term_is_added_at_the_full_sequence_gate_only():
+    """vLLM's own Mamba estimate is the expected value: a step's count is
+    upstream's, the gate's (``apply_admission_cap``) upstream's plus the
+    checkpoint a fresh 64-token request will hold (0086)."""
+    mamba, _ = _mamba()
+    args = dict(
+        request_id="T",
+        num_tokens=2 * BLOCK,
+        new_computed_blocks=[],
+        total_computed_tokens=0,
+        num_local_computed_tokens=0,
+        num_tokens_main_model=2 * BLOCK,
+    )
+    upstream = MambaManager.get_num_blocks_to_allocate(mamba, **args)
+    gate = MambaManager.get_num_blocks_to_allocate(mamba, **args, apply_admission_cap=True)
+    assert mamba.get_num_blocks_to_allocate(**args) == upstream
+    assert mamba.get_num_blocks_to_allocate(**args, apply_admission_cap=True) == gate + 1
