@@ -294,3 +294,50 @@ def test_a_group_retaining_a_longer_hit_is_matched_on_the_blocks_it_adopts(reuse
     assert num_hit == 48
     assert manager.allocate_slots(h, h.num_tokens - reused, reused, hit) is not None
     assert [rid for rid in ("B", "A") if rid not in manager.grace_order()] == released
+
+
+def _head_fails(graced: bool):
+    """11 usable blocks. A (48 tokens) finished: its grace holds A1-A3, or
+    (``graced`` False) it was yielded and A's blocks sit cached at ref 0. R
+    (112 tokens) runs on fresh blocks; H (A's prompt + 64) hits A1-A3 and
+    needs 4 new blocks: its admission fails. Returns the pin point, the
+    manager, H, its hit and a retry that counts its calls."""
+    scheduler = grace_scheduler(12)
+    manager = scheduler.kv_cache_manager
+    a = Spec("A", tuple(range(1000, 1048)), 2)
+    finish(scheduler, a)
+    if not graced:
+        manager.yield_pinned_hits()
+    scheduler.add_request(Spec("R", tuple(range(2000, 2112)), 6))
+    step(scheduler)
+    scheduler.add_request(Spec("H", a.tokens + tuple(range(5000, 5064)), 2))
+    h = next(scheduler._waiting_requests())
+    hit, num_hit, _ = manager.get_computed_blocks(h)
+    assert num_hit == 48
+    calls: list[int] = []
+
+    def retry():
+        calls.append(1)
+        return manager.allocate_slots(h, h.num_tokens - num_hit, num_hit, hit)
+
+    assert manager.allocate_slots(h, h.num_tokens - num_hit, num_hit, hit) is None
+    return scheduler.pins, manager, h, hit, retry, calls
+
+
+def test_0097s_head_pins_its_own_hit_first_and_retries_on_it():
+    """0097's pin point: H, not yet pinned (it arrived this step), pins its
+    hit (A1-A3) and retries once on the pinned state; short by 3 with
+    nothing yieldable outside its hit, it waits, A's grace kept."""
+    pins, manager, h, hit, retry, calls = _head_fails(graced=True)
+    assert pins.admit_head(h, hit, retry) is None
+    assert calls == [1]
+    assert [b.block_id for b in manager.pinned_hit_blocks("H")] == [b.block_id for b in hit.blocks[0]]
+    assert manager.grace_order() == ["A"] and manager.last_alloc_shortfall == 3
+
+
+def test_0097s_head_rule_does_nothing_while_nobody_holds_a_pin():
+    """Control: the same failure with no grace and no pin held: no pin,
+    no retry (the end of the step pins the waiters)."""
+    pins, manager, h, hit, retry, calls = _head_fails(graced=False)
+    assert pins.admit_head(h, hit, retry) is None
+    assert calls == [] and not manager.pinned_hits()
