@@ -341,3 +341,22 @@ def test_0097s_head_rule_does_nothing_while_nobody_holds_a_pin():
     pins, manager, h, hit, retry, calls = _head_fails(graced=False)
     assert pins.admit_head(h, hit, retry) is None
     assert calls == [] and not manager.pinned_hits()
+
+
+def test_a_grace_is_released_only_if_it_holds_the_deepest_block_of_every_group():
+    """0097's match on a two-group hit built by hand from two graces that
+    share a system prompt (A: P1 P2 A3, Z: P1 P2 Z3): one group's deepest
+    block is A3 (A's alone), the other's P2 (both). Only A holds both: A's
+    grace goes, Z's stays, though 48 + 2 x 16 reaches both prompts."""
+    scheduler = grace_scheduler(64)
+    manager = scheduler.kv_cache_manager
+    system = tuple(range(500, 532))
+    scheduler.add_request(Spec("A", system + tuple(range(1000, 1016)), 3))
+    step(scheduler)
+    scheduler.add_request(Spec("Z", system + tuple(range(2000, 2016)), 1))
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+    a3, p2 = manager.grace_pinned_blocks("A")[:2]
+    assert p2 is manager.grace_pinned_blocks("Z")[1]
+    manager._release_grace_for_hit(([a3], [p2]), 48)
+    assert manager.grace_order() == ["Z"]
