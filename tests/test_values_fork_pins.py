@@ -347,7 +347,8 @@ def test_a_grace_is_released_only_if_it_holds_the_deepest_block_of_every_group()
     """0097's match on a two-group hit built by hand from two graces that
     share a system prompt (A: P1 P2 A3, Z: P1 P2 Z3): one group's deepest
     block is A3 (A's alone), the other's P2 (both). Only A holds both: A's
-    grace goes, Z's stays, though 48 + 2 x 16 reaches both prompts."""
+    grace goes, Z's stays, though 48 + 2 x 16 reaches both prompts. A group
+    with only the null block matches anything: Z3 alone releases Z."""
     scheduler = grace_scheduler(64)
     manager = scheduler.kv_cache_manager
     system = tuple(range(500, 532))
@@ -360,3 +361,7 @@ def test_a_grace_is_released_only_if_it_holds_the_deepest_block_of_every_group()
     assert p2 is manager.grace_pinned_blocks("Z")[1]
     manager._release_grace_for_hit(([a3], [p2]), 48)
     assert manager.grace_order() == ["Z"]
+    # A group with no block past the null block is skipped, not the end.
+    z3 = manager.grace_pinned_blocks("Z")[0]
+    manager._release_grace_for_hit(([manager.block_pool.null_block], [z3]), 48)
+    assert manager.grace_order() == []
