@@ -348,7 +348,7 @@ def test_a_grace_is_released_only_if_it_holds_the_deepest_block_of_every_group()
     share a system prompt (A: P1 P2 A3, Z: P1 P2 Z3): one group's deepest
     block is A3 (A's alone), the other's P2 (both). Only A holds both: A's
     grace goes, Z's stays, though 48 + 2 x 16 reaches both prompts. A group
-    with only the null block matches anything: Z3 alone releases Z."""
+    whose hit is only the null block is skipped: Z3 alone releases Z."""
     scheduler = grace_scheduler(64)
     manager = scheduler.kv_cache_manager
     system = tuple(range(500, 532))
