@@ -136,14 +136,29 @@ tests/test_calibrate.py::test_a_replay_without_its_scenario_is_a_one_line_error"
   # The pool replay package: its value tests, the replay's own tests (the
   # full-size CUDA case skips without a device) and the worker views.
   [pool_replay]="sim/pool_replay/*|tests/test_values_pool_replay.py tests/test_worker_views.py tests/test_pool_replay.py"
+  # The fork's patches 0093 and 0095-0097 (issue 26): the pins on the
+  # manager and the scheduler's pin points, each against the fork's values
+  # (tests/test_fork_pins.py, about 10 s); the partial-tail hold and the
+  # retention it extends, restricted by a third field (default mutant
+  # globs, overridden by KVSIM_MUTANTS) to those two classes of their file.
+  [kv_cache_pins]="sim/kv_cache_pins.py|tests/test_fork_pins.py tests/test_values_fork_pins.py"
+  [sched_pins]="sim/sched/pins.py|tests/test_fork_pins.py tests/test_values_fork_pins.py"
+  [partial_tail]="sim/single_type_kv_cache_manager.py|tests/test_fork_partial_tail.py tests/test_fork_retention.py tests/test_fork_draft_group.py tests/test_fork_prompt_tail.py tests/test_allocator.py tests/test_allocator_invariant_rules.py tests/test_values_fork_mamba.py|*ǁPartialTailHoldingMambaManagerǁ* *ǁRetainingMambaManagerǁ*"
 )
-ORDER=(engine scheduler settled steady engine_core output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving loaders config pool_replay)
+ORDER=(engine scheduler settled steady engine_core output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving loaders config pool_replay kv_cache_pins sched_pins partial_tail)
 
 toml_list() { printf '"%s", ' "$@" | sed 's/, $//'; }
 
 mutate_one() {
   local name=$1 entry=${MODULES[$1]:?unknown module $1 (known: ${ORDER[*]})}
-  local source=${entry%%|*} tests=${entry#*|}
+  local source=${entry%%|*} rest=${entry#*|}
+  local tests=${rest%%|*} globs=()
+  # A third field names the module's default mutants (KVSIM_MUTANTS wins).
+  if ((${#only_mutants[@]})); then
+    globs=("${only_mutants[@]}")
+  elif [[ $rest == *"|"* ]]; then
+    read -r -a globs <<<"${rest#*|}"
+  fi
   local copy="$work/$name"
   rm -rf "$copy" && mkdir -p "$copy"
   # Tracked and new (not ignored) files only: no results/, no .venv.
@@ -160,8 +175,8 @@ pytest_add_cli_args_test_selection = [$(toml_list $tests)]
 pytest_add_cli_args = ["-p", "no:cacheprovider", "-x"]
 also_copy = ["tests", "scenarios", "README.md"]
 TOML
-  echo "== $name: $source against $tests"
-  (cd "$copy" && "$venv/bin/mutmut" run "${children[@]}" "${only_mutants[@]}" >run.log 2>&1 || true
+  echo "== $name: $source against $tests${globs[*]:+ (mutants: ${globs[*]})}"
+  (cd "$copy" && "$venv/bin/mutmut" run "${children[@]}" "${globs[@]}" >run.log 2>&1 || true
    "$venv/bin/mutmut" results --all true >results.txt 2>&1 || true
    summarise "$name" results.txt)
 }
