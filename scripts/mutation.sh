@@ -133,9 +133,12 @@ tests/test_calibrate.py::test_a_replay_without_its_scenario_is_a_one_line_error"
   [serving]="sim/serving/*|tests/test_values_replay.py tests/test_replay.py tests/test_serve.py"
   [loaders]="sim/workloads/loaders.py|tests/test_values_loaders.py tests/test_values_bounds.py tests/test_workloads.py tests/test_trace_interchange.py"
   [config]="sim/config.py|tests/test_values_bounds.py tests/test_bad_input.py"
-  # The pool replay package: its value tests, the replay's own tests (the
-  # full-size CUDA case skips without a device) and the worker views.
-  [pool_replay]="sim/pool_replay/*|tests/test_values_pool_replay.py tests/test_worker_views.py tests/test_pool_replay.py"
+  # The pool replay package: its value tests (the checks on a hand-laid
+  # pool and the pure parts in milliseconds, then the whole replay's
+  # controls), the replay's own tests (the full-size CUDA case skips without
+  # a device) and the worker views. Split it by file with KVSIM_MUTANTS,
+  # e.g. KVSIM_MUTANTS='sim.pool_replay.verify.*'.
+  [pool_replay]="sim/pool_replay/*|tests/test_values_pool_checks.py tests/test_values_pool_replay_parts.py tests/test_values_pool_replay.py tests/test_worker_views.py tests/test_pool_replay.py"
 )
 ORDER=(engine scheduler settled steady engine_core output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving loaders config pool_replay)
 
