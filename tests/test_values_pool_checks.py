@@ -554,3 +554,20 @@ def test_the_message_format_is_the_replays(checks):
     with pytest.raises(PoolCorruption) as caught:
         checks._verify_everything()
     assert re.match(r"^step \d+: request r\w+, group \d+, layer \S+, bytes \[\d+, \d+\): ", str(caught.value))
+
+
+def test_a_ring_group_listed_first_does_not_end_the_hit_check(checks):
+    checks.groups = [checks.groups[2], *checks.groups[:2]]
+    flip(checks, "g0.a", 1, 1)
+    with pytest.raises(
+        PoolCorruption, match="layer g0.a, bytes \\[40, 48\\): view block 1 row 1 when rc hits it"
+    ):
+        checks._on_hit("rc", hit([block(2), block(1)], [], [block(1)]), 64)
+
+
+def test_a_group_without_a_hit_block_does_not_end_the_hit_check(checks):
+    flip(checks, "g1.s", 3, 0)
+    with pytest.raises(
+        PoolCorruption, match="layer g1.s, bytes \\[304, 320\\): view block 3 row 0 when rc hits it"
+    ):
+        checks._on_hit("rc", hit([block(0, True)], [block(0, True), block(3)], []), 64)
