@@ -138,6 +138,9 @@ tests/test_calibrate.py::test_a_replay_without_its_scenario_is_a_one_line_error"
   # controls), the replay's own tests (the full-size CUDA case skips without
   # a device) and the worker views. Split it by file with KVSIM_MUTANTS,
   # e.g. KVSIM_MUTANTS='sim.pool_replay.verify.*'.
+  # The value files alone (seconds): a first pass over many mutants, whose
+  # survivors then run against the whole set above.
+  [pool_replay_fast]="sim/pool_replay/*|tests/test_values_pool_checks.py tests/test_values_pool_writes.py tests/test_values_pool_plan.py tests/test_values_pool_replay_parts.py tests/test_values_pool_replay.py"
   [pool_replay]="sim/pool_replay/*|tests/test_values_pool_checks.py tests/test_values_pool_writes.py tests/test_values_pool_plan.py tests/test_values_pool_replay_parts.py tests/test_values_pool_replay.py tests/test_worker_views.py tests/test_pool_replay.py"
 )
 ORDER=(engine scheduler settled steady engine_core output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving loaders config pool_replay)

@@ -571,3 +571,12 @@ def test_a_group_without_a_hit_block_does_not_end_the_hit_check(checks):
         PoolCorruption, match="layer g1.s, bytes \\[304, 320\\): view block 3 row 0 when rc hits it"
     ):
         checks._on_hit("rc", hit([block(0, True)], [block(0, True), block(3)], []), 64)
+
+
+def test_a_group_the_request_holds_nothing_in_does_not_end_the_free_check(checks):
+    checks.held = {(1, "rc"): [3]}  # rc holds ra's state page in group 1 only
+    flip(checks, "g1.s", 3, 0)
+    with pytest.raises(
+        PoolCorruption, match="layer g1.s, bytes \\[304, 320\\): view block 3 row 0 when rc is freed"
+    ):
+        checks._on_free(SimpleNamespace(request_id="rc"))
