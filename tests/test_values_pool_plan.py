@@ -8,14 +8,19 @@ stride1``; a fingerprint's tag is ``(group + 1) << 56 | (label + 1) << 48``).
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from sim.analysis.runs import scenario_workload
+from sim.engine import Simulation
 from sim.pool_replay import plan
 from sim.pool_replay.fingerprints import ZERO_POSITION
-from sim.pool_replay.plan import Layer, RowClass, _layer, _row_dim, chunks, pool_words
+from sim.pool_replay.plan import Layer, RowClass, _layer, _row_dim, build_groups, chunks, pool_words
+from sim.pool_replay.views import allocate_worker_views
+from sim.scenario import load_scenario
 
 RA, RB = 1 << 24, 2 << 24
 
@@ -153,3 +158,109 @@ def test_the_pool_as_words_aliases_the_whole_backing_buffer():
     assert words.dtype == torch.int64 and words.shape == (2,)  # 20 bytes: two whole words
     words[1] = -1
     assert backing.tolist() == [0] * 8 + [255] * 8 + [0] * 4
+
+
+# ---------------------------------------------------------------------------
+# The groups of the small replay's real pool (tests/data/pool-replay.yaml,
+# tests/data/tiny-flash-next.yaml), by hand from the model file: 32-token
+# blocks; GDN and PLE layers are Mamba groups (one state page a block); the
+# raw-key ring holds 8 tokens of 144 bf16 (288 B a row), 8 slots a pool
+# block in the new layout; the attention group holds compressed keys (one
+# row per 4 tokens: 8 rows of 128 bf16, 256 B) and attention KV (32 rows of
+# 1 head at TP 2 x 256 fp8 x K and V, 512 B). The PLE group is empty on PP1.
+# ---------------------------------------------------------------------------
+SMALL = Path(__file__).parent / "data" / "pool-replay.yaml"
+MAMBA, RING, ATTENTION = "mamba", "ring", "attention"
+
+
+@pytest.fixture(scope="module", params=[("on", 0), ("off", 2)], ids=["on-pp0", "off-pp1"])
+def real(request):
+    layout, rank = request.param
+    scenario = load_scenario(str(SMALL))
+    sim = Simulation(scenario, layout, scenario_workload(scenario))
+    views = allocate_worker_views(sim.plan, rank, num_blocks=2)
+    return layout, views, build_groups(views)
+
+
+def test_the_groups_are_the_ranks_non_empty_groups_with_their_kinds(real):
+    layout, views, groups = real
+    shape = [(g.index, g.kind, g.block_size, g.slots_per_block) for g in groups]
+    if layout == "on":  # PP0: three GDN groups (the PLE folded into one), the packed ring
+        assert shape == [
+            (0, MAMBA, 32, 1),
+            (1, MAMBA, 32, 1),
+            (2, MAMBA, 32, 1),
+            (3, RING, 8, 8),
+            (4, ATTENTION, 32, 1),
+        ]
+    else:  # PP1, old layout: group 3 (the PLE's) holds no layer here
+        assert shape == [
+            (0, MAMBA, 32, 1),
+            (1, MAMBA, 32, 1),
+            (2, MAMBA, 32, 1),
+            (4, RING, 8, 1),
+            (5, ATTENTION, 32, 1),
+        ]
+
+
+def test_each_kind_has_its_row_classes(real):
+    layout, views, groups = real
+    stride = views.block_stride_bytes
+    for group in groups:
+        classes = [(c.kind, c.tokens_per_row, c.num_rows, tuple(c.shadow.shape)) for c in group.classes]
+        if group.kind == MAMBA:
+            assert classes == [("state", 0, 1, (2, 1))]
+        elif group.kind == RING:
+            slots = group.slots_per_block
+            assert classes == [("ring", 1, 8, (2 * slots, 8))]
+            assert {(la.num_words, la.stride0_bytes, la.stride1_bytes) for la in group.classes[0].layers} == {
+                (36, stride // slots, 288)
+            }
+        else:
+            assert classes == [("tokens", 4, 8, (2, 8)), ("tokens", 1, 32, (2, 32))]
+            keys, kv = group.classes
+            assert {(la.num_words, la.stride0_bytes, la.stride1_bytes) for la in keys.layers} == {
+                (32, stride, 256)
+            }
+            assert {(la.num_words, la.stride0_bytes, la.stride1_bytes) for la in kv.layers} == {
+                (64, stride, 512)
+            }
+            assert all(la.name.endswith("compressed_key_cache") for la in keys.layers)
+            assert all(la.name.endswith("self_attn.attn") for la in kv.layers)
+
+
+def test_a_mamba_layers_cells_are_its_bound_state_pages(real):
+    """Each state vLLM's ``bind_kv_cache`` gives a Mamba layer is one cell a
+    block: its whole page, at its own offset; labels are the layer's place
+    in the group times 4 plus the state's index (the fingerprint layout)."""
+    _, views, groups = real
+    for group in (g for g in groups if g.kind == MAMBA):
+        names = views.config.kv_cache_groups[group.index].layer_names
+        expected = []
+        for position, name in enumerate(names):
+            for index, state in enumerate(views.views[name]):
+                page = state[0]  # block 0: its offset from the base
+                expected.append(
+                    (
+                        name,
+                        position * 4 + index,
+                        page.data_ptr() - views.base,
+                        state.stride(0) * state.element_size(),
+                        page.numel() * page.element_size() // 8,
+                    )
+                )
+        got = [
+            (la.name, la.label, la.offset_bytes, la.stride0_bytes, la.num_words)
+            for la in group.classes[0].layers
+        ]
+        assert got == expected
+        assert {e[3] for e in expected} == {views.block_stride_bytes}
+        assert max(e[1] for e in expected) >= 5  # a second layer's second state: labels 4 apart
+
+
+def test_token_layers_are_labelled_by_their_place_in_the_group(real):
+    _, views, groups = real
+    for group in (g for g in groups if g.kind != MAMBA):
+        names = views.config.kv_cache_groups[group.index].layer_names
+        labels = {la.name: la.label for c in group.classes for la in c.layers}
+        assert labels == {name: 4 * position for position, name in enumerate(names)}
