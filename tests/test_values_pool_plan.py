@@ -173,8 +173,11 @@ SMALL = Path(__file__).parent / "data" / "pool-replay.yaml"
 MAMBA, RING, ATTENTION = "mamba", "ring", "attention"
 
 
-@pytest.fixture(scope="module", params=[("on", 0), ("off", 2)], ids=["on-pp0", "off-pp1"])
+@pytest.fixture(params=[("on", 0), ("off", 2)], ids=["on-pp0", "off-pp1"])
 def real(request):
+    """Built afresh for each test (a third of a second): mutmut runs only the
+    tests it saw reach ``build_groups``, and a module-wide fixture is built
+    in the first one alone."""
     layout, rank = request.param
     scenario = load_scenario(str(SMALL))
     sim = Simulation(scenario, layout, scenario_workload(scenario))
