@@ -406,3 +406,39 @@ def test_a_new_ring_slot_is_checked_like_any_write(replay):
         "step 5: request rb, group 2, layer g2.r, bytes [96, 104): "
         "writes view block 3, freed by rc at step 4 but fenced until step seq 9 completes (now 5)",
     )
+
+
+def test_a_block_nobody_holds_is_refused(replay):
+    g0 = replay.groups[0]
+    fails(
+        lambda: replay._check_ownership(g0, g0.classes[0], cells([3], [0], [RA], ["ra"]), {3: {0}}, {}),
+        "step 5: request ra, group 0, layer g0.a, bytes [192, 200): writes view block 3 not held by it",
+    )
+
+
+def test_a_new_ring_slot_held_by_three_names_the_last_of_them(replay):
+    fails(
+        lambda: replay._zero_new_rings([3], {1: {2}}, {(2, 3): {"rc", "ra", "rb"}}),
+        "step 5: request rc, group 2, layer g2.r, bytes [96, 104): ring slot 3 (pool block 1) "
+        "is held by 3 requests: ra, rb, rc",
+    )
+
+
+def test_zeroed_ring_slots_are_counted_over_the_run(replay):
+    replay._zero_new_rings([3], {1: {2}}, {(2, 3): {"ra"}})
+    replay._zero_new_rings([4, 5], {2: {2}}, {(2, 4): {"rb"}, (2, 5): {"rc"}})
+    assert replay.counts["ring_slots_zeroed"] == 3
+
+
+def test_a_ring_group_without_claims_does_not_stop_the_next_ones_zeroing(replay):
+    """Two ring groups (none of kvsim's models has two on a rank, but the
+    rule is per group): the first claims nothing this step."""
+    replay.groups.append(Group(3, "ring", 2, 2, [row_class(3, "ring", 1, 2, 8, ("g3.r", 0, 0, 32, 8, 1))]))
+    replay.words[:] = -1
+    replay._zero_new_rings([5], {2: {3}}, {(3, 5): {"ra"}})
+    assert [i for i, w in enumerate(replay.words.tolist()) if w == 0] == [
+        20,
+        21,
+    ]  # view block 5: bytes 160..176
+    assert replay.groups[3].classes[0].shadow[5].tolist() == [RA | ZERO_POSITION] * 2
+    assert replay.counts["ring_slots_zeroed"] == 1
