@@ -442,3 +442,46 @@ def test_a_ring_group_without_claims_does_not_stop_the_next_ones_zeroing(replay)
     ]  # view block 5: bytes 160..176
     assert replay.groups[3].classes[0].shadow[5].tolist() == [RA | ZERO_POSITION] * 2
     assert replay.counts["ring_slots_zeroed"] == 1
+
+
+def test_states_without_a_block_are_counted_over_the_run(replay):
+    g1 = replay.groups[1]
+    for _ in range(2):
+        replay._request_cells(g1, g1.classes[0], "ra", [], 0, 1, 1)
+    assert replay.counts["state_writes_without_a_block"] == 2
+
+
+def test_a_write_past_the_table_names_its_last_position(replay):
+    g0 = replay.groups[0]
+    fails(
+        lambda: replay._request_cells(g0, g0.classes[0], "ra", [2, 1], 2, 6, 6),
+        "step 5: request ra, group 0: writes position 5 past its 2-block table",
+    )
+
+
+def test_a_cells_last_word_outside_its_block_is_refused(replay):
+    g0 = replay.groups[0]
+    wide = row_class(0, "tokens", 1, 2, 4, ("g0.w", 0, 48, 64, 8, 2))  # 16-byte cells
+    replay._check_geometry(g0, wide, cells([1], [0], [RA], ["ra"]))  # bytes 112..128
+    fails(
+        lambda: replay._check_geometry(g0, wide, cells([1], [1], [RA], ["ra"])),
+        "step 5: request ra, group 0, layer g0.w, bytes [120, 136): view block 1 row 1 lies outside "
+        "pool block 1 [64, 128)",
+    )
+
+
+def test_the_bytes_written_add_up_over_a_step(replay):
+    a = replay.groups[0].classes[0]
+    replay._write(a, cells([1], [0], [RA], ["ra"]))
+    replay._write(a, cells([2, 2], [0, 1], [RB, RB | 1], ["rb", "rb"]))
+    assert replay._tally().bytes_written == 8 * 3
+
+
+def test_a_ring_write_forgets_only_its_own_pool_block_in_another_packed_group(replay):
+    """A second packed group (2 slots a pool block): a write to slot 1 of
+    pool block 1 forgets that group's view blocks 2 and 3, not 4."""
+    replay.groups.append(Group(3, "ring", 2, 2, [row_class(3, "ring", 1, 2, 8, ("g3.r", 0, 0, 32, 8, 1))]))
+    other = replay.groups[3].classes[0].shadow
+    other[:] = RB
+    replay._write(replay.groups[2].classes[0], cells([3], [0], [RA], ["ra"]))
+    assert [int(other[v, 0]) for v in range(8)] == [RB, RB, 0, 0, RB, RB, RB, RB]
