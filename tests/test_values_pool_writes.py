@@ -47,7 +47,8 @@ def row_class(group: int, kind: str, per_row: int, num_rows: int, num_blocks: in
 
 
 def block(block_id: int) -> SimpleNamespace:
-    return SimpleNamespace(block_id=block_id, is_null=block_id < 0)
+    """A table entry; -1 stands for vLLM's null block, whose id is 0."""
+    return SimpleNamespace(block_id=max(block_id, 0), is_null=block_id < 0)
 
 
 class Mamba(SimpleNamespace):
@@ -485,3 +486,26 @@ def test_a_ring_write_forgets_only_its_own_pool_block_in_another_packed_group(re
     other[:] = RB
     replay._write(replay.groups[2].classes[0], cells([3], [0], [RA], ["ra"]))
     assert [int(other[v, 0]) for v in range(8)] == [RB, RB, 0, 0, RB, RB, RB, RB]
+
+
+class _Numbered(dict):
+    """Counts as if 2**24 - 2 requests were numbered before its own."""
+
+    def __len__(self) -> int:
+        return (1 << 24) - 2 + super().__len__()
+
+
+def test_request_numbers_fit_their_24_bits(replay):
+    replay.request_numbers = _Numbered()
+    assert replay._number("last") == (1 << 24) - 1
+    with pytest.raises(AssertionError):
+        replay._number("one too many")
+
+
+def test_a_steps_failure_names_the_request_that_writes(replay):
+    tables(replay, 0, ra=[2], rb=[1])
+    g0 = replay.groups[0]
+    fails(
+        lambda: replay._step_cells(g0, g0.classes[0], [scheduled("ra", 0, 1), scheduled("rb", 1, 3)]),
+        "step 5: request rb, group 0: writes position 3 past its 1-block table",
+    )
