@@ -133,9 +133,15 @@ tests/test_calibrate.py::test_a_replay_without_its_scenario_is_a_one_line_error"
   [serving]="sim/serving/*|tests/test_values_replay.py tests/test_replay.py tests/test_serve.py"
   [loaders]="sim/workloads/loaders.py|tests/test_values_loaders.py tests/test_values_bounds.py tests/test_workloads.py tests/test_trace_interchange.py"
   [config]="sim/config.py|tests/test_values_bounds.py tests/test_bad_input.py"
-  # The pool replay package: its value tests, the replay's own tests (the
-  # full-size CUDA case skips without a device) and the worker views.
-  [pool_replay]="sim/pool_replay/*|tests/test_values_pool_replay.py tests/test_worker_views.py tests/test_pool_replay.py"
+  # The pool replay package: its value tests (the checks on a hand-laid
+  # pool and the pure parts in milliseconds, then the whole replay's
+  # controls), the replay's own tests (the full-size CUDA case skips without
+  # a device) and the worker views. Split it by file with KVSIM_MUTANTS,
+  # e.g. KVSIM_MUTANTS='sim.pool_replay.verify.*'.
+  # The value files alone (seconds): a first pass over many mutants, whose
+  # survivors then run against the whole set above.
+  [pool_replay_fast]="sim/pool_replay/*|tests/test_values_pool_checks.py tests/test_values_pool_writes.py tests/test_values_pool_plan.py tests/test_values_pool_replay_parts.py tests/test_values_pool_replay.py"
+  [pool_replay]="sim/pool_replay/*|tests/test_values_pool_checks.py tests/test_values_pool_writes.py tests/test_values_pool_plan.py tests/test_values_pool_replay_parts.py tests/test_values_pool_replay.py tests/test_worker_views.py tests/test_pool_replay.py"
   # The fork's patches 0093 and 0095-0097 (issue 26): the pins on the
   # manager and the scheduler's pin points, each against the fork's values
   # (tests/test_fork_pins.py, about 10 s); the partial-tail hold and the
