@@ -14,13 +14,24 @@ excluded (0093).
 from __future__ import annotations
 
 import pytest
-from helpers.fork import BLOCK, MAMBA_GROUPS, hybrid_manager
+from helpers.fork import (
+    BLOCK,
+    MAMBA_GROUPS,
+    K,
+    drain_copies,
+    hybrid_manager,
+    partial_hit_split,
+    tokens,
+    unit_attention_manager,
+    unit_request,
+)
 
 from sim.fork_patches import ForkPatches
 from sim.single_type_kv_cache_manager import PartialTailHoldingMambaManager, RetainingMambaManager
 from sim.vllm_bridge import MambaManager
 
 RETAIN_ONLY = ForkPatches(mamba_hold_partial_tail=False)
+UNIT_RIG_MAMBA = 1  # the Mamba group of ``unit_attention_manager``
 
 
 def _mamba(fork: ForkPatches = RETAIN_ONLY):
@@ -108,3 +119,48 @@ def test_the_checkpoint_term_is_added_at_the_full_sequence_gate_only():
     gate = MambaManager.get_num_blocks_to_allocate(mamba, **args, apply_admission_cap=True)
     assert mamba.get_num_blocks_to_allocate(**args) == upstream
     assert mamba.get_num_blocks_to_allocate(**args, apply_admission_cap=True) == gate + 1
+
+
+def _chunk(manager, req, split, num_hit: int = 0, computed=None) -> None:
+    """One prefill chunk as the scheduler cuts it, then its copies run."""
+    start = req.num_computed_tokens + num_hit
+    num_new = split(req, req.num_tokens - start, num_hit)
+    assert manager.allocate_slots(req, num_new, num_hit, computed, num_lookahead_tokens=K)
+    req.num_computed_tokens = start + num_new
+    manager.new_step_starts()
+    drain_copies(manager)
+
+
+@pytest.mark.parametrize(
+    "owner_holds_source", [True, False], ids=["owner-holds-it", "control-owner-does-not"]
+)
+def test_the_owner_of_a_moved_tail_keeps_its_own_hold_while_others_follow(owner_holds_source):
+    """0093 through vLLM's allocation (unit 8, block 32, no EAGLE drop): P
+    (150 tokens) stops at its tail 144, keyed on its running block; C hits
+    144 there and holds that block. Here P is made to hold its own running
+    block too (by hand). P's next chunk moves the key into a copy: C, another
+    holder, follows it; P, the owner, is excluded, and the copy, keyed at the
+    same 144, is not newer, so P keeps its hold. Once the copies have run:
+    the running block has P's table and P's hold (2), the copy C's hold (1).
+    Control: P holding nothing, P holds the copy as its moved tail (the
+    running block back to its table's 1, the copy at 2)."""
+    manager = unit_attention_manager(96, ForkPatches(), unit=8, use_eagle=False)
+    mamba, pool = manager.managers[UNIT_RIG_MAMBA], manager.block_pool
+    split = partial_hit_split(8, use_eagle_block_drop=False)
+    producer = unit_request("P", tokens(1, 150), 8)
+    while producer.num_computed_tokens < 144:
+        _chunk(manager, producer, split)
+    [live] = pool.get_cached_block(producer.block_hashes[144 // 8 - 1], [UNIT_RIG_MAMBA])
+    consumer = unit_request("C", list(producer.prompt_token_ids) + tokens(2, 30), 8)
+    computed, num_hit = manager.get_computed_blocks(consumer)[:2]
+    assert num_hit == 144
+    _chunk(manager, consumer, split, num_hit, computed)
+    assert mamba.retained_checkpoints() == {"C": live} and live.ref_cnt == 2
+    if owner_holds_source:
+        assert mamba._hold_checkpoint("P", live) is True
+    _chunk(manager, producer, split)
+    [moved] = pool.get_cached_block(producer.block_hashes[144 // 8 - 1], [UNIT_RIG_MAMBA])
+    assert moved is not live and live.block_hash is None
+    expected_p = live if owner_holds_source else moved
+    assert mamba.retained_checkpoints() == {"C": moved, "P": expected_p}
+    assert (live.ref_cnt, moved.ref_cnt) == ((2, 1) if owner_holds_source else (1, 2))

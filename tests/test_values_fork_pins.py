@@ -365,3 +365,43 @@ def test_a_grace_is_released_only_if_it_holds_the_deepest_block_of_every_group()
     z3 = manager.grace_pinned_blocks("Z")[0]
     manager._release_grace_for_hit(([manager.block_pool.null_block], [z3]), 48)
     assert manager.grace_order() == []
+
+
+@pytest.mark.parametrize(
+    ("prompt", "admitted", "graces", "retries"),
+    [("A-then-32", False, ["A"], 1), ("32-fresh", True, [], 2)],
+    ids=["hits-A", "hits-nothing"],
+)
+def test_0097s_loop_never_counts_the_heads_own_hit_once_a_retry_fails_again(
+    prompt, admitted, graces, retries
+):
+    """Waiter pins off, so the head pins nothing. B's grace (B1, B2) is
+    older than A's (A1-A3); 1 block is free, 2 are reserved. H (A's 48
+    tokens + 32) needs 2 new blocks: the full-sequence gate fails by 1,
+    covered by B's 2 (A's blocks are H's hit). B yields: 3 free, the gate
+    passes, the step (2 against 3 - 2) fails by 1. Only A's grace is left,
+    all of it H's hit: H waits, A's grace kept, one retry. Control: a head
+    of 32 fresh tokens (same need, no hit) yields A's grace too, the step's
+    2 fit 6 - 2, and it is admitted on the second retry."""
+    scheduler = grace_scheduler(12, ForkPatches(waiter_pins=False))
+    manager, pool = scheduler.kv_cache_manager, scheduler.kv_cache_manager.block_pool
+    a = Spec("A", tuple(range(1000, 1048)), 2)
+    finish(scheduler, Spec("B", tuple(range(2000, 2032)), 2))
+    finish(scheduler, a)
+    assert manager.grace_order() == ["B", "A"] and pool.get_num_free_blocks() == 11 - 2 - 3
+    pool.get_new_blocks(5)
+    fresh = list(range(5000, 5032))
+    h = request("H", [*a.tokens, *fresh] if prompt == "A-then-32" else fresh, unit=16)
+    hit, num_hit, _ = manager.get_computed_blocks(h)
+    assert num_hit == (48 if prompt == "A-then-32" else 0)
+    calls: list[int] = []
+
+    def retry():
+        calls.append(1)
+        gate = {"full_sequence_must_fit": True, "reserved_blocks": 2, "has_scheduled_reqs": False}
+        return manager.allocate_slots(h, 32, num_hit, hit, **gate)
+
+    assert retry() is None and manager.last_alloc_shortfall == 2 - 1
+    calls.clear()
+    assert (scheduler.pins.admit_head(h, hit, retry) is not None) is admitted
+    assert manager.grace_order() == graces and len(calls) == retries
