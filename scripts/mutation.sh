@@ -131,13 +131,17 @@ tests/test_calibrate.py::test_bounds_keep_an_efficiency_at_most_one \
 tests/test_calibrate.py::test_a_replay_without_its_scenario_is_a_one_line_error"
   [conformance]="sim/conformance/*|tests/test_values_conformance.py tests/test_conformance.py::test_every_step_is_identical tests/test_conformance.py::test_the_modes_differ_where_vllm_says tests/test_conformance.py::test_a_scheduler_that_cannot_be_built_gives_one_line_and_exit_2"
   [serving]="sim/serving/*|tests/test_values_replay.py tests/test_replay.py tests/test_serve.py"
+  # kvsim serve split by file (issue 26 item 2), each against the in-process
+  # server tests that reach it (tests/helpers/serve.py; 127.0.0.1 only).
+  [server_metrics]="sim/serving/server_metrics.py|tests/test_values_replay.py tests/test_values_serving.py tests/test_serve.py::test_metrics_have_vllm_names_types_and_counts tests/test_replay.py::test_http_errors_are_recorded_failures_and_missing_metrics_nan_with_one_warning tests/test_replay.py::test_malformed_metrics_page_gives_nan_samples_and_one_warning"
+  [live_engine]="sim/serving/live_engine.py|tests/test_values_serving.py tests/test_values_replay.py tests/test_serve.py tests/test_serve_hostile.py::test_a_request_given_no_tokens_in_time_is_aborted tests/test_serve_hostile.py::test_hostile_clients_leave_the_server_responsive_and_accounted"
   [loaders]="sim/workloads/loaders.py|tests/test_values_loaders.py tests/test_values_bounds.py tests/test_workloads.py tests/test_trace_interchange.py"
   [config]="sim/config.py|tests/test_values_bounds.py tests/test_bad_input.py"
   # The pool replay package: its value tests, the replay's own tests (the
   # full-size CUDA case skips without a device) and the worker views.
   [pool_replay]="sim/pool_replay/*|tests/test_values_pool_replay.py tests/test_worker_views.py tests/test_pool_replay.py"
 )
-ORDER=(engine scheduler settled steady engine_core output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving loaders config pool_replay)
+ORDER=(engine scheduler settled steady engine_core output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving server_metrics live_engine loaders config pool_replay)
 
 toml_list() { printf '"%s", ' "$@" | sed 's/, $//'; }
 
