@@ -131,12 +131,18 @@ tests/test_calibrate.py::test_bounds_keep_an_efficiency_at_most_one \
 tests/test_calibrate.py::test_a_replay_without_its_scenario_is_a_one_line_error"
   [conformance]="sim/conformance/*|tests/test_values_conformance.py tests/test_conformance.py::test_every_step_is_identical tests/test_conformance.py::test_the_modes_differ_where_vllm_says tests/test_conformance.py::test_a_scheduler_that_cannot_be_built_gives_one_line_and_exit_2"
   [serving]="sim/serving/*|tests/test_values_replay.py tests/test_replay.py tests/test_serve.py"
-  # kvsim serve split by file (issue 26 item 2), each against the in-process
-  # server tests that reach it (tests/helpers/serve.py; 127.0.0.1 only).
-  [server_metrics]="sim/serving/server_metrics.py|tests/test_values_replay.py tests/test_values_serving.py tests/test_serve.py::test_metrics_have_vllm_names_types_and_counts tests/test_replay.py::test_http_errors_are_recorded_failures_and_missing_metrics_nan_with_one_warning tests/test_replay.py::test_malformed_metrics_page_gives_nan_samples_and_one_warning"
-  [live_engine]="sim/serving/live_engine.py|tests/test_values_serving.py tests/test_values_replay.py tests/test_serve.py tests/test_serve_hostile.py::test_a_request_given_no_tokens_in_time_is_aborted tests/test_serve_hostile.py::test_hostile_clients_leave_the_server_responsive_and_accounted"
+  # kvsim serve split by file (issue 26 item 2), each against its value
+  # tests (LiveEngine driven without HTTP, /metrics against vLLM's
+  # definitions) and the few in-process server tests (127.0.0.1 only) that
+  # reach what those do not: seconds a mutant, not the minute of every
+  # serve test.
+  [server_metrics]="sim/serving/server_metrics.py|tests/test_values_serving.py tests/test_values_replay.py::test_the_fault_servers_page_is_read_into_its_own_columns tests/test_values_replay.py::test_engines_add_up_and_a_missing_metric_is_nan tests/test_values_replay.py::test_engines_add_up_on_a_page_typed_by_the_family_name tests/test_values_replay.py::test_a_counter_without_a_type_line_is_read_by_its_total tests/test_values_replay.py::test_an_unparsable_page_is_all_nan_with_one_warning tests/test_values_replay.py::test_every_vllm_metric_kvsim_serves_has_vllms_name_type_and_help tests/test_values_replay.py::test_record_step_counts_as_vllm_defines_each_counter tests/test_values_replay.py::test_a_step_without_drafts_counts_no_draft tests/test_values_replay.py::test_gauges_are_set_each_to_its_own_value tests/test_values_replay.py::test_spec_decode_counters_of_a_request_as_vllm_counts_them"
+  [live_engine]="sim/serving/live_engine.py|tests/test_values_serving.py tests/test_serve.py::test_an_engine_too_slow_for_its_speed_reports_its_lag tests/test_serve.py::test_async_mode_serves_through_the_batch_queue"
   [loaders]="sim/workloads/loaders.py|tests/test_values_loaders.py tests/test_values_bounds.py tests/test_workloads.py tests/test_trace_interchange.py"
-  [config]="sim/config.py|tests/test_values_bounds.py tests/test_bad_input.py"
+  # config: its value tests, the bound tables, and the bad-input cases that
+  # read config files (the rest of tests/test_bad_input.py runs whole
+  # commands: a minute, for nothing config.py decides).
+  [config]="sim/config.py|tests/test_values_config.py tests/test_values_bounds.py tests/test_bad_input.py::test_non_utf8_scenario_names_file_and_line tests/test_bad_input.py::test_non_utf8_model_names_file_and_line tests/test_bad_input.py::test_yaml_byte_count_like_the_command_line tests/test_bad_input.py::test_absurd_pool_is_bounded_with_its_reason tests/test_bad_input.py::test_yaml_aliases_are_refused tests/test_bad_input.py::test_negative_seed_is_a_one_line_error tests/test_bad_input.py::test_missing_absolute_scenario_path_message"
   # The pool replay package: its value tests, the replay's own tests (the
   # full-size CUDA case skips without a device) and the worker views.
   [pool_replay]="sim/pool_replay/*|tests/test_values_pool_replay.py tests/test_worker_views.py tests/test_pool_replay.py"
