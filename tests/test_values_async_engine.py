@@ -1,0 +1,117 @@
+"""The async conformance harness's records by value (issue 26): what one
+engine call is recorded as (``_state``), what vLLM's engine outputs say
+finished and how many prefix tokens they report (``_finished_and_prefix``,
+fed vLLM's own ``EngineCoreOutputs`` and ``PrefixCacheStats``), and the
+batch queue's depth against vLLM's own derivation. A mutant here changes
+both sides of the gate alike, so the gate cannot see it: these can."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.scenarios import conformance_shape
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
+
+from sim.conformance import async_engine
+from sim.conformance.driver import conformance_scenario, plan_for, vllm_settings
+from sim.sched.engine_core import EngineCall
+from sim.sched.output import ScheduledRequest, SchedulerOutput
+
+
+def _output(request_id: str, reason: FinishReason | None) -> EngineCoreOutput:
+    return EngineCoreOutput(request_id=request_id, new_token_ids=[1], finish_reason=reason)
+
+
+def _stats(queries: int, hits: int, preempted_queries: int, preempted_hits: int) -> SchedulerStats:
+    prefix = PrefixCacheStats(
+        queries=queries, hits=hits, preempted_queries=preempted_queries, preempted_hits=preempted_hits
+    )
+    return SchedulerStats(prefix_cache_stats=prefix)
+
+
+def test_the_finished_requests_are_every_client_outputs_with_a_reason_sorted():
+    """Two clients' outputs: c, a finished (length, abort), b not: [a, c].
+    The prefix counts are the first stats found, preempted requests
+    included (kvsim's step records count them: ``PrefixCacheStats``):
+    30 + 4 queried, 10 + 2 hit."""
+    outputs = {
+        0: EngineCoreOutputs(outputs=[_output("c", FinishReason.LENGTH), _output("b", None)]),
+        1: EngineCoreOutputs(
+            outputs=[_output("a", FinishReason.ABORT)], scheduler_stats=_stats(30, 10, 4, 2)
+        ),
+    }
+    finished, prefix = async_engine._finished_and_prefix(outputs)
+    assert finished == ["a", "c"] and prefix == (34, 12)
+
+
+def test_no_outputs_or_no_stats_report_nothing():
+    assert async_engine._finished_and_prefix(None) == ([], (0, 0))
+    outputs = {0: EngineCoreOutputs(outputs=[_output("a", FinishReason.STOP)])}
+    assert async_engine._finished_and_prefix(outputs) == (["a"], (0, 0))
+    without_prefix = {0: EngineCoreOutputs(outputs=[], scheduler_stats=SchedulerStats())}
+    assert async_engine._finished_and_prefix(without_prefix) == ([], (0, 0))
+
+
+def _scheduled(step: int) -> SchedulerOutput:
+    return SchedulerOutput(
+        step_index=step,
+        scheduled=(
+            ScheduledRequest("r1", 5, 32, 0, 0),
+            ScheduledRequest("r2", 1, 100, 0, 4),
+            ScheduledRequest("r3", 4, 0, 3, 0),
+        ),
+        new_request_ids=("r2",),
+        resumed_request_ids=("r3",),
+        preempted_request_ids=("r9", "r7"),
+    )
+
+
+def test_an_engine_call_is_recorded_field_by_field():
+    """Step 7 scheduled r1 (computed 32, 5 tokens), r2 (100, 1), r3 (0, 4),
+    r2 new and r3 resumed, r9 and r7 preempted; it applied step 5. r1 holds
+    2 placeholders after, r3 1, r2 none (absent from the map: 0)."""
+    call = EngineCall(_scheduled(7), processed=_scheduled(5))
+    state = async_engine._state(
+        call,
+        placeholders={"r1": 2, "r3": 1},
+        finished=["r4"],
+        running=["r1", "r2", "r3"],
+        waiting=["r5"],
+        num_free_blocks=11,
+        prefix=(64, 32),
+    )
+    assert state.step == 7 and state.processed_step == 5
+    assert state.scheduled_tokens == (("r1", 32, 5, 2), ("r2", 100, 1, 0), ("r3", 0, 4, 1))
+    assert state.admitted == ("r2", "r3") and state.resumed == ("r3",)
+    assert state.preempted == ("r7", "r9")
+    assert state.finished == ("r4",) and state.running == ("r1", "r2", "r3") and state.waiting == ("r5",)
+    assert state.num_free_blocks == 11
+    assert state.prefix_cache_queries_tokens == 64 and state.prefix_cache_hits_tokens == 32
+
+
+def test_a_call_that_scheduled_and_applied_nothing_is_step_zero():
+    state = async_engine._state(
+        EngineCall(),
+        placeholders={},
+        finished=[],
+        running=[],
+        waiting=["r1"],
+        num_free_blocks=3,
+        prefix=(0, 0),
+    )
+    assert (state.step, state.processed_step) == (0, 0)
+    assert state.scheduled_tokens == () and state.admitted == () and state.resumed == ()
+    assert state.preempted == () and state.waiting == ("r1",)
+
+
+@pytest.mark.parametrize("shape", ["long-chunked"])
+def test_the_batch_queue_is_as_deep_as_vllm_makes_it(shape):
+    """vLLM's engine core, built by the gate with async scheduling on
+    Model Runner V2, sizes its batch queue from its own config; kvsim's
+    depth (pp + 1) must be that size (PP 2: 3)."""
+    scenario = conformance_scenario(conformance_shape(shape), "eagle-drop")
+    plan = plan_for(scenario, "off")
+    engine = async_engine.vllm_engine(scenario, plan, vllm_settings(scenario, plan))
+    assert scenario.deployment.pipeline_parallel_size == 2
+    assert engine.core.batch_queue_size == engine.core.batch_queue.maxlen == 3
+    assert async_engine.max_concurrent_batches(scenario) == engine.core.batch_queue_size
