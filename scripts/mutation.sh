@@ -143,11 +143,16 @@ tests/test_calibrate.py::test_a_replay_without_its_scenario_is_a_one_line_error"
   # read config files (the rest of tests/test_bad_input.py runs whole
   # commands: a minute, for nothing config.py decides).
   [config]="sim/config.py|tests/test_values_config.py tests/test_values_bounds.py tests/test_bad_input.py::test_non_utf8_scenario_names_file_and_line tests/test_bad_input.py::test_non_utf8_model_names_file_and_line tests/test_bad_input.py::test_yaml_byte_count_like_the_command_line tests/test_bad_input.py::test_absurd_pool_is_bounded_with_its_reason tests/test_bad_input.py::test_yaml_aliases_are_refused tests/test_bad_input.py::test_negative_seed_is_a_one_line_error tests/test_bad_input.py::test_missing_absolute_scenario_path_message"
+  # The async conformance harness (vLLM's step_with_batch_queue against
+  # kvsim's batch queue): its record-by-value tests, three gate cases (one
+  # per shape, both layouts, both modes), the fenced case, the test that
+  # reads vLLM's run and one control; about 10 s, not the 22 s of the file.
+  [async_engine]="sim/conformance/async_engine.py|tests/test_values_async_engine.py tests/test_async_conformance.py::test_every_engine_step_is_identical[long-chunked-off-eagle-drop] tests/test_async_conformance.py::test_every_engine_step_is_identical[heavy-preemption-on-eagle-drop] tests/test_async_conformance.py::test_every_engine_step_is_identical[prefix-hits-on-lookahead] tests/test_async_conformance.py::test_every_engine_step_is_identical_with_fenced_frees[heavy-preemption] tests/test_async_conformance.py::test_the_shapes_exercise_the_async_loop tests/test_async_conformance.py::test_control_a_stagger_of_one"
   # The pool replay package: its value tests, the replay's own tests (the
   # full-size CUDA case skips without a device) and the worker views.
   [pool_replay]="sim/pool_replay/*|tests/test_values_pool_replay.py tests/test_worker_views.py tests/test_pool_replay.py"
 )
-ORDER=(engine scheduler settled steady engine_core output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving server_metrics live_engine loaders config pool_replay)
+ORDER=(engine scheduler settled steady engine_core output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving server_metrics live_engine loaders config async_engine pool_replay)
 
 toml_list() { printf '"%s", ' "$@" | sed 's/, $//'; }
 
