@@ -123,6 +123,24 @@ def test_a_nested_bad_value_names_its_dotted_key_without_pydantics_prefix():
         validate(ModelConfig, data, "m.yaml")
 
 
+def test_a_yaml_file_of_one_mib_is_read_and_one_byte_more_is_refused(tmp_path):
+    """Settings files are at most 1 MiB (a page of settings, not data)."""
+    path = tmp_path / "s.yaml"
+    path.write_text("a: 1\n#" + "x" * ((1 << 20) - 7) + "\n")
+    assert path.stat().st_size == 1 << 20 and read_yaml(path) == {"a": 1}
+    path.write_text("a: 1\n#" + "x" * ((1 << 20) - 6) + "\n")
+    with pytest.raises(ConfigError, match=r"s.yaml: 1,048,577 bytes: more than 1,048,576, too large"):
+        read_yaml(path)
+
+
+def test_a_bad_key_in_a_model_file_names_the_file(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text(FLASH_NEXT.read_text() + "num_layer: 3\n")
+    with pytest.raises(ConfigError) as refused:
+        load_model(path)
+    assert str(refused.value) == f"{path}: unknown key 'num_layer'"
+
+
 def test_a_model_file_that_is_not_a_mapping_is_one_line(tmp_path):
     path = tmp_path / "m.yaml"
     path.write_text("- a\n- b\n")
@@ -158,6 +176,10 @@ def test_a_bad_byte_is_named_with_its_line_and_a_bom_is_dropped(tmp_path):
     assert str(refused.value) == f"{path}:3: not UTF-8 text (byte 0xff)"
     path.write_bytes(b"\xef\xbb\xbfa: 1\n")
     assert read_text(path) == "a: 1\n"
+    # Lines are counted from the first byte: a file opening with a newline.
+    path.write_bytes(b"\n\xfe")
+    with pytest.raises(ConfigError, match=r"f.txt:2: not UTF-8 text \(byte 0xfe\)$"):
+        read_text(path)
 
 
 def test_the_error_builder_is_the_callers():

@@ -143,6 +143,22 @@ def test_an_abort_mid_decode_frees_every_block_once_the_engine_idles(tmp_path):
     assert log == ["Request cmpl-0 aborted (client disconnected)."]
 
 
+def test_by_default_the_abort_line_goes_to_stderr_as_docs_serving_states(tmp_path, capsys):
+    """docs/serving.md: ``INFO kvsim serve: Request cmpl-N aborted (client
+    disconnected).``, on stderr, one line; nothing on stdout."""
+
+    async def scenario() -> None:
+        sc = make_scenario(tmp_path, workload=NO_WORKLOAD, mtp=NO_DRAFTS)
+        engine = LiveEngine(sc, "on")
+        request_id, _ = engine.add_request(list(range(10)), 2)
+        engine.abort(request_id, "client disconnected")
+
+    asyncio.run(scenario())
+    captured = capsys.readouterr()
+    assert captured.err == "INFO kvsim serve: Request cmpl-0 aborted (client disconnected).\n"
+    assert captured.out == ""
+
+
 # ------------------------------------------------------------------ output
 def test_a_request_streams_its_positions_and_counts_its_prompt_at_the_first_token(tmp_path):
     """A 64-token prompt, 5 outputs, no drafts: one token a step, the ids
