@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import vllm
 from helpers.fault_server import GOOD_METRICS
-from helpers.scenarios import NO_WORKLOAD
+from helpers.scenarios import HAND_STEP_TIME, NO_WORKLOAD
 from helpers.scenarios import scenario as make_scenario
 from prometheus_client.parser import text_string_to_metric_families
 from vllm.v1.engine import FinishReason
@@ -250,6 +250,29 @@ def test_virtual_time_is_the_wall_time_since_start_times_the_speed(tmp_path):
         assert engine.scheduler.waiting[0].arrival_s == 10.0
 
     asyncio.run(scenario())
+
+
+def _wall_time_of_a_request(tmp_path, speed: float, outputs: int) -> float:
+    engine, _ = _engine(tmp_path, speed=speed, step_time=HAND_STEP_TIME)
+
+    async def check() -> float:
+        began = time.monotonic()
+        await _all_deltas(engine.add_request(list(range(64)), outputs)[1])
+        return time.monotonic() - began
+
+    return _running(engine, check)
+
+
+def test_the_steps_take_their_scaled_time_on_the_wall_clock(tmp_path):
+    """The hand step-time model (every step costs its 0.2 s overhead and
+    1 ms a token): three outputs take three steps, at least 0.6 s of
+    simulated time, so at speed 1 at least 0.6 s of wall time pass before
+    the last token. At speed 1000 five steps take about a millisecond of
+    wall time: the engine goes straight on from one step to the next
+    (an engine that waited on its idle poll, 0.5 s, between steps would
+    take 2.5 s)."""
+    assert 0.6 <= _wall_time_of_a_request(tmp_path, 1.0, 3) < 10.0
+    assert _wall_time_of_a_request(tmp_path, 1000.0, 5) < 1.5
 
 
 @pytest.mark.parametrize("speed", [0.0, -1.0])
