@@ -8,7 +8,7 @@ both sides of the gate alike, so the gate cannot see it: these can."""
 from __future__ import annotations
 
 import pytest
-from helpers.scenarios import conformance_shape
+from helpers.scenarios import conformance_requests, conformance_shape
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 
@@ -16,6 +16,7 @@ from sim.conformance import async_engine
 from sim.conformance.driver import conformance_scenario, plan_for, vllm_settings
 from sim.sched.engine_core import EngineCall
 from sim.sched.output import ScheduledRequest, SchedulerOutput
+from sim.workloads.spec import RequestSpec
 
 
 def _output(request_id: str, reason: FinishReason | None) -> EngineCoreOutput:
@@ -115,3 +116,61 @@ def test_the_batch_queue_is_as_deep_as_vllm_makes_it(shape):
     assert scenario.deployment.pipeline_parallel_size == 2
     assert engine.core.batch_queue_size == engine.core.batch_queue.maxlen == 3
     assert async_engine.max_concurrent_batches(scenario) == engine.core.batch_queue_size
+
+
+def test_a_calls_scheduled_ids_are_its_requests_in_order():
+    assert async_engine._ids(None) == []
+    assert async_engine._ids(_scheduled(3)) == ["r1", "r2", "r3"]
+
+
+def _engines(shape: str, **deployment: int):
+    scenario = conformance_scenario(conformance_shape(shape), "eagle-drop")
+    if deployment:
+        section = scenario.deployment.model_copy(update=deployment)
+        scenario = scenario.model_copy(update={"deployment": section})
+    plan = plan_for(scenario, "off")
+    vllm_side = async_engine.vllm_engine(scenario, plan, vllm_settings(scenario, plan))
+    kvsim_side = async_engine.kvsim_engine(scenario, plan, depth=3, stagger=2)
+    return kvsim_side, vllm_side
+
+
+def test_vllms_side_refuses_a_prompt_of_max_model_len_as_vllms_input_processor_does():
+    """vLLM's ``InputProcessor`` refuses a prompt longer than
+    ``max_model_len`` and, for a generating model, one exactly as long (no
+    room for an output token): 4,096 refused, 4,095 taken, with its
+    arrival time."""
+    _, engine = _engines("long-chunked", max_model_len=4096)
+    for request_id, prompt_len in (("at", 4096), ("under", 4095)):
+        engine.add_request(
+            RequestSpec(
+                request_id=request_id,
+                arrival_s=2.5,
+                prompt_len=prompt_len,
+                output_len=4,
+                prefix_ids=tuple(range(-(-prompt_len // 64))),
+                prefix_unit=64,
+            )
+        )
+    assert set(engine.scheduler.requests) == {"under"}
+    assert engine.scheduler.requests["under"].arrival_time == 2.5
+
+
+def test_both_sides_say_alike_whether_a_call_samples():
+    """Whether a call's step samples a token (the pipeline clock's
+    broadcast, a field the gate does not compare) is kvsim's engine core's
+    own rule on one side and vLLM's requests' ``is_prefill_chunk`` on the
+    other: call for call they agree, and both kinds occur (prompt chunks
+    that sample nothing, decodes that do)."""
+    kvsim_side, vllm_side = _engines("long-chunked")
+    for spec in conformance_requests("long-chunked")[:4]:
+        kvsim_side.add_request(spec)
+        vllm_side.add_request(spec)
+    seen = set()
+    for _ in range(400):
+        if not (kvsim_side.has_work() or vllm_side.has_work()):
+            break
+        (kvsim_call, _), (vllm_call, _) = kvsim_side.step(), vllm_side.step()
+        if kvsim_call.scheduled is not None and not kvsim_call.scheduled.is_empty:
+            assert kvsim_call.samples is vllm_call.samples
+            seen.add(vllm_call.samples)
+    assert seen == {True, False}
