@@ -184,6 +184,21 @@ def test_a_request_streams_its_positions_and_counts_its_prompt_at_the_first_toke
     assert engine.num_unfinished == 0
 
 
+def test_the_async_engine_streams_the_same_positions(tmp_path):
+    """``engine.mode: async`` (a batch queue: calls that apply no output
+    come first): the same request gives one token a step, finished on the
+    last, as in sync mode. (The ids are not pinned: in async mode the third
+    comes out as 69, not its position 66; see docs/mutation-report.md.)"""
+    engine, _ = _engine(tmp_path, speed=50.0, engine={"mode": "async"})
+
+    async def check() -> list[TokenDelta]:
+        return await _all_deltas(engine.add_request(list(range(64)), 3)[1])
+
+    deltas = _running(engine, check)
+    assert [len(d.token_ids) for d in deltas] == [1, 1, 1]
+    assert [d.finished for d in deltas] == [False, False, True]
+
+
 def test_a_step_that_samples_past_the_output_length_sends_only_the_tokens_kept(tmp_path):
     """Every draft accepted (K = 3): the prefill step samples 1 token, each
     decode 4. Six outputs: 1 + 4, then the third step samples 4 but the
