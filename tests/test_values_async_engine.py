@@ -170,7 +170,27 @@ def test_both_sides_say_alike_whether_a_call_samples():
         if not (kvsim_side.has_work() or vllm_side.has_work()):
             break
         (kvsim_call, _), (vllm_call, _) = kvsim_side.step(), vllm_side.step()
-        if kvsim_call.scheduled is not None and not kvsim_call.scheduled.is_empty:
+        if kvsim_call.scheduled is not None:
             assert kvsim_call.samples is vllm_call.samples
             seen.add(vllm_call.samples)
     assert seen == {True, False}
+
+
+def test_a_driven_trajectory_bears_its_engines_name_and_stops_at_the_horizon():
+    """The same four requests driven to the end, then with a horizon of
+    1 ms (the first arrival is at 0): the horizon stops each side after
+    fewer calls; the trajectories are named for their engines."""
+    requests = conformance_requests("long-chunked")[:4]
+    scenario = conformance_scenario(conformance_shape("long-chunked"), "eagle-drop")
+    step_time = async_engine.StepTimeModel(scenario.step_time_config())
+    lengths = {}
+    for horizon_s in (None, 0.001):
+        kvsim_side, vllm_side = _engines("long-chunked")
+        for engine in (kvsim_side, vllm_side):
+            clock = async_engine.async_clock(scenario, step_time)
+            driven = async_engine.drive_engine(engine, requests, clock, horizon_s)
+            assert driven.backend == engine.name and not driven.stalled
+            lengths[(engine.name, horizon_s)] = len(driven.steps)
+    assert {kvsim_side.name, vllm_side.name} == {"kvsim", "vllm"}
+    for name in ("kvsim", "vllm"):
+        assert 0 < lengths[(name, 0.001)] < lengths[(name, None)]
