@@ -229,6 +229,44 @@ def test_two_requests_each_get_their_own_tokens_and_the_prompts_add_up(tmp_path)
     assert page["vllm:request_success_total:length"] == 2
 
 
+def test_a_prompt_in_chunks_beside_a_decode_sends_no_empty_delta_and_loses_no_token(tmp_path):
+    """Prefill chunks of at most 1,000 tokens: a 5,000-token prompt sent
+    first computes in chunks (steps that sample nothing for it) while a
+    64-token prompt sent second decodes beside it. Each stream gets only
+    deltas with tokens, all its positions, finished on the last."""
+    engine, _ = _engine(tmp_path, speed=50.0, scheduler={"long_prefill_token_threshold": 1000})
+
+    async def check() -> tuple[list[TokenDelta], list[TokenDelta]]:
+        long, short = engine.add_request(list(range(5000)), 2), engine.add_request(list(range(64)), 5)
+        return tuple(await asyncio.gather(_all_deltas(long[1]), _all_deltas(short[1])))
+
+    long, short = _running(engine, check)
+    assert sum((d.token_ids for d in long), []) == [5000, 5001]
+    assert sum((d.token_ids for d in short), []) == [64, 65, 66, 67, 68]
+    for deltas in (long, short):
+        assert all(d.token_ids for d in deltas)
+        assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+
+
+def test_an_abort_in_a_step_in_flight_leaves_the_other_requests_tokens_whole(tmp_path):
+    """Two requests decode together; the first is aborted while a step
+    holding both is in flight. The second still gets every one of its
+    positions."""
+    engine, _ = _engine(tmp_path, speed=20.0)
+
+    async def check() -> list[TokenDelta]:
+        (first_id, first), (_, second) = (
+            engine.add_request(list(range(64)), 1000),
+            engine.add_request(list(range(70)), 6),
+        )
+        await first.get()
+        engine.abort(first_id, "gone")
+        return await _all_deltas(second)
+
+    deltas = _running(engine, check)
+    assert sum((d.token_ids for d in deltas), []) == [70, 71, 72, 73, 74, 75]
+
+
 def test_a_prompt_that_leaves_no_room_is_refused_with_vllms_message(tmp_path):
     """max_model_len 64: a 63-token prompt is taken, a 64-token one is not
     (vLLM's message, nothing queued)."""
