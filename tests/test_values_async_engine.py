@@ -198,3 +198,19 @@ def test_a_driven_trajectory_bears_its_engines_name_and_stops_at_the_horizon():
         cut = driven(name, horizon_s)
         assert 0 < len(cut.steps) < len(full.steps)
         assert max(cut.times_s) <= horizon_s
+
+
+def test_the_gate_stops_both_sides_at_the_scenarios_horizon():
+    """``simulation.max_time_s`` is the gate's horizon, on both sides: the
+    long-chunked shape cut at its full run's middle call takes fewer steps
+    than the full run, and still conforms (both sides stop alike)."""
+    shape = conformance_shape("long-chunked")
+    requests = conformance_requests("long-chunked")
+    full = async_engine.run_async_conformance(shape, "off", requests, mode="eagle-drop")
+    horizon_s = full.right.times_s[len(full.right.times_s) // 2]
+    section = shape.simulation.model_copy(update={"max_time_s": horizon_s})
+    cut = async_engine.run_async_conformance(
+        shape.model_copy(update={"simulation": section}), "off", requests, mode="eagle-drop"
+    )
+    assert cut.conforms and 0 < cut.num_steps < full.num_steps
+    assert max(cut.left.times_s) <= horizon_s and max(cut.right.times_s) <= horizon_s
