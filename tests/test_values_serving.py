@@ -339,9 +339,9 @@ def test_a_step_after_an_idle_wait_starts_when_the_engine_woke_and_the_next_when
 ):
     """Speed 2, wall 3 s after the start: it is 6 s. After an idle wait a
     step starts at the later of the step clock (4 s) and now (6 s); the next
-    one, with no wait between, at the step clock's 7.5 s (its predecessor's
-    landing), not at now. An idle engine whose clock is ahead starts at its
-    clock (9 s)."""
+    ones, with no wait between, at the step clock's 7.5 s and 5 s (their
+    predecessors' landings), not at now. After another idle wait: now (6 s)
+    over a clock behind it (4 s), a clock ahead of now (9 s) over now."""
 
     async def scenario() -> None:
         clock = FakeClock(50.0)
@@ -351,8 +351,13 @@ def test_a_step_after_an_idle_wait_starts_when_the_engine_woke_and_the_next_when
         assert engine.start_s() == 6.0
         engine.sim.clock.now_s = 7.5
         assert engine.start_s() == 7.5
+        engine.sim.clock.now_s = 5.0  # a step that landed behind the wall clock
+        assert engine.start_s() == 5.0
         await engine._idle()  # nothing arrives: back after the poll
+        engine.sim.clock.now_s = 4.0
+        assert engine.start_s() == 6.0
         engine.sim.clock.now_s = 9.0
+        await engine._idle()
         assert engine.start_s() == 9.0
 
     asyncio.run(scenario())
