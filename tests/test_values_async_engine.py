@@ -214,3 +214,35 @@ def test_the_gate_stops_both_sides_at_the_scenarios_horizon():
     )
     assert cut.conforms and 0 < cut.num_steps < full.num_steps
     assert max(cut.left.times_s) <= horizon_s and max(cut.right.times_s) <= horizon_s
+
+
+def _free_blocks(comparison) -> list[int]:
+    return [state.num_free_blocks for state in comparison.right.steps]
+
+
+def test_the_gate_runs_the_mode_the_layout_and_the_fencing_it_is_given():
+    """vLLM's side (the right trajectory) follows each argument: the two
+    layouts give other pools, fenced frees hold blocks longer, and the
+    default is unfenced (the same run as ``fenced=False``)."""
+    shape, requests = conformance_shape("heavy-preemption"), conformance_requests("heavy-preemption")
+
+    def run(layout: str, **kwargs):
+        return async_engine.run_async_conformance(shape, layout, requests, mode="eagle-drop", **kwargs)
+
+    default, unfenced, fenced = run("on"), run("on", fenced=False), run("on", fenced=True)
+    assert _free_blocks(default) == _free_blocks(unfenced) != _free_blocks(fenced)
+    assert _free_blocks(run("off")) != _free_blocks(default)
+
+
+def test_the_gate_hashes_in_the_mode_it_is_given():
+    """The two MTP hashing modes give vLLM's side other prefix hits on the
+    prefix-hits shape."""
+    shape, requests = conformance_shape("prefix-hits"), conformance_requests("prefix-hits")
+    hits = {
+        mode: [
+            s.prefix_cache_hits_tokens
+            for s in async_engine.run_async_conformance(shape, "on", requests, mode=mode).right.steps
+        ]
+        for mode in ("eagle-drop", "lookahead")
+    }
+    assert hits["eagle-drop"] != hits["lookahead"]
