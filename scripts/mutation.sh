@@ -131,8 +131,28 @@ tests/test_calibrate.py::test_bounds_keep_an_efficiency_at_most_one \
 tests/test_calibrate.py::test_a_replay_without_its_scenario_is_a_one_line_error"
   [conformance]="sim/conformance/*|tests/test_values_conformance.py tests/test_conformance.py::test_every_step_is_identical tests/test_conformance.py::test_the_modes_differ_where_vllm_says tests/test_conformance.py::test_a_scheduler_that_cannot_be_built_gives_one_line_and_exit_2"
   [serving]="sim/serving/*|tests/test_values_replay.py tests/test_replay.py tests/test_serve.py"
+  # kvsim serve split by file (issue 26 item 2), each against its value
+  # tests (LiveEngine driven without HTTP, /metrics against vLLM's
+  # definitions) and the few in-process server tests (127.0.0.1 only) that
+  # reach what those do not: seconds a mutant, not the minute of every
+  # serve test.
+  [server_metrics]="sim/serving/server_metrics.py|tests/test_values_serving.py tests/test_values_replay.py::test_the_fault_servers_page_is_read_into_its_own_columns tests/test_values_replay.py::test_engines_add_up_and_a_missing_metric_is_nan tests/test_values_replay.py::test_engines_add_up_on_a_page_typed_by_the_family_name tests/test_values_replay.py::test_a_counter_without_a_type_line_is_read_by_its_total tests/test_values_replay.py::test_an_unparsable_page_is_all_nan_with_one_warning tests/test_values_replay.py::test_every_vllm_metric_kvsim_serves_has_vllms_name_type_and_help tests/test_values_replay.py::test_record_step_counts_as_vllm_defines_each_counter tests/test_values_replay.py::test_a_step_without_drafts_counts_no_draft tests/test_values_replay.py::test_gauges_are_set_each_to_its_own_value tests/test_values_replay.py::test_spec_decode_counters_of_a_request_as_vllm_counts_them"
+  # (The engine's lag is pinned by tests/test_serve.py's too-slow engine:
+  # add it when mutating LiveEngine.run.)
+  [live_engine]="sim/serving/live_engine.py|tests/test_values_serving.py"
+  # openai_requests: the serve tests that send bodies (vLLM's parse, budget,
+  # errors, chunk shapes) and the fuzzed-field case.
+  [openai_requests]="sim/serving/openai_requests.py|tests/test_serve.py tests/test_serve_hostile.py::test_fuzzed_fields_never_get_a_server_error"
   [loaders]="sim/workloads/loaders.py|tests/test_values_loaders.py tests/test_values_bounds.py tests/test_workloads.py tests/test_trace_interchange.py"
-  [config]="sim/config.py|tests/test_values_bounds.py tests/test_bad_input.py"
+  # config: its value tests, the bound tables, and the bad-input cases that
+  # read config files (the rest of tests/test_bad_input.py runs whole
+  # commands: a minute, for nothing config.py decides).
+  [config]="sim/config.py|tests/test_values_config.py tests/test_values_bounds.py tests/test_bad_input.py::test_non_utf8_scenario_names_file_and_line tests/test_bad_input.py::test_non_utf8_model_names_file_and_line tests/test_bad_input.py::test_yaml_byte_count_like_the_command_line tests/test_bad_input.py::test_absurd_pool_is_bounded_with_its_reason tests/test_bad_input.py::test_yaml_aliases_are_refused tests/test_bad_input.py::test_negative_seed_is_a_one_line_error tests/test_bad_input.py::test_missing_absolute_scenario_path_message"
+  # The async conformance harness (vLLM's step_with_batch_queue against
+  # kvsim's batch queue): its record-by-value tests, three gate cases (one
+  # per shape, both layouts, both modes), the fenced case, the test that
+  # reads vLLM's run and one control; about 10 s, not the 22 s of the file.
+  [async_engine]="sim/conformance/async_engine.py|tests/test_values_async_engine.py tests/test_async_conformance.py::test_every_engine_step_is_identical[long-chunked-off-eagle-drop] tests/test_async_conformance.py::test_every_engine_step_is_identical[heavy-preemption-on-eagle-drop] tests/test_async_conformance.py::test_every_engine_step_is_identical[prefix-hits-on-lookahead] tests/test_async_conformance.py::test_every_engine_step_is_identical_with_fenced_frees[heavy-preemption] tests/test_async_conformance.py::test_the_shapes_exercise_the_async_loop tests/test_async_conformance.py::test_control_a_stagger_of_one"
   # The pool replay package: its value tests (the checks on a hand-laid
   # pool and the pure parts in milliseconds, then the whole replay's
   # controls), the replay's own tests (the full-size CUDA case skips without
@@ -151,7 +171,7 @@ tests/test_calibrate.py::test_a_replay_without_its_scenario_is_a_one_line_error"
   [sched_pins]="sim/sched/pins.py|tests/test_fork_pins.py tests/test_values_fork_pins.py"
   [partial_tail]="sim/single_type_kv_cache_manager.py|tests/test_fork_partial_tail.py tests/test_fork_retention.py tests/test_fork_draft_group.py tests/test_fork_prompt_tail.py tests/test_allocator.py tests/test_allocator_invariant_rules.py tests/test_values_fork_mamba.py|*ǁPartialTailHoldingMambaManagerǁ* *ǁRetainingMambaManagerǁ*"
 )
-ORDER=(engine scheduler settled steady engine_core output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving loaders config pool_replay kv_cache_pins sched_pins partial_tail)
+ORDER=(engine scheduler settled steady engine_core output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving server_metrics live_engine openai_requests loaders config async_engine pool_replay kv_cache_pins sched_pins partial_tail)
 
 toml_list() { printf '"%s", ' "$@" | sed 's/, $//'; }
 

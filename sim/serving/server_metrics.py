@@ -61,15 +61,16 @@ class ServerMetrics:
         self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        # vLLM's finished-request counter, one series per finish reason
-        # (kvsim's requests stop by length or are aborted).
+        # vLLM's finished-request counter, one series per finish reason,
+        # each created at 0 as vLLM creates one for every ``FinishReason``
+        # (kvsim's requests only stop by length or are aborted).
         self.request_success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
             [*labels, "finished_reason"],
             registry=self.registry,
         )
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error", "repetition"):
             self.request_success.labels(*values, reason)
         self._label_values = values
         info = Gauge(
