@@ -66,6 +66,27 @@ tests/test_steady.py::test_pool_bound_decode_gives_the_same_frames_in_the_lane[o
 tests/test_steady.py::test_requests_stopped_by_the_horizon_hold_every_token_they_sampled \
 tests/test_steady.py::test_the_conformance_driver_compares_the_lanes_steps"
 
+# The async conformance gate (vLLM's own step_with_batch_queue over its
+# AsyncScheduler, step for step): the two preempting shapes, both hashing
+# modes, fenced frees, and the controls (a stagger of one, a budget per
+# pipeline cycle, a fence of depth two) that must fail where vLLM says.
+ASYNC_CONFORMANCE_TESTS="tests/test_async_conformance.py::test_every_engine_step_is_identical[heavy-preemption-off-eagle-drop] \
+tests/test_async_conformance.py::test_every_engine_step_is_identical[heavy-preemption-on-lookahead] \
+tests/test_async_conformance.py::test_every_engine_step_is_identical[prefix-hits-off-eagle-drop] \
+tests/test_async_conformance.py::test_every_engine_step_is_identical[long-chunked-on-lookahead] \
+tests/test_async_conformance.py::test_every_engine_step_is_identical_with_fenced_frees[heavy-preemption]"
+
+# The async lane: the audit on the shortest checked shapes (every skipped
+# call made anyway), its failing controls and its conformance runs; the
+# long shapes (decode across boundaries, saturated decode) are left out.
+ASYNC_STEADY_TESTS="tests/test_async_steady.py::test_every_call_the_async_lane_skips_changes_nothing[heavy-preemption--off] \
+tests/test_async_steady.py::test_every_call_the_async_lane_skips_changes_nothing[prefix-hits--on] \
+tests/test_async_steady.py::test_the_check_catches_an_async_lane_across_a_boundary \
+tests/test_async_steady.py::test_the_check_catches_an_async_lane_blind_to_the_tokens_in_flight \
+tests/test_async_steady.py::test_the_conformance_gate_runs_through_the_lane \
+tests/test_async_steady.py::test_a_lane_that_ignores_the_stagger_fails_the_conformance_gate \
+tests/test_async_steady.py::test_a_lane_that_never_rolls_back_a_draft_fails_the_conformance_gate"
+
 declare -A MODULES=(
   [allocator_invariants]="sim/allocator_invariants.py|tests/test_allocator_invariant_rules.py tests/test_allocator_properties.py"
   [step_time]="sim/step_time.py|tests/test_step_time.py tests/test_engine_timeline.py"
@@ -135,9 +156,18 @@ tests/test_calibrate.py::test_a_replay_without_its_scenario_is_a_one_line_error"
   [config]="sim/config.py|tests/test_values_bounds.py tests/test_bad_input.py"
   # The pool replay package: its value tests, the replay's own tests (the
   # full-size CUDA case skips without a device) and the worker views.
+  # The async engine (issue 26 item 3): the pipeline clock, the one engine
+  # loop, the AsyncScheduler twin, its steady lane, the batch-queue core.
+  # Hand timelines (tests/test_values_async.py) and a few async conformance
+  # runs (vLLM's own step_with_batch_queue, under a second each).
+  [pipeline_clock]="sim/pipeline_clock.py|tests/test_values_async.py tests/test_async_engine.py"
+  [engine_loop]="sim/sched/engine_loop.py|tests/test_values_async.py tests/test_engine_timeline.py tests/test_async_engine.py $ASYNC_CONFORMANCE_TESTS"
+  [async_scheduler]="sim/sched/async_scheduler.py|tests/test_values_async.py $ASYNC_CONFORMANCE_TESTS"
+  [async_steady]="sim/sched/async_steady.py|tests/test_values_async.py $ASYNC_STEADY_TESTS $ASYNC_CONFORMANCE_TESTS"
+  [fast_path]="sim/sched/fast_path.py|$FAST_PATH_TESTS $STEADY_TESTS $ASYNC_STEADY_TESTS"
   [pool_replay]="sim/pool_replay/*|tests/test_values_pool_replay.py tests/test_worker_views.py tests/test_pool_replay.py"
 )
-ORDER=(engine scheduler settled steady engine_core output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving loaders config pool_replay)
+ORDER=(engine scheduler settled steady engine_core pipeline_clock engine_loop async_scheduler async_steady fast_path output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving loaders config pool_replay)
 
 toml_list() { printf '"%s", ' "$@" | sed 's/, $//'; }
 
