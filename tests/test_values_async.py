@@ -1,8 +1,13 @@
-"""Value tests for the async engine (issue 26, item 3): the pipeline clock
-and the one engine loop against timelines derived by hand from given stage
-times."""
+"""Value tests for the async engine (issue 26, item 3): the clocks
+(``sim/pipeline_clock.py``) against timelines derived by hand from given
+stage and hand-off times, and the one engine loop
+(``sim/sched/engine_loop.py``) driving stand-in cores, its yields and
+records derived by hand from vLLM's busy loop (``EngineCore.run_busy_loop``
+over ``step_with_batch_queue``)."""
 
 from __future__ import annotations
+
+import pytest
 
 from sim.pipeline_clock import PipelineClock, SerialClock
 from sim.sched.output import ScheduledRequest, SchedulerOutput
@@ -13,6 +18,95 @@ def _output(step: int, tokens: int = 1) -> SchedulerOutput:
     return SchedulerOutput(step_index=step, scheduled=(item,) if tokens else ())
 
 
-def test_placeholder_serial_clock():
-    clock = SerialClock(lambda output: 2.0)
-    assert clock.schedule(_output(1)) == 2.0
+# ------------------------------------------------------------ the clocks
+def test_the_serial_clock_lands_a_step_its_time_after_the_engine_schedules_it():
+    """Step time 2 s per scheduled token. Idle until 5, a 3-token step: it
+    lands at 11, and the engine waits all 6 s of it."""
+    clock = SerialClock(lambda output: 2.0 * output.total_num_scheduled_tokens)
+    clock.idle_until(5.0)
+    assert clock.now_s == 5.0
+    assert clock.schedule(_output(1, tokens=3), samples=False) == 11.0
+    assert clock.now_s == 5.0  # scheduling lets no time pass
+    assert clock.block() == (6.0, 5.0, 6.0)
+    assert clock.now_s == 11.0
+    clock.idle_until(3.0)  # an arrival in the past moves nothing
+    assert clock.now_s == 11.0
+    with pytest.raises(AssertionError, match="^one step in flight$"):
+        clock.block()  # blocked on already
+
+
+def _three_stages() -> PipelineClock:
+    """Stage times 1, 2 and 1 s per token (stages 0, 1, 2), hand-off 0.5 s
+    per token: a stand-in for the step-time model's per-stage times."""
+    per_token = (1.0, 2.0, 1.0)
+    return PipelineClock(
+        3,
+        lambda output, stage: per_token[stage] * output.total_num_scheduled_tokens,
+        lambda output: 0.5 * output.total_num_scheduled_tokens,
+    )
+
+
+# (tokens, samples, lands at): the seven steps of the hand timeline below.
+HAND_TIMELINE = [(1, True, 5.0), (2, False, 11.0), (1, True, 12.0), (1, True, 13.5), (1, True, 15.5),
+                 (0, False, 15.5), (1, True, 18.5)]  # fmt: skip
+
+
+def test_three_stages_by_hand():
+    """start_0(S) = max(t, end_0(S-1), end_2(S-3) if S-3 sampled);
+    end_i(S) = max(end_{i-1}(S) + handoff, end_i(S-1)) + stage_i. All
+    scheduled at t = 0 (end of stage 0 / 1 / 2):
+    S1 (1 token): 1 / max(1.5, 0) + 2 = 3.5 / max(4, 0) + 1 = 5.
+    S2 (2 tokens, a non-final chunk: samples nothing): max(0, 1) + 2 = 3 /
+    max(4, 3.5) + 4 = 8 / max(9, 5) + 2 = 11.
+    S3 (1): 4 / max(4.5, 8) + 2 = 10 / max(10.5, 11) + 1 = 12.
+    S4 (1): waits for S1's broadcast, landed at 5: 6 / max(6.5, 10) + 2 =
+    12 / max(12.5, 12) + 1 = 13.5.
+    S5 (1): S2 broadcast nothing, so max(0, 6) + 1 = 7 / max(7.5, 12) + 2
+    = 14 / max(14.5, 13.5) + 1 = 15.5 (had S2 sampled: 16).
+    S6 (empty): costs nothing, lands after the last stage's last step: 15.5.
+    S7 (1): waits for S4's broadcast (13.5; S6 in the ring is S4's
+    successor's successor): 14.5 / max(15, 14) + 2 = 17 / max(17.5, 15.5)
+    + 1 = 18.5. The empty step S6 left the stages as they were."""
+    clock = _three_stages()
+    landed = [clock.schedule(_output(s, tokens), samples) for s, (tokens, samples, _) in enumerate(HAND_TIMELINE)]
+    assert landed == [lands for _, _, lands in HAND_TIMELINE]
+
+
+def test_the_engine_blocks_on_the_oldest_step_and_waits_only_for_what_is_left():
+    """The hand timeline's landings; the engine blocks on each in turn: it
+    waits 5, 6, 1, 1.5, 2, then 0 (the empty step landed with S5), 3 s."""
+    clock = _three_stages()
+    for step, (tokens, samples, _) in enumerate(HAND_TIMELINE):
+        clock.schedule(_output(step, tokens), samples)
+    blocks = [clock.block() for _ in HAND_TIMELINE]
+    assert blocks == [(5.0, 0.0, 5.0), (6.0, 0.0, 11.0), (1.0, 0.0, 12.0), (1.5, 0.0, 13.5),
+                      (2.0, 0.0, 15.5), (0.0, 0.0, 15.5), (3.0, 0.0, 18.5)]  # fmt: skip
+    assert clock.now_s == 18.5
+
+
+def test_a_step_scheduled_late_starts_when_the_engine_schedules_it():
+    """After the hand timeline, the engine idles until 30 and schedules a
+    1-token step: the stages are free, the broadcast it waits for (S5's,
+    15.5) long landed: 31 / 31.5 + 2 = 33.5 / 34 + 1 = 35. ``wait`` returns
+    the clock's time after each block; the last one is 35 (5 s after 30)."""
+    clock = _three_stages()
+    for step, (tokens, samples, _) in enumerate(HAND_TIMELINE):
+        clock.schedule(_output(step, tokens), samples)
+    assert [clock.wait() for _ in HAND_TIMELINE][-1] == 18.5
+    clock.idle_until(30.0)
+    clock.idle_until(20.0)  # never backwards
+    assert clock.schedule(_output(8)) == 35.0
+    assert clock.block() == (5.0, 30.0, 5.0)
+
+
+def test_a_step_of_non_final_chunks_holds_back_nobody():
+    """Two stages of 1 s, a 2 s hand-off (``test_the_pipeline_clock_by_hand``'s).
+    S1 [0, 1] [3, 4]; S2 [1, 2] [4, 5]; S3 waits for S1's broadcast only if
+    S1 sampled: [4, 5] [7, 8]; with S1 a non-final chunk (no broadcast) it
+    starts when stage 0 is free: [2, 3], then max(3 + 2, 5) = 5: [5, 6]."""
+    def landings(first_samples: bool) -> list[float]:
+        clock = PipelineClock(2, lambda output, stage: 1.0, lambda output: 2.0)
+        return [clock.schedule(_output(s), s != 1 or first_samples) for s in (1, 2, 3)]
+
+    assert landings(True) == [4.0, 5.0, 8.0]
+    assert landings(False) == [4.0, 5.0, 6.0]
