@@ -7,9 +7,13 @@ over ``step_with_batch_queue``)."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 
 from sim.pipeline_clock import PipelineClock, SerialClock
+from sim.sched.engine_core import EngineCall
+from sim.sched.engine_loop import IDLE, run_engine
 from sim.sched.output import ScheduledRequest, SchedulerOutput
 
 
@@ -68,7 +72,9 @@ def test_three_stages_by_hand():
     successor's successor): 14.5 / max(15, 14) + 2 = 17 / max(17.5, 15.5)
     + 1 = 18.5. The empty step S6 left the stages as they were."""
     clock = _three_stages()
-    landed = [clock.schedule(_output(s, tokens), samples) for s, (tokens, samples, _) in enumerate(HAND_TIMELINE)]
+    landed = [
+        clock.schedule(_output(s, tokens), samples) for s, (tokens, samples, _) in enumerate(HAND_TIMELINE)
+    ]
     assert landed == [lands for _, _, lands in HAND_TIMELINE]
 
 
@@ -104,9 +110,174 @@ def test_a_step_of_non_final_chunks_holds_back_nobody():
     S1 [0, 1] [3, 4]; S2 [1, 2] [4, 5]; S3 waits for S1's broadcast only if
     S1 sampled: [4, 5] [7, 8]; with S1 a non-final chunk (no broadcast) it
     starts when stage 0 is free: [2, 3], then max(3 + 2, 5) = 5: [5, 6]."""
+
     def landings(first_samples: bool) -> list[float]:
         clock = PipelineClock(2, lambda output, stage: 1.0, lambda output: 2.0)
         return [clock.schedule(_output(s), s != 1 or first_samples) for s in (1, 2, 3)]
 
     assert landings(True) == [4.0, 5.0, 8.0]
     assert landings(False) == [4.0, 5.0, 6.0]
+
+
+# -------------------------------------------------------- the engine loop
+class _ScriptedCore:
+    """An engine core whose calls are given: work while calls are left."""
+
+    def __init__(self, calls: list[EngineCall], unfinished: bool = False) -> None:
+        self.calls = deque(calls)
+        self.unfinished = unfinished
+        self.log: list[tuple[str, EngineCall]] = []
+
+    def has_work(self) -> bool:
+        return bool(self.calls)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.unfinished
+
+    def begin_step(self) -> EngineCall:
+        call = self.calls.popleft()
+        self.log.append(("begin", call))
+        return call
+
+    def end_step(self, call: EngineCall) -> None:
+        self.log.append(("end", call))
+
+
+class _IO:
+    """The caller: a clock that moves by what the loop yields."""
+
+    def __init__(self, now_s: float = 0.0, ended: bool = True, stop_after: int | None = None) -> None:
+        self.now_s, self.ended, self.stop_after = now_s, ended, stop_after
+        self.records: list[tuple[EngineCall, float, float]] = []
+
+    def start_s(self) -> float:
+        return self.now_s
+
+    def arrivals_ended(self) -> bool:
+        return self.ended
+
+    def stopped(self) -> bool:
+        return self.stop_after is not None and len(self.records) >= self.stop_after
+
+    def record(self, call: EngineCall, started_s: float, step_s: float) -> None:
+        self.records.append((call, started_s, step_s))
+
+
+class _StubClock:
+    """A clock whose blocks are given; it logs what it is asked."""
+
+    def __init__(self, blocks: list[tuple[float, float, float]]) -> None:
+        self.now_s = -1.0
+        self.blocks = deque(blocks)
+        self.scheduled: list[tuple[float, SchedulerOutput, bool]] = []
+
+    def schedule(self, output: SchedulerOutput, samples: bool = True) -> float:
+        self.scheduled.append((self.now_s, output, samples))
+        return 0.0
+
+    def block(self) -> tuple[float, float, float]:
+        return self.blocks.popleft()
+
+
+def _drive(loop, io: _IO, on_idle=None) -> tuple[list, bool]:
+    """Run the loop to its end as the simulation does: time passes by each
+    yielded wait; at each ``IDLE`` ``on_idle`` delivers what arrives."""
+    pauses = []
+    while True:
+        try:
+            pause = next(loop)
+        except StopIteration as stop:
+            return pauses, stop.value
+        pauses.append(pause)
+        if pause is IDLE:
+            assert on_idle is not None, "idle with nothing to deliver"
+            on_idle()
+        else:
+            io.now_s += pause
+
+
+def test_the_loop_waits_out_each_step_from_the_time_the_call_starts():
+    """Serial clock, 2 s a step, the engine starting at 1 s: the steps are
+    scheduled at 1 and 3 and the loop yields 2 s for each; each record
+    names when its step was scheduled and its time; no work and no
+    arrivals left: it returns False (not stalled)."""
+    first, second = (EngineCall(scheduled=_output(s), waits=True) for s in (1, 2))
+    core, io = _ScriptedCore([first, second]), _IO(now_s=1.0)
+    pauses, stalled = _drive(run_engine(core, SerialClock(lambda output: 2.0), io), io)
+    assert (pauses, stalled) == ([2.0, 2.0], False)
+    assert io.records == [(first, 1.0, 2.0), (second, 3.0, 2.0)]
+    assert core.log == [("begin", first), ("end", first), ("begin", second), ("end", second)]
+
+
+def test_a_call_that_does_not_block_is_recorded_with_no_step_and_not_ended():
+    """The batch queue not full: the call hands its step (samples False) to
+    the clock at the call's start and returns; recorded as (0, 0), no
+    ``end_step``. A call that blocks on a step landed already (wait 0)
+    yields nothing but ends and records the clock's times (here the second
+    waits 0.25 s, the third 0). A call that schedules nothing hands the
+    clock nothing."""
+    handed = EngineCall(scheduled=_output(1), samples=False)
+    landed = EngineCall(scheduled=_output(2), waits=True)
+    nothing = EngineCall(waits=True)
+    core, io = _ScriptedCore([handed, landed, nothing]), _IO(now_s=7.0)
+    clock = _StubClock([(0.25, 1.5, 3.0), (0.0, 2.0, 4.0)])
+    pauses, stalled = _drive(run_engine(core, clock, io), io)
+    assert (pauses, stalled) == ([0.25], False)
+    assert clock.scheduled == [(7.0, handed.scheduled, False), (7.0, landed.scheduled, True)]
+    assert io.records == [(handed, 0.0, 0.0), (landed, 1.5, 3.0), (nothing, 2.0, 4.0)]
+    assert core.log == [
+        ("begin", handed),
+        ("begin", landed),
+        ("end", landed),
+        ("begin", nothing),
+        ("end", nothing),
+    ]
+    assert clock.now_s == 7.25  # set from the caller's time before each call
+
+
+def test_an_idle_engine_sleeps_until_an_arrival_and_ends_when_arrivals_do():
+    """No work, arrivals open: IDLE; the arrival brings a step; no work
+    again: IDLE; arrivals end: the loop returns False."""
+    core, io = _ScriptedCore([]), _IO(ended=False)
+    step = EngineCall(scheduled=_output(1), waits=True)
+    arrivals = [lambda: core.calls.append(step), lambda: setattr(io, "ended", True)]
+    pauses, stalled = _drive(
+        run_engine(core, SerialClock(lambda output: 1.0), io), io, lambda: arrivals.pop(0)()
+    )
+    assert (pauses, stalled) == ([IDLE, 1.0, IDLE], False)
+    assert io.records == [(step, 0.0, 1.0)]
+    assert repr(IDLE) == "IDLE"
+
+
+@pytest.mark.parametrize(("unfinished", "stalled"), [(True, True), (False, False)])
+def test_an_idle_call_with_arrivals_over_is_a_stall_only_with_requests_left(unfinished, stalled):
+    """An idle call (nothing scheduled, nothing to wait for) is recorded;
+    with arrivals over and unfinished requests the run stalled (True);
+    without them the loop goes on, finds no work and returns False
+    (control). A second call left in the script shows the loop stopped at
+    the first: a stall returns at once."""
+    idle, after = EngineCall(idle=True), EngineCall(idle=True)
+    core, io = _ScriptedCore([idle, after], unfinished=unfinished), _IO()
+    pauses, result = _drive(run_engine(core, _StubClock([]), io), io)
+    assert (pauses, result) == ([], stalled)
+    assert io.records == ([(idle, 0.0, 0.0)] if stalled else [(idle, 0.0, 0.0), (after, 0.0, 0.0)])
+
+
+def test_an_idle_call_with_arrivals_open_sleeps_until_one():
+    idle = EngineCall(idle=True)
+    core, io = _ScriptedCore([idle], unfinished=True), _IO(ended=False)
+    pauses, stalled = _drive(run_engine(core, _StubClock([]), io), io, lambda: setattr(io, "ended", True))
+    assert (pauses, stalled) == ([IDLE], False)
+    assert io.records == [(idle, 0.0, 0.0)]
+
+
+@pytest.mark.parametrize("stop_after", [0, 1])
+def test_a_stopped_caller_gets_no_further_call(stop_after):
+    """Stopped before the first call: none made; after one: one made. A
+    stop is not a stall (False), with work and requests left."""
+    calls = [EngineCall(idle=True), EngineCall(idle=True)]
+    core, io = _ScriptedCore(calls, unfinished=True), _IO(ended=False, stop_after=stop_after)
+    pauses, stalled = _drive(run_engine(core, _StubClock([]), io), io, lambda: None)
+    assert stalled is False
+    assert [call for call, _, _ in io.records] == calls[:stop_after]
+    assert pauses == [IDLE] * stop_after
