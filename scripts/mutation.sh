@@ -108,7 +108,7 @@ declare -A MODULES=(
   [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_steady.py::test_the_stream_gives_the_generators_own_draws_across_blocks tests/test_steady.py::test_the_streams_acceptance_draws_are_the_rules tests/test_steady.py::test_a_runners_acceptance_draws_are_its_per_request_draws"
   # The rest of sim/sched/: the engine core's step, the scheduler's output
   # records (what the step-time model reads), the stats records and columns.
-  [engine_core]="sim/sched/engine_core.py|tests/test_scheduler.py tests/test_engine_timeline.py tests/test_steady.py"
+  [engine_core]="sim/sched/engine_core.py|tests/test_values_async.py tests/test_scheduler.py tests/test_engine_timeline.py $STEADY_TESTS $ASYNC_STEADY_TESTS $ASYNC_CONFORMANCE_TESTS"
   [output]="sim/sched/output.py|tests/test_step_time.py tests/test_scheduler_rules.py tests/test_engine_timeline.py"
   [stats]="sim/sched/stats.py|tests/test_engine_stats.py tests/test_metrics.py tests/test_engine_timeline.py"
   # tests/test_simulation.py pins the engine too but takes seconds a test.
