@@ -39,6 +39,16 @@ def test_the_serial_clock_lands_a_step_its_time_after_the_engine_schedules_it():
         clock.block()  # blocked on already
 
 
+def test_a_fresh_serial_clock_starts_at_zero_with_nothing_in_flight():
+    """Before any step: blocking is a caller's error (one line), and the
+    first step, scheduled at 0, lands after its own time."""
+    clock = SerialClock(lambda output: 2.0)
+    with pytest.raises(AssertionError, match="^one step in flight$"):
+        clock.block()
+    assert clock.schedule(_output(1)) == 2.0
+    assert clock.block() == (2.0, 0.0, 2.0)
+
+
 def _three_stages() -> PipelineClock:
     """Stage times 1, 2 and 1 s per token (stages 0, 1, 2), hand-off 0.5 s
     per token: a stand-in for the step-time model's per-stage times."""
@@ -117,6 +127,14 @@ def test_a_step_of_non_final_chunks_holds_back_nobody():
 
     assert landings(True) == [4.0, 5.0, 8.0]
     assert landings(False) == [4.0, 5.0, 6.0]
+
+
+def test_a_silent_step_holds_back_nobody_even_at_time_zero():
+    """Two stages of 0.25 s, no hand-off, S1 a non-final chunk: S1 [0, 0.25]
+    [0.25, 0.5]; S2 [0.25, 0.5] [0.5, 0.75]; S3 waits for nothing from S1:
+    [0.5, 0.75] [0.75, 1]."""
+    clock = PipelineClock(2, lambda output, stage: 0.25, lambda output: 0.0)
+    assert [clock.schedule(_output(s), s != 1) for s in (1, 2, 3)] == [0.5, 0.75, 1.0]
 
 
 # -------------------------------------------------------- the engine loop
