@@ -188,7 +188,7 @@ source_paths = ["sim"]
 only_mutate = [$(set -f; toml_list $source)]
 pytest_add_cli_args_test_selection = [$(toml_list $tests)]
 pytest_add_cli_args = ["-p", "no:cacheprovider", "-x"]
-also_copy = ["tests", "scenarios", "README.md"]
+also_copy = ["tests", "scenarios", "README.md", "docs"]
 TOML
   echo "== $name: $source against $tests"
   (cd "$copy" && "$venv/bin/mutmut" run "${children[@]}" "${only_mutants[@]}" >run.log 2>&1 || true
