@@ -8,13 +8,22 @@ over ``step_with_batch_queue``)."""
 from __future__ import annotations
 
 from collections import deque
+from types import SimpleNamespace
 
 import pytest
+from helpers.allocator import K, tiny_plan
+from helpers.scenarios import conformance_shape
+from helpers.scheduler import MAX_LEN
 
+from sim.conformance.async_engine import run_async_conformance
+from sim.kv_cache_manager import build_kv_cache_manager
 from sim.pipeline_clock import PipelineClock, SerialClock
+from sim.sched.async_scheduler import AsyncScheduler
 from sim.sched.engine_core import EngineCall
 from sim.sched.engine_loop import IDLE, run_engine
 from sim.sched.output import ScheduledRequest, SchedulerOutput
+from sim.sched.scheduler import SchedulerConfig
+from sim.workloads import RequestSpec
 
 
 def _output(step: int, tokens: int = 1) -> SchedulerOutput:
@@ -299,3 +308,129 @@ def test_a_stopped_caller_gets_no_further_call(stop_after):
     assert stalled is False
     assert [call for call, _, _ in io.records] == calls[:stop_after]
     assert pauses == [IDLE] * stop_after
+
+
+# ------------------------------------------------- the AsyncScheduler twin
+def _async_scheduler(*, fast_path: bool | None = None) -> AsyncScheduler:
+    """The tiny plan's scheduler (32-token blocks, K drafts), pp 2."""
+    manager = build_kv_cache_manager(tiny_plan(True), num_gpu_blocks=400)
+    config = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=MAX_LEN,
+        block_size=32,
+        num_speculative_tokens=K,
+        max_concurrent_batches=3,
+    )
+    if fast_path is None:
+        return AsyncScheduler(config, manager, decode_stagger=2)
+    return AsyncScheduler(config, manager, decode_stagger=2, fast_path=fast_path)
+
+
+def test_the_async_scheduler_takes_the_fast_path_switch_and_vllms_placeholders():
+    """On by default, off when asked; an idle scheduler has no requests
+    (False, not a falsy stand-in); the placeholder drafts are vLLM's
+    (``AsyncScheduler._spec_token_placeholders = [-1] * num_spec_tokens``,
+    ``vllm/v1/core/sched/async_scheduler.py``, 0.33.0)."""
+    scheduler = _async_scheduler()
+    assert scheduler.fast_path.enabled is True
+    assert _async_scheduler(fast_path=False).fast_path.enabled is False
+    assert scheduler.has_requests() is False
+    assert scheduler._placeholder_drafts == [-1] * K
+    scheduler.schedule()  # an empty step resets the flag the same way
+    assert scheduler.has_requests() is False
+
+
+def _in_flight(computed: int, placeholders: int, eligible: int = 0, stale: int = 0) -> SimpleNamespace:
+    """A running request (prompt 100, ``max_tokens`` 10) as the running
+    loop reads it."""
+    return SimpleNamespace(
+        num_computed_tokens=computed,
+        num_output_placeholders=placeholders,
+        num_prompt_tokens=100,
+        max_tokens=10,
+        next_decode_eligible_step=eligible,
+        num_stale_output_tokens=stale,
+    )
+
+
+@pytest.mark.parametrize(
+    ("computed", "placeholders", "skipped"),
+    [
+        # vLLM's rule (``Scheduler.schedule``'s running loop): skip when
+        # placeholders > 0 and computed + 2 - placeholders >= prompt + max_tokens.
+        (109, 1, True),  # a final token in flight: 109 + 2 - 1 = 110
+        (108, 1, False),  # 109 < 110: one more step may be needed
+        (112, 4, True),  # a decode with 3 drafts in flight: 112 + 2 - 4 = 110
+        (111, 4, False),
+        (109, 0, False),  # nothing in flight: never skipped on this count
+        (110, 0, False),
+    ],
+)
+def test_the_running_loop_skips_a_request_sure_to_reach_max_tokens(computed, placeholders, skipped):
+    scheduler = _async_scheduler()
+    assert scheduler._skips_running(_in_flight(computed, placeholders)) is skipped
+
+
+def test_the_running_loop_skips_a_decode_until_its_stagger_has_passed():
+    """``step_index`` counts the schedule calls made; a decode eligible at
+    call 3 is skipped at calls 1 and 2, taken at 3 (vLLM's
+    ``next_decode_eligible_step``)."""
+    scheduler = _async_scheduler()
+    request = _in_flight(50, 4, eligible=3)
+    skips = []
+    for _ in range(3):
+        skips.append(scheduler._skips_running(request))
+        scheduler.step_index += 1
+    assert skips == [True, True, False]
+
+
+@pytest.mark.parametrize(("stale", "skipped"), [(0, False), (1, True), (4, True)])
+def test_a_waiting_request_with_any_stale_token_in_flight_is_not_resumed(stale, skipped):
+    assert _async_scheduler()._skips_waiting(_in_flight(0, 0, stale=stale)) is skipped
+
+
+def _spec(index: int, prompt: int, output: int, arrival_s: float) -> RequestSpec:
+    return RequestSpec(
+        request_id=f"r{index}",
+        arrival_s=arrival_s,
+        prompt_len=prompt,
+        output_len=output,
+        prefix_ids=tuple(range(index * 1000, index * 1000 + -(-prompt // 16))),
+        prefix_unit=16,
+    )
+
+
+# Requests of one to five output tokens: their last token is in flight
+# while the next schedule runs (a final prefill chunk's one placeholder).
+SHORT_OUTPUTS = (
+    _spec(0, 100, 2, 0.0),
+    _spec(1, 300, 1, 5.0),
+    _spec(2, 50, 3, 10.0),
+    _spec(3, 70, 5, 10.0),
+    _spec(4, 90, 1, 10.0),
+)
+
+
+def _short_outputs_conform():
+    return run_async_conformance(conformance_shape("long-chunked"), "off", SHORT_OUTPUTS, mode="eagle-drop")
+
+
+def test_short_outputs_take_vllms_steps(monkeypatch):
+    """vLLM's own ``step_with_batch_queue`` as the expected value, on
+    requests whose last token is in flight at the next schedule. Control:
+    a skip that looks only at decodes with drafts in flight (placeholders
+    > 1) schedules a request vLLM skips, and differs at step 9 of 22."""
+    comparison = _short_outputs_conform()
+    assert (comparison.num_steps, comparison.first_difference, comparison.conforms) == (22, None, True)
+
+    def drafts_only(self, request):
+        placeholders = request.num_output_placeholders
+        if placeholders > 1 and (
+            request.num_computed_tokens + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens
+        ):
+            return True
+        return self.step_index + 1 < request.next_decode_eligible_step
+
+    monkeypatch.setattr(AsyncScheduler, "_skips_running", drafts_only)
+    assert _short_outputs_conform().first_difference == 9
