@@ -46,8 +46,10 @@ tests/test_fast_path.py::test_the_calls_skipped_across_a_block_boundary \
 tests/test_fast_path.py::test_prefill_chunks_are_never_skipped \
 tests/test_fast_path.py::test_a_stop_within_a_step_counts_the_tokens_up_to_it \
 tests/test_fast_path.py::test_requests_of_one_output_length_share_their_sampling_params \
-tests/test_fast_path.py::test_every_skipped_call_changes_nothing[heavy-preemption--off] \
-tests/test_fast_path.py::test_every_skipped_call_changes_nothing[decode-across-boundaries--off]"
+tests/test_fast_path.py::test_every_skipped_call_changes_nothing[heavy-preemption--off-sync] \
+tests/test_fast_path.py::test_every_skipped_call_changes_nothing[decode-across-boundaries--off-sync] \
+tests/test_fast_path.py::test_every_skipped_call_changes_nothing[heavy-preemption--off-async] \
+tests/test_fast_path.py::test_the_check_catches_an_async_window_blind_to_the_tokens_in_flight"
 
 STEADY_TESTS="tests/test_steady.py::test_a_decode_across_a_block_boundary_runs_steady_inside_its_windows \
 tests/test_steady.py::test_every_draft_accepted_stops_inside_the_lane \
