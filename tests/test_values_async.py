@@ -19,8 +19,10 @@ from sim.conformance.async_engine import run_async_conformance
 from sim.kv_cache_manager import build_kv_cache_manager
 from sim.pipeline_clock import PipelineClock, SerialClock
 from sim.sched.async_scheduler import AsyncScheduler
+from sim.sched.async_steady import AsyncSteadyDecode
 from sim.sched.engine_core import EngineCall
 from sim.sched.engine_loop import IDLE, run_engine
+from sim.sched.fast_path import FastPathScheduling
 from sim.sched.output import ScheduledRequest, SchedulerOutput
 from sim.sched.scheduler import SchedulerConfig
 from sim.workloads import RequestSpec
@@ -434,3 +436,57 @@ def test_short_outputs_take_vllms_steps(monkeypatch):
 
     monkeypatch.setattr(AsyncScheduler, "_skips_running", drafts_only)
     assert _short_outputs_conform().first_difference == 9
+
+
+# ---------------------------------------------------- the async steady lane
+def _lane(allocation, caching, max_model_len: int = 1000) -> AsyncSteadyDecode:
+    """An async lane (K = 3: a decode step of 4 tokens) over a scheduler
+    whose fast path has the given settled windows for request ``r``."""
+    windows = {"allocation": allocation, "caching": caching}
+    fast_path = SimpleNamespace(
+        allocations=SimpleNamespace(bounds=lambda request_id: windows["allocation"]),
+        caching=SimpleNamespace(bounds=lambda request_id: windows["caching"]),
+    )
+    scheduler = SimpleNamespace(
+        config=SimpleNamespace(max_model_len=max_model_len),
+        decode_span=lambda request, num_tokens: FastPathScheduling.decode_span(
+            scheduler, request, num_tokens
+        ),
+    )
+    lane = object.__new__(AsyncSteadyDecode)
+    lane.scheduler, lane.fast_path, lane.num_spec, lane.step_tokens = scheduler, fast_path, 3, 4
+    return lane
+
+
+# A decode with 100 tokens computed (101 known) and 8 in flight: it has
+# processed 92; a schedule's allocation spans to 1 + 2K = 7 past the
+# computed tokens (107), so the allocation window ending at 140 lets the
+# computed tokens reach 140 - 7 = 133; the max_model_len clip leaves
+# max_model_len - 1 - (1 + K) = max_model_len - 5.
+DECODING = SimpleNamespace(request_id="r", num_computed_tokens=100, num_tokens=101, num_in_flight_tokens=8)
+
+
+@pytest.mark.parametrize(
+    ("allocation", "caching", "max_model_len", "expected"),
+    [
+        ((90, 140), (91, 150), 1000, (133, 91, 150)),
+        ((92, 140), (92, 150), 1000, (133, 92, 150)),  # windows starting at the processed tokens
+        ((93, 140), (90, 150), 1000, None),  # an allocation window past them
+        ((90, 140), (93, 150), 1000, None),  # a caching window past them
+        ((90, 140), (90, 150), 130, (125, 90, 150)),  # the clip binds: 130 - 5
+        ((90, 140), (90, 150), 105, (100, 90, 150)),  # computed exactly at the limit
+        ((90, 140), (90, 150), 104, None),  # one past it
+        ((90, 106), (90, 150), 1000, None),  # 106 - 7 = 99 < 100
+        (None, (90, 150), 1000, None),
+        ((90, 140), None, 1000, None),
+    ],
+)
+def test_the_async_lanes_limit_and_caching_window_by_hand(allocation, caching, max_model_len, expected):
+    assert _lane(allocation, caching, max_model_len)._limit(DECODING) == expected
+
+
+def test_a_request_not_decoding_has_no_async_limit():
+    prefilling = SimpleNamespace(
+        request_id="r", num_computed_tokens=99, num_tokens=101, num_in_flight_tokens=0
+    )
+    assert _lane((0, 1000), (0, 1000))._limit(prefilling) is None
