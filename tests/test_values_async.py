@@ -490,3 +490,16 @@ def test_a_request_not_decoding_has_no_async_limit():
         request_id="r", num_computed_tokens=99, num_tokens=101, num_in_flight_tokens=0
     )
     assert _lane((0, 1000), (0, 1000))._limit(prefilling) is None
+
+
+def test_outputs_landing_out_of_schedule_order_are_refused_in_one_line():
+    """The batch queue applies the oldest step first; an output of any
+    other step is a caller's error."""
+    scheduler = _async_scheduler()
+    _, second = scheduler.schedule(), scheduler.schedule()
+    with pytest.raises(AssertionError, match="^outputs land in schedule order$"):
+        scheduler.output_arrives(second)
+    in_order = _async_scheduler()  # control: in order, both land
+    first, second = in_order.schedule(), in_order.schedule()
+    in_order.output_arrives(first)
+    in_order.output_arrives(second)
