@@ -10,20 +10,22 @@ from __future__ import annotations
 from collections import deque
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from helpers.allocator import K, tiny_plan
 from helpers.scenarios import conformance_shape
-from helpers.scheduler import MAX_LEN
+from helpers.scheduler import MAX_LEN, tiny_spec
 
 from sim.conformance.async_engine import run_async_conformance
 from sim.kv_cache_manager import build_kv_cache_manager
 from sim.pipeline_clock import PipelineClock, SerialClock
 from sim.sched.async_scheduler import AsyncScheduler
 from sim.sched.async_steady import AsyncSteadyDecode
-from sim.sched.engine_core import EngineCall
+from sim.sched.engine_core import BatchQueueEngineCore, EngineCall
 from sim.sched.engine_loop import IDLE, run_engine
 from sim.sched.fast_path import FastPathScheduling
-from sim.sched.output import ScheduledRequest, SchedulerOutput
+from sim.sched.model_runner import AcceptanceModel, ModelRunner
+from sim.sched.output import ScheduledRequest, SchedulerOutput, StepTally
 from sim.sched.scheduler import SchedulerConfig
 from sim.workloads import RequestSpec
 
@@ -503,3 +505,35 @@ def test_outputs_landing_out_of_schedule_order_are_refused_in_one_line():
     first, second = in_order.schedule(), in_order.schedule()
     in_order.output_arrives(first)
     in_order.output_arrives(second)
+
+
+def test_a_non_final_chunk_samples_no_first_token():
+    """A 100-token prompt under a 64-token budget: the first chunk (64)
+    samples nothing (vLLM's workers return no token for it), so no first
+    token; the final chunk's token is the first (control: the tally
+    records one)."""
+    scheduler = _async_scheduler()
+    scheduler.add_request(tiny_spec(0, 100, output=5))
+    (chunk,) = scheduler.schedule().scheduled
+    assert chunk.num_scheduled_tokens == 64
+    tally = StepTally()
+    scheduler.output_arrives(SchedulerOutput(step_index=1, scheduled=(chunk,)))
+    scheduler.apply_sampled(chunk, [], tally)
+    assert (tally.first_token_request_ids, tally.num_generated_tokens) == ([], 0)
+    (final,) = scheduler.schedule().scheduled
+    assert final.num_scheduled_tokens == 36
+    scheduler.apply_sampled(final, [7], tally)
+    assert (tally.first_token_request_ids, tally.num_generated_tokens) == ([chunk.request_id], 1)
+
+
+def test_a_batch_queue_core_without_the_lane_reads_the_requests_own_state():
+    """``steady_lane=False`` (``kvsim serve``'s choice, fast-path rule 5):
+    no lane, ``flush`` does nothing, a request's placeholders are its own."""
+    scheduler = _async_scheduler()
+    runner = ModelRunner(AcceptanceModel(conditional_rates=(0.8, 0.7, 0.6)), np.random.default_rng(0))
+    core = BatchQueueEngineCore(scheduler, runner, 3, steady_lane=False)
+    assert core.steady is None
+    core.flush()
+    request = SimpleNamespace(num_output_placeholders=4)
+    assert core.num_output_placeholders(request) == 4
+    assert BatchQueueEngineCore(scheduler, runner, 3).steady is not None  # control: the lane by default
