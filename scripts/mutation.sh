@@ -46,8 +46,10 @@ tests/test_fast_path.py::test_the_calls_skipped_across_a_block_boundary \
 tests/test_fast_path.py::test_prefill_chunks_are_never_skipped \
 tests/test_fast_path.py::test_a_stop_within_a_step_counts_the_tokens_up_to_it \
 tests/test_fast_path.py::test_requests_of_one_output_length_share_their_sampling_params \
-tests/test_fast_path.py::test_every_skipped_call_changes_nothing[heavy-preemption--off] \
-tests/test_fast_path.py::test_every_skipped_call_changes_nothing[decode-across-boundaries--off]"
+tests/test_fast_path.py::test_every_skipped_call_changes_nothing[heavy-preemption--off-sync] \
+tests/test_fast_path.py::test_every_skipped_call_changes_nothing[decode-across-boundaries--off-sync] \
+tests/test_fast_path.py::test_every_skipped_call_changes_nothing[heavy-preemption--off-async] \
+tests/test_fast_path.py::test_the_check_catches_an_async_window_blind_to_the_tokens_in_flight"
 
 STEADY_TESTS="tests/test_steady.py::test_a_decode_across_a_block_boundary_runs_steady_inside_its_windows \
 tests/test_steady.py::test_every_draft_accepted_stops_inside_the_lane \
@@ -65,6 +67,27 @@ tests/test_steady.py::test_every_call_a_steady_step_skips_changes_nothing[satura
 tests/test_steady.py::test_pool_bound_decode_gives_the_same_frames_in_the_lane[off-eagle-drop] \
 tests/test_steady.py::test_requests_stopped_by_the_horizon_hold_every_token_they_sampled \
 tests/test_steady.py::test_the_conformance_driver_compares_the_lanes_steps"
+
+# The async conformance gate (vLLM's own step_with_batch_queue over its
+# AsyncScheduler, step for step): the two preempting shapes, both hashing
+# modes, fenced frees, and the controls (a stagger of one, a budget per
+# pipeline cycle, a fence of depth two) that must fail where vLLM says.
+ASYNC_CONFORMANCE_TESTS="tests/test_async_conformance.py::test_every_engine_step_is_identical[heavy-preemption-off-eagle-drop] \
+tests/test_async_conformance.py::test_every_engine_step_is_identical[heavy-preemption-on-lookahead] \
+tests/test_async_conformance.py::test_every_engine_step_is_identical[prefix-hits-off-eagle-drop] \
+tests/test_async_conformance.py::test_every_engine_step_is_identical[long-chunked-on-lookahead] \
+tests/test_async_conformance.py::test_every_engine_step_is_identical_with_fenced_frees[heavy-preemption]"
+
+# The async lane: the audit on the shortest checked shapes (every skipped
+# call made anyway), its failing controls and its conformance runs; the
+# long shapes (decode across boundaries, saturated decode) are left out.
+ASYNC_STEADY_TESTS="tests/test_async_steady.py::test_every_call_the_async_lane_skips_changes_nothing[heavy-preemption--off] \
+tests/test_async_steady.py::test_every_call_the_async_lane_skips_changes_nothing[prefix-hits--on] \
+tests/test_async_steady.py::test_the_check_catches_an_async_lane_across_a_boundary \
+tests/test_async_steady.py::test_the_check_catches_an_async_lane_blind_to_the_tokens_in_flight \
+tests/test_async_steady.py::test_the_conformance_gate_runs_through_the_lane \
+tests/test_async_steady.py::test_a_lane_that_ignores_the_stagger_fails_the_conformance_gate \
+tests/test_async_steady.py::test_a_lane_that_never_rolls_back_a_draft_fails_the_conformance_gate"
 
 declare -A MODULES=(
   [allocator_invariants]="sim/allocator_invariants.py|tests/test_allocator_invariant_rules.py tests/test_allocator_properties.py"
@@ -87,7 +110,7 @@ declare -A MODULES=(
   [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_steady.py::test_the_stream_gives_the_generators_own_draws_across_blocks tests/test_steady.py::test_the_streams_acceptance_draws_are_the_rules tests/test_steady.py::test_a_runners_acceptance_draws_are_its_per_request_draws"
   # The rest of sim/sched/: the engine core's step, the scheduler's output
   # records (what the step-time model reads), the stats records and columns.
-  [engine_core]="sim/sched/engine_core.py|tests/test_scheduler.py tests/test_engine_timeline.py tests/test_steady.py"
+  [engine_core]="sim/sched/engine_core.py|tests/test_values_async.py tests/test_scheduler.py tests/test_engine_timeline.py $STEADY_TESTS $ASYNC_STEADY_TESTS $ASYNC_CONFORMANCE_TESTS"
   [output]="sim/sched/output.py|tests/test_step_time.py tests/test_scheduler_rules.py tests/test_engine_timeline.py"
   [stats]="sim/sched/stats.py|tests/test_engine_stats.py tests/test_metrics.py tests/test_engine_timeline.py"
   # tests/test_simulation.py pins the engine too but takes seconds a test.
@@ -170,8 +193,17 @@ tests/test_calibrate.py::test_a_replay_without_its_scenario_is_a_one_line_error"
   [kv_cache_pins]="sim/kv_cache_pins.py|tests/test_fork_pins.py tests/test_values_fork_pins.py"
   [sched_pins]="sim/sched/pins.py|tests/test_fork_pins.py tests/test_values_fork_pins.py"
   [partial_tail]="sim/single_type_kv_cache_manager.py|tests/test_fork_partial_tail.py tests/test_fork_retention.py tests/test_fork_draft_group.py tests/test_fork_prompt_tail.py tests/test_allocator.py tests/test_allocator_invariant_rules.py tests/test_values_fork_mamba.py|*ǁPartialTailHoldingMambaManagerǁ* *ǁRetainingMambaManagerǁ*"
+  # The async engine (issue 26 item 3): the pipeline clock, the one engine
+  # loop, the AsyncScheduler twin, its steady lane, the batch-queue core.
+  # Hand timelines (tests/test_values_async.py) and a few async conformance
+  # runs (vLLM's own step_with_batch_queue, under a second each).
+  [pipeline_clock]="sim/pipeline_clock.py|tests/test_values_async.py tests/test_async_engine.py"
+  [engine_loop]="sim/sched/engine_loop.py|tests/test_values_async.py tests/test_engine_timeline.py tests/test_async_engine.py $ASYNC_CONFORMANCE_TESTS"
+  [async_scheduler]="sim/sched/async_scheduler.py|tests/test_values_async.py $ASYNC_CONFORMANCE_TESTS"
+  [async_steady]="sim/sched/async_steady.py|tests/test_values_async.py $ASYNC_STEADY_TESTS $ASYNC_CONFORMANCE_TESTS"
+  [fast_path]="sim/sched/fast_path.py|$FAST_PATH_TESTS $STEADY_TESTS $ASYNC_STEADY_TESTS"
 )
-ORDER=(engine scheduler settled steady engine_core output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving server_metrics live_engine openai_requests loaders config async_engine pool_replay kv_cache_pins sched_pins partial_tail)
+ORDER=(engine scheduler settled steady engine_core pipeline_clock engine_loop async_scheduler async_steady fast_path output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving server_metrics live_engine openai_requests loaders config async_engine pool_replay kv_cache_pins sched_pins partial_tail)
 
 toml_list() { printf '"%s", ' "$@" | sed 's/, $//'; }
 
@@ -199,7 +231,7 @@ source_paths = ["sim"]
 only_mutate = [$(set -f; toml_list $source)]
 pytest_add_cli_args_test_selection = [$(toml_list $tests)]
 pytest_add_cli_args = ["-p", "no:cacheprovider", "-x"]
-also_copy = ["tests", "scenarios", "README.md"]
+also_copy = ["tests", "scenarios", "README.md", "docs"]
 TOML
   echo "== $name: $source against $tests${globs[*]:+ (mutants: ${globs[*]})}"
   (cd "$copy" && "$venv/bin/mutmut" run "${children[@]}" "${globs[@]}" >run.log 2>&1 || true

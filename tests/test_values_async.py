@@ -1,0 +1,539 @@
+"""Value tests for the async engine (issue 26, item 3): the clocks
+(``sim/pipeline_clock.py``) against timelines derived by hand from given
+stage and hand-off times, and the one engine loop
+(``sim/sched/engine_loop.py``) driving stand-in cores, its yields and
+records derived by hand from vLLM's busy loop (``EngineCore.run_busy_loop``
+over ``step_with_batch_queue``)."""
+
+from __future__ import annotations
+
+from collections import deque
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from helpers.allocator import K, tiny_plan
+from helpers.scenarios import conformance_shape
+from helpers.scheduler import MAX_LEN, tiny_spec
+
+from sim.conformance.async_engine import run_async_conformance
+from sim.kv_cache_manager import build_kv_cache_manager
+from sim.pipeline_clock import PipelineClock, SerialClock
+from sim.sched.async_scheduler import AsyncScheduler
+from sim.sched.async_steady import AsyncSteadyDecode
+from sim.sched.engine_core import BatchQueueEngineCore, EngineCall
+from sim.sched.engine_loop import IDLE, run_engine
+from sim.sched.fast_path import FastPathScheduling
+from sim.sched.model_runner import AcceptanceModel, ModelRunner
+from sim.sched.output import ScheduledRequest, SchedulerOutput, StepTally
+from sim.sched.scheduler import SchedulerConfig
+from sim.workloads import RequestSpec
+
+
+def _output(step: int, tokens: int = 1) -> SchedulerOutput:
+    item = ScheduledRequest("r", tokens, 0, 0, tokens)
+    return SchedulerOutput(step_index=step, scheduled=(item,) if tokens else ())
+
+
+# ------------------------------------------------------------ the clocks
+def test_the_serial_clock_lands_a_step_its_time_after_the_engine_schedules_it():
+    """Step time 2 s per scheduled token. Idle until 5, a 3-token step: it
+    lands at 11, and the engine waits all 6 s of it."""
+    clock = SerialClock(lambda output: 2.0 * output.total_num_scheduled_tokens)
+    clock.idle_until(5.0)
+    assert clock.now_s == 5.0
+    assert clock.schedule(_output(1, tokens=3), samples=False) == 11.0
+    assert clock.now_s == 5.0  # scheduling lets no time pass
+    assert clock.block() == (6.0, 5.0, 6.0)
+    assert clock.now_s == 11.0
+    clock.idle_until(3.0)  # an arrival in the past moves nothing
+    assert clock.now_s == 11.0
+    with pytest.raises(AssertionError, match="^one step in flight$"):
+        clock.block()  # blocked on already
+
+
+def test_a_fresh_serial_clock_starts_at_zero_with_nothing_in_flight():
+    """Before any step: blocking is a caller's error (one line), and the
+    first step, scheduled at 0, lands after its own time."""
+    clock = SerialClock(lambda output: 2.0)
+    with pytest.raises(AssertionError, match="^one step in flight$"):
+        clock.block()
+    assert clock.schedule(_output(1)) == 2.0
+    assert clock.block() == (2.0, 0.0, 2.0)
+
+
+def _three_stages() -> PipelineClock:
+    """Stage times 1, 2 and 1 s per token (stages 0, 1, 2), hand-off 0.5 s
+    per token: a stand-in for the step-time model's per-stage times."""
+    per_token = (1.0, 2.0, 1.0)
+    return PipelineClock(
+        3,
+        lambda output, stage: per_token[stage] * output.total_num_scheduled_tokens,
+        lambda output: 0.5 * output.total_num_scheduled_tokens,
+    )
+
+
+# (tokens, samples, lands at): the seven steps of the hand timeline below.
+HAND_TIMELINE = [(1, True, 5.0), (2, False, 11.0), (1, True, 12.0), (1, True, 13.5), (1, True, 15.5),
+                 (0, False, 15.5), (1, True, 18.5)]  # fmt: skip
+
+
+def test_three_stages_by_hand():
+    """start_0(S) = max(t, end_0(S-1), end_2(S-3) if S-3 sampled);
+    end_i(S) = max(end_{i-1}(S) + handoff, end_i(S-1)) + stage_i. All
+    scheduled at t = 0 (end of stage 0 / 1 / 2):
+    S1 (1 token): 1 / max(1.5, 0) + 2 = 3.5 / max(4, 0) + 1 = 5.
+    S2 (2 tokens, a non-final chunk: samples nothing): max(0, 1) + 2 = 3 /
+    max(4, 3.5) + 4 = 8 / max(9, 5) + 2 = 11.
+    S3 (1): 4 / max(4.5, 8) + 2 = 10 / max(10.5, 11) + 1 = 12.
+    S4 (1): waits for S1's broadcast, landed at 5: 6 / max(6.5, 10) + 2 =
+    12 / max(12.5, 12) + 1 = 13.5.
+    S5 (1): S2 broadcast nothing, so max(0, 6) + 1 = 7 / max(7.5, 12) + 2
+    = 14 / max(14.5, 13.5) + 1 = 15.5 (had S2 sampled: 16).
+    S6 (empty): costs nothing, lands after the last stage's last step: 15.5.
+    S7 (1): waits for S4's broadcast (13.5; S6 in the ring is S4's
+    successor's successor): 14.5 / max(15, 14) + 2 = 17 / max(17.5, 15.5)
+    + 1 = 18.5. The empty step S6 left the stages as they were."""
+    clock = _three_stages()
+    landed = [
+        clock.schedule(_output(s, tokens), samples) for s, (tokens, samples, _) in enumerate(HAND_TIMELINE)
+    ]
+    assert landed == [lands for _, _, lands in HAND_TIMELINE]
+
+
+def test_the_engine_blocks_on_the_oldest_step_and_waits_only_for_what_is_left():
+    """The hand timeline's landings; the engine blocks on each in turn: it
+    waits 5, 6, 1, 1.5, 2, then 0 (the empty step landed with S5), 3 s."""
+    clock = _three_stages()
+    for step, (tokens, samples, _) in enumerate(HAND_TIMELINE):
+        clock.schedule(_output(step, tokens), samples)
+    blocks = [clock.block() for _ in HAND_TIMELINE]
+    assert blocks == [(5.0, 0.0, 5.0), (6.0, 0.0, 11.0), (1.0, 0.0, 12.0), (1.5, 0.0, 13.5),
+                      (2.0, 0.0, 15.5), (0.0, 0.0, 15.5), (3.0, 0.0, 18.5)]  # fmt: skip
+    assert clock.now_s == 18.5
+
+
+def test_a_step_scheduled_late_starts_when_the_engine_schedules_it():
+    """After the hand timeline, the engine idles until 30 and schedules a
+    1-token step: the stages are free, the broadcast it waits for (S5's,
+    15.5) long landed: 31 / 31.5 + 2 = 33.5 / 34 + 1 = 35. ``wait`` returns
+    the clock's time after each block; the last one is 35 (5 s after 30)."""
+    clock = _three_stages()
+    for step, (tokens, samples, _) in enumerate(HAND_TIMELINE):
+        clock.schedule(_output(step, tokens), samples)
+    assert [clock.wait() for _ in HAND_TIMELINE][-1] == 18.5
+    clock.idle_until(30.0)
+    clock.idle_until(20.0)  # never backwards
+    assert clock.schedule(_output(8)) == 35.0
+    assert clock.block() == (5.0, 30.0, 5.0)
+
+
+def test_a_step_of_non_final_chunks_holds_back_nobody():
+    """Two stages of 1 s, a 2 s hand-off (``test_the_pipeline_clock_by_hand``'s).
+    S1 [0, 1] [3, 4]; S2 [1, 2] [4, 5]; S3 waits for S1's broadcast only if
+    S1 sampled: [4, 5] [7, 8]; with S1 a non-final chunk (no broadcast) it
+    starts when stage 0 is free: [2, 3], then max(3 + 2, 5) = 5: [5, 6]."""
+
+    def landings(first_samples: bool) -> list[float]:
+        clock = PipelineClock(2, lambda output, stage: 1.0, lambda output: 2.0)
+        return [clock.schedule(_output(s), s != 1 or first_samples) for s in (1, 2, 3)]
+
+    assert landings(True) == [4.0, 5.0, 8.0]
+    assert landings(False) == [4.0, 5.0, 6.0]
+
+
+def test_a_silent_step_holds_back_nobody_even_at_time_zero():
+    """Two stages of 0.25 s, no hand-off, S1 a non-final chunk: S1 [0, 0.25]
+    [0.25, 0.5]; S2 [0.25, 0.5] [0.5, 0.75]; S3 waits for nothing from S1:
+    [0.5, 0.75] [0.75, 1]."""
+    clock = PipelineClock(2, lambda output, stage: 0.25, lambda output: 0.0)
+    assert [clock.schedule(_output(s), s != 1) for s in (1, 2, 3)] == [0.5, 0.75, 1.0]
+
+
+# -------------------------------------------------------- the engine loop
+class _ScriptedCore:
+    """An engine core whose calls are given: work while calls are left."""
+
+    def __init__(self, calls: list[EngineCall], unfinished: bool = False) -> None:
+        self.calls = deque(calls)
+        self.unfinished = unfinished
+        self.log: list[tuple[str, EngineCall]] = []
+
+    def has_work(self) -> bool:
+        return bool(self.calls)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.unfinished
+
+    def begin_step(self) -> EngineCall:
+        call = self.calls.popleft()
+        self.log.append(("begin", call))
+        return call
+
+    def end_step(self, call: EngineCall) -> None:
+        self.log.append(("end", call))
+
+
+class _IO:
+    """The caller: a clock that moves by what the loop yields."""
+
+    def __init__(self, now_s: float = 0.0, ended: bool = True, stop_after: int | None = None) -> None:
+        self.now_s, self.ended, self.stop_after = now_s, ended, stop_after
+        self.records: list[tuple[EngineCall, float, float]] = []
+
+    def start_s(self) -> float:
+        return self.now_s
+
+    def arrivals_ended(self) -> bool:
+        return self.ended
+
+    def stopped(self) -> bool:
+        return self.stop_after is not None and len(self.records) >= self.stop_after
+
+    def record(self, call: EngineCall, started_s: float, step_s: float) -> None:
+        self.records.append((call, started_s, step_s))
+
+
+class _StubClock:
+    """A clock whose blocks are given; it logs what it is asked."""
+
+    def __init__(self, blocks: list[tuple[float, float, float]]) -> None:
+        self.now_s = -1.0
+        self.blocks = deque(blocks)
+        self.scheduled: list[tuple[float, SchedulerOutput, bool]] = []
+
+    def schedule(self, output: SchedulerOutput, samples: bool = True) -> float:
+        self.scheduled.append((self.now_s, output, samples))
+        return 0.0
+
+    def block(self) -> tuple[float, float, float]:
+        return self.blocks.popleft()
+
+
+def _drive(loop, io: _IO, on_idle=None) -> tuple[list, bool]:
+    """Run the loop to its end as the simulation does: time passes by each
+    yielded wait; at each ``IDLE`` ``on_idle`` delivers what arrives."""
+    pauses = []
+    while True:
+        try:
+            pause = next(loop)
+        except StopIteration as stop:
+            return pauses, stop.value
+        pauses.append(pause)
+        if pause is IDLE:
+            assert on_idle is not None, "idle with nothing to deliver"
+            on_idle()
+        else:
+            io.now_s += pause
+
+
+def test_the_loop_waits_out_each_step_from_the_time_the_call_starts():
+    """Serial clock, 2 s a step, the engine starting at 1 s: the steps are
+    scheduled at 1 and 3 and the loop yields 2 s for each; each record
+    names when its step was scheduled and its time; no work and no
+    arrivals left: it returns False (not stalled)."""
+    first, second = (EngineCall(scheduled=_output(s), waits=True) for s in (1, 2))
+    core, io = _ScriptedCore([first, second]), _IO(now_s=1.0)
+    pauses, stalled = _drive(run_engine(core, SerialClock(lambda output: 2.0), io), io)
+    assert (pauses, stalled) == ([2.0, 2.0], False)
+    assert io.records == [(first, 1.0, 2.0), (second, 3.0, 2.0)]
+    assert core.log == [("begin", first), ("end", first), ("begin", second), ("end", second)]
+
+
+def test_a_call_that_does_not_block_is_recorded_with_no_step_and_not_ended():
+    """The batch queue not full: the call hands its step (samples False) to
+    the clock at the call's start and returns; recorded as (0, 0), no
+    ``end_step``. A call that blocks on a step landed already (wait 0)
+    yields nothing but ends and records the clock's times (here the second
+    waits 0.25 s, the third 0). A call that schedules nothing hands the
+    clock nothing."""
+    handed = EngineCall(scheduled=_output(1), samples=False)
+    landed = EngineCall(scheduled=_output(2), waits=True)
+    nothing = EngineCall(waits=True)
+    core, io = _ScriptedCore([handed, landed, nothing]), _IO(now_s=7.0)
+    clock = _StubClock([(0.25, 1.5, 3.0), (0.0, 2.0, 4.0)])
+    pauses, stalled = _drive(run_engine(core, clock, io), io)
+    assert (pauses, stalled) == ([0.25], False)
+    assert clock.scheduled == [(7.0, handed.scheduled, False), (7.0, landed.scheduled, True)]
+    assert io.records == [(handed, 0.0, 0.0), (landed, 1.5, 3.0), (nothing, 2.0, 4.0)]
+    assert core.log == [
+        ("begin", handed),
+        ("begin", landed),
+        ("end", landed),
+        ("begin", nothing),
+        ("end", nothing),
+    ]
+    assert clock.now_s == 7.25  # set from the caller's time before each call
+
+
+def test_an_idle_engine_sleeps_until_an_arrival_and_ends_when_arrivals_do():
+    """No work, arrivals open: IDLE; the arrival brings a step; no work
+    again: IDLE; arrivals end: the loop returns False."""
+    core, io = _ScriptedCore([]), _IO(ended=False)
+    step = EngineCall(scheduled=_output(1), waits=True)
+    arrivals = [lambda: core.calls.append(step), lambda: setattr(io, "ended", True)]
+    pauses, stalled = _drive(
+        run_engine(core, SerialClock(lambda output: 1.0), io), io, lambda: arrivals.pop(0)()
+    )
+    assert (pauses, stalled) == ([IDLE, 1.0, IDLE], False)
+    assert io.records == [(step, 0.0, 1.0)]
+    assert repr(IDLE) == "IDLE"
+
+
+@pytest.mark.parametrize(("unfinished", "stalled"), [(True, True), (False, False)])
+def test_an_idle_call_with_arrivals_over_is_a_stall_only_with_requests_left(unfinished, stalled):
+    """An idle call (nothing scheduled, nothing to wait for) is recorded;
+    with arrivals over and unfinished requests the run stalled (True);
+    without them the loop goes on, finds no work and returns False
+    (control). A second call left in the script shows the loop stopped at
+    the first: a stall returns at once."""
+    idle, after = EngineCall(idle=True), EngineCall(idle=True)
+    core, io = _ScriptedCore([idle, after], unfinished=unfinished), _IO()
+    pauses, result = _drive(run_engine(core, _StubClock([]), io), io)
+    assert (pauses, result) == ([], stalled)
+    assert io.records == ([(idle, 0.0, 0.0)] if stalled else [(idle, 0.0, 0.0), (after, 0.0, 0.0)])
+
+
+def test_an_idle_call_with_arrivals_open_sleeps_until_one():
+    idle = EngineCall(idle=True)
+    core, io = _ScriptedCore([idle], unfinished=True), _IO(ended=False)
+    pauses, stalled = _drive(run_engine(core, _StubClock([]), io), io, lambda: setattr(io, "ended", True))
+    assert (pauses, stalled) == ([IDLE], False)
+    assert io.records == [(idle, 0.0, 0.0)]
+
+
+@pytest.mark.parametrize("stop_after", [0, 1])
+def test_a_stopped_caller_gets_no_further_call(stop_after):
+    """Stopped before the first call: none made; after one: one made. A
+    stop is not a stall (False), with work and requests left."""
+    calls = [EngineCall(idle=True), EngineCall(idle=True)]
+    core, io = _ScriptedCore(calls, unfinished=True), _IO(ended=False, stop_after=stop_after)
+    pauses, stalled = _drive(run_engine(core, _StubClock([]), io), io, lambda: None)
+    assert stalled is False
+    assert [call for call, _, _ in io.records] == calls[:stop_after]
+    assert pauses == [IDLE] * stop_after
+
+
+# ------------------------------------------------- the AsyncScheduler twin
+def _async_scheduler(*, fast_path: bool | None = None) -> AsyncScheduler:
+    """The tiny plan's scheduler (32-token blocks, K drafts), pp 2."""
+    manager = build_kv_cache_manager(tiny_plan(True), num_gpu_blocks=400)
+    config = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=MAX_LEN,
+        block_size=32,
+        num_speculative_tokens=K,
+        max_concurrent_batches=3,
+    )
+    if fast_path is None:
+        return AsyncScheduler(config, manager, decode_stagger=2)
+    return AsyncScheduler(config, manager, decode_stagger=2, fast_path=fast_path)
+
+
+def test_the_async_scheduler_takes_the_fast_path_switch_and_vllms_placeholders():
+    """On by default, off when asked; an idle scheduler has no requests
+    (False, not a falsy stand-in); the placeholder drafts are vLLM's
+    (``AsyncScheduler._spec_token_placeholders = [-1] * num_spec_tokens``,
+    ``vllm/v1/core/sched/async_scheduler.py``, 0.33.0)."""
+    scheduler = _async_scheduler()
+    assert scheduler.fast_path.enabled is True
+    assert _async_scheduler(fast_path=False).fast_path.enabled is False
+    assert scheduler.has_requests() is False
+    assert scheduler._placeholder_drafts == [-1] * K
+    scheduler.schedule()  # an empty step resets the flag the same way
+    assert scheduler.has_requests() is False
+
+
+def _in_flight(computed: int, placeholders: int, eligible: int = 0, stale: int = 0) -> SimpleNamespace:
+    """A running request (prompt 100, ``max_tokens`` 10) as the running
+    loop reads it."""
+    return SimpleNamespace(
+        num_computed_tokens=computed,
+        num_output_placeholders=placeholders,
+        num_prompt_tokens=100,
+        max_tokens=10,
+        next_decode_eligible_step=eligible,
+        num_stale_output_tokens=stale,
+    )
+
+
+@pytest.mark.parametrize(
+    ("computed", "placeholders", "skipped"),
+    [
+        # vLLM's rule (``Scheduler.schedule``'s running loop): skip when
+        # placeholders > 0 and computed + 2 - placeholders >= prompt + max_tokens.
+        (109, 1, True),  # a final token in flight: 109 + 2 - 1 = 110
+        (108, 1, False),  # 109 < 110: one more step may be needed
+        (112, 4, True),  # a decode with 3 drafts in flight: 112 + 2 - 4 = 110
+        (111, 4, False),
+        (109, 0, False),  # nothing in flight: never skipped on this count
+        (110, 0, False),
+    ],
+)
+def test_the_running_loop_skips_a_request_sure_to_reach_max_tokens(computed, placeholders, skipped):
+    scheduler = _async_scheduler()
+    assert scheduler._skips_running(_in_flight(computed, placeholders)) is skipped
+
+
+def test_the_running_loop_skips_a_decode_until_its_stagger_has_passed():
+    """``step_index`` counts the schedule calls made; a decode eligible at
+    call 3 is skipped at calls 1 and 2, taken at 3 (vLLM's
+    ``next_decode_eligible_step``)."""
+    scheduler = _async_scheduler()
+    request = _in_flight(50, 4, eligible=3)
+    skips = []
+    for _ in range(3):
+        skips.append(scheduler._skips_running(request))
+        scheduler.step_index += 1
+    assert skips == [True, True, False]
+
+
+@pytest.mark.parametrize(("stale", "skipped"), [(0, False), (1, True), (4, True)])
+def test_a_waiting_request_with_any_stale_token_in_flight_is_not_resumed(stale, skipped):
+    assert _async_scheduler()._skips_waiting(_in_flight(0, 0, stale=stale)) is skipped
+
+
+def _spec(index: int, prompt: int, output: int, arrival_s: float) -> RequestSpec:
+    return RequestSpec(
+        request_id=f"r{index}",
+        arrival_s=arrival_s,
+        prompt_len=prompt,
+        output_len=output,
+        prefix_ids=tuple(range(index * 1000, index * 1000 + -(-prompt // 16))),
+        prefix_unit=16,
+    )
+
+
+# Requests of one to five output tokens: their last token is in flight
+# while the next schedule runs (a final prefill chunk's one placeholder).
+SHORT_OUTPUTS = (
+    _spec(0, 100, 2, 0.0),
+    _spec(1, 300, 1, 5.0),
+    _spec(2, 50, 3, 10.0),
+    _spec(3, 70, 5, 10.0),
+    _spec(4, 90, 1, 10.0),
+)
+
+
+def _short_outputs_conform():
+    return run_async_conformance(conformance_shape("long-chunked"), "off", SHORT_OUTPUTS, mode="eagle-drop")
+
+
+def test_short_outputs_take_vllms_steps(monkeypatch):
+    """vLLM's own ``step_with_batch_queue`` as the expected value, on
+    requests whose last token is in flight at the next schedule. Control:
+    a skip that looks only at decodes with drafts in flight (placeholders
+    > 1) schedules a request vLLM skips, and differs at step 9 of 22."""
+    comparison = _short_outputs_conform()
+    assert (comparison.num_steps, comparison.first_difference, comparison.conforms) == (22, None, True)
+
+    def drafts_only(self, request):
+        placeholders = request.num_output_placeholders
+        if placeholders > 1 and (
+            request.num_computed_tokens + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens
+        ):
+            return True
+        return self.step_index + 1 < request.next_decode_eligible_step
+
+    monkeypatch.setattr(AsyncScheduler, "_skips_running", drafts_only)
+    assert _short_outputs_conform().first_difference == 9
+
+
+# ---------------------------------------------------- the async steady lane
+def _lane(allocation, caching, max_model_len: int = 1000) -> AsyncSteadyDecode:
+    """An async lane (K = 3: a decode step of 4 tokens) over a scheduler
+    whose fast path has the given settled windows for request ``r``."""
+    windows = {"allocation": allocation, "caching": caching}
+    fast_path = SimpleNamespace(
+        allocations=SimpleNamespace(bounds=lambda request_id: windows["allocation"]),
+        caching=SimpleNamespace(bounds=lambda request_id: windows["caching"]),
+    )
+    scheduler = SimpleNamespace(
+        config=SimpleNamespace(max_model_len=max_model_len),
+        decode_span=lambda request, num_tokens: FastPathScheduling.decode_span(
+            scheduler, request, num_tokens
+        ),
+    )
+    lane = object.__new__(AsyncSteadyDecode)
+    lane.scheduler, lane.fast_path, lane.num_spec, lane.step_tokens = scheduler, fast_path, 3, 4
+    return lane
+
+
+# A decode with 100 tokens computed (101 known) and 8 in flight: it has
+# processed 92; a schedule's allocation spans to 1 + 2K = 7 past the
+# computed tokens (107), so the allocation window ending at 140 lets the
+# computed tokens reach 140 - 7 = 133; the max_model_len clip leaves
+# max_model_len - 1 - (1 + K) = max_model_len - 5.
+DECODING = SimpleNamespace(request_id="r", num_computed_tokens=100, num_tokens=101, num_in_flight_tokens=8)
+
+
+@pytest.mark.parametrize(
+    ("allocation", "caching", "max_model_len", "expected"),
+    [
+        ((90, 140), (91, 150), 1000, (133, 91, 150)),
+        ((92, 140), (92, 150), 1000, (133, 92, 150)),  # windows starting at the processed tokens
+        ((93, 140), (90, 150), 1000, None),  # an allocation window past them
+        ((90, 140), (93, 150), 1000, None),  # a caching window past them
+        ((90, 140), (90, 150), 130, (125, 90, 150)),  # the clip binds: 130 - 5
+        ((90, 140), (90, 150), 105, (100, 90, 150)),  # computed exactly at the limit
+        ((90, 140), (90, 150), 104, None),  # one past it
+        ((90, 106), (90, 150), 1000, None),  # 106 - 7 = 99 < 100
+        (None, (90, 150), 1000, None),
+        ((90, 140), None, 1000, None),
+    ],
+)
+def test_the_async_lanes_limit_and_caching_window_by_hand(allocation, caching, max_model_len, expected):
+    assert _lane(allocation, caching, max_model_len)._limit(DECODING) == expected
+
+
+def test_a_request_not_decoding_has_no_async_limit():
+    prefilling = SimpleNamespace(
+        request_id="r", num_computed_tokens=99, num_tokens=101, num_in_flight_tokens=0
+    )
+    assert _lane((0, 1000), (0, 1000))._limit(prefilling) is None
+
+
+def test_outputs_landing_out_of_schedule_order_are_refused_in_one_line():
+    """The batch queue applies the oldest step first; an output of any
+    other step is a caller's error."""
+    scheduler = _async_scheduler()
+    _, second = scheduler.schedule(), scheduler.schedule()
+    with pytest.raises(AssertionError, match="^outputs land in schedule order$"):
+        scheduler.output_arrives(second)
+    in_order = _async_scheduler()  # control: in order, both land
+    first, second = in_order.schedule(), in_order.schedule()
+    in_order.output_arrives(first)
+    in_order.output_arrives(second)
+
+
+def test_a_non_final_chunk_samples_no_first_token():
+    """A 100-token prompt under a 64-token budget: the first chunk (64)
+    samples nothing (vLLM's workers return no token for it), so no first
+    token; the final chunk's token is the first (control: the tally
+    records one)."""
+    scheduler = _async_scheduler()
+    scheduler.add_request(tiny_spec(0, 100, output=5))
+    (chunk,) = scheduler.schedule().scheduled
+    assert chunk.num_scheduled_tokens == 64
+    tally = StepTally()
+    scheduler.output_arrives(SchedulerOutput(step_index=1, scheduled=(chunk,)))
+    scheduler.apply_sampled(chunk, [], tally)
+    assert (tally.first_token_request_ids, tally.num_generated_tokens) == ([], 0)
+    (final,) = scheduler.schedule().scheduled
+    assert final.num_scheduled_tokens == 36
+    scheduler.apply_sampled(final, [7], tally)
+    assert (tally.first_token_request_ids, tally.num_generated_tokens) == ([chunk.request_id], 1)
+
+
+def test_a_batch_queue_core_without_the_lane_reads_the_requests_own_state():
+    """``steady_lane=False`` (``kvsim serve``'s choice, fast-path rule 5):
+    no lane, ``flush`` does nothing, a request's placeholders are its own."""
+    scheduler = _async_scheduler()
+    runner = ModelRunner(AcceptanceModel(conditional_rates=(0.8, 0.7, 0.6)), np.random.default_rng(0))
+    core = BatchQueueEngineCore(scheduler, runner, 3, steady_lane=False)
+    assert core.steady is None
+    core.flush()
+    request = SimpleNamespace(num_output_placeholders=4)
+    assert core.num_output_placeholders(request) == 4
+    assert BatchQueueEngineCore(scheduler, runner, 3).steady is not None  # control: the lane by default
