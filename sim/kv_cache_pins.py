@@ -87,6 +87,9 @@ class PinningKVCacheManager(KVCacheManager):
         self._graces: dict[str, _Grace] = {}
         # Blocks missing when the last allocate_slots returned None (0097).
         self.last_alloc_shortfall = 0
+        # Whether the last ``pin_waiting_hit`` looked the request up and found
+        # no hit (the fast path remembers such waiters, ``sim/sched/pins.py``).
+        self.pin_lookup_found_no_hit = False
         self._last_need: tuple[int, bool] = (0, False)
         self._record_block_needs()
 
@@ -192,6 +195,10 @@ class PinningKVCacheManager(KVCacheManager):
         """Each pinned waiter's blocks, in pin order (a copy)."""
         return {request_id: list(blocks) for request_id, blocks in self._pinned_hits.items()}
 
+    def pinned_waiter_ids(self) -> tuple[str, ...]:
+        """The pinned waiters, in pin order."""
+        return tuple(self._pinned_hits)
+
     def pinned_hit_blocks(self, request_id: str) -> list[KVCacheBlock]:
         return list(self._pinned_hits.get(request_id, ()))
 
@@ -201,6 +208,7 @@ class PinningKVCacheManager(KVCacheManager):
         past the key (never part of the returned hit, but the hit depends on
         it). Returns the blocks pinned now: 0 when pins are off, the request
         is pinned already, nothing hits, or the bound is reached."""
+        self.pin_lookup_found_no_hit = False
         if (
             not self.enable_waiter_pins
             or request.request_id in self._pinned_hits
@@ -209,6 +217,7 @@ class PinningKVCacheManager(KVCacheManager):
         ):
             return 0
         computed, num_hit, _ = self.get_computed_blocks(request)
+        self.pin_lookup_found_no_hit = num_hit == 0
         blocks = [block for group in computed.blocks for block in group if not block.is_null]
         if num_hit == 0 or not blocks:
             return 0

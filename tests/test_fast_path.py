@@ -12,10 +12,11 @@ ways.
 
 from __future__ import annotations
 
+from collections import deque
 from pathlib import Path
 
 import pytest
-from helpers import scenarios
+from helpers import pins, scenarios
 from helpers.fast_path import (
     CHECKED_CASES,
     DECODE_ACROSS_BOUNDARIES,
@@ -26,8 +27,11 @@ from helpers.fast_path import (
 )
 
 from sim.analysis.gates import DEFAULT_GATES, gate_scenario, load_gates
+from sim.analysis.runs import scenario_workload
 from sim.engine import Simulation
+from sim.kv_cache_pins import PinningKVCacheManager
 from sim.scenario import load_scenario
+from sim.sched.missed_lookups import MissedPinLookups
 from sim.sched.scheduler import Scheduler
 from sim.sched.settled import SettledSteps
 
@@ -196,6 +200,10 @@ def test_every_skipped_call_changes_nothing(name, overrides, layout, mode, tmp_p
     simulation.run()
     # Control: the fast path did skip calls here, so the check had work.
     assert counts.allocations > 0 and counts.cachings > 0
+    if name == "saturated-decode":
+        # No shared prefixes: the waiters' pin lookups (rule 10), then whole
+        # pin passes (rule 11), are skipped, and audited.
+        assert counts.pin_lookups > 0 and counts.pin_passes > 0
 
 
 def settle_every_call_after_the_first(monkeypatch) -> None:
@@ -280,3 +288,94 @@ def test_a_fast_path_that_skips_across_boundaries_changes_the_frames(monkeypatch
     step_by_step = frames_with_fast_path(scenario, "off", False)
     settle_every_call_after_the_first(monkeypatch)
     assert frames_with_fast_path(scenario, "off", True)["steps"] != step_by_step["steps"]
+
+
+# ------------------------------------------------- waiter pin lookups
+
+
+def _memo_blind_to_new_hashes(monkeypatch) -> None:
+    """A broken rule 10: a waiter with no hit is never looked up again."""
+    monkeypatch.setattr(MissedPinLookups, "_count_insertions", lambda self, block_pool: None)
+
+
+def _gate(name: str, mode: str):
+    return _in_mode(gate_scenario(DEFAULT_GATES, name, GATES[name]), mode)
+
+
+@pytest.mark.parametrize("blind", [False, True])
+def test_the_check_catches_a_pin_lookup_memo_blind_to_new_hashes(monkeypatch, blind):
+    """prefix-shared: the first turns arrive together, before their shared
+    system prompt is cached; the waiters behind them hit once it is. The
+    audit passes with the memo as it is (it skips lookups there too) and
+    catches one that ignores the hashes cached since (the failing control)."""
+    scenario = _gate("prefix-shared", "sync")
+    if blind:
+        _memo_blind_to_new_hashes(monkeypatch)
+    simulation = Simulation(scenario, "on", scenario_workload(scenario))
+    counts = audited(simulation, lane=False)
+    if blind:
+        with pytest.raises(AssertionError, match="a skipped pin lookup hits|changed the allocator"):
+            simulation.run()
+    else:
+        simulation.run()
+        assert counts.pin_lookups > 0
+
+
+def test_a_pin_lookup_memo_blind_to_new_hashes_changes_the_frames(monkeypatch):
+    """Failing control for the gate frames comparison (prefix-mooncake,
+    async): never looking a waiter up again loses pins the fork makes."""
+    scenario = _gate("prefix-mooncake", "async")
+    step_by_step = frames_with_fast_path(scenario, "on", False)
+    _memo_blind_to_new_hashes(monkeypatch)
+    assert frames_with_fast_path(scenario, "on", True)["steps"] != step_by_step["steps"]
+
+
+def test_a_waiter_with_no_hit_is_looked_up_again_once_a_hash_is_cached_or_its_tokens_grow():
+    """Rule 10 on the fork tests' hybrid rig: vLLM's own lookup finds a hit
+    after each event the memo watches, so a memo blind to either is wrong."""
+    manager = pins.pinning_manager(400)
+    assert isinstance(manager, PinningKVCacheManager)
+    memo = MissedPinLookups(manager.block_pool)
+    prompt = pins.tail_tokens(1, 340)
+    waiter = pins.request("waiter", [*prompt, 7])
+    assert manager.pin_waiting_hit(waiter) == 0 and manager.pin_lookup_found_no_hit
+    memo.found_no_hit(waiter)
+    assert memo.knows_no_hit(waiter) and memo.knows_no_hit(waiter)
+    pins.run(manager, pins.request("same-prompt", prompt))
+    assert not memo.knows_no_hit(waiter)  # hashes were cached
+    assert manager.get_computed_blocks(waiter)[1] > 0  # and it hits now
+
+    # A short waiter (a preempted request, say) that takes the same tokens.
+    grows = pins.request("grows", prompt[:20])
+    assert manager.pin_waiting_hit(grows) == 0 and manager.pin_lookup_found_no_hit
+    memo.found_no_hit(grows)
+    assert memo.knows_no_hit(grows)
+    for token in [*prompt[20:], 7]:
+        grows.append_output_token_ids(token)
+    assert not memo.knows_no_hit(grows)
+    assert manager.get_computed_blocks(grows)[1] > 0
+
+
+def test_a_pin_pass_is_known_idle_only_with_the_same_queue_pins_hashes_and_tokens():
+    """Rule 11: each of the pass's inputs voids the memo of an idle pass."""
+    manager = pins.pinning_manager(400)
+    memo = MissedPinLookups(manager.block_pool)
+    first, second = pins.request("a", pins.tail_tokens(1, 40)), pins.request("b", pins.tail_tokens(2, 40))
+    waiting: deque = deque([first, second])
+    memo.pass_ends(waiting, (), pinned=True)
+    assert not memo.knows_idle_pass(waiting, ())  # it pinned something
+    memo.pass_ends(waiting, (), pinned=False)
+    assert memo.knows_idle_pass(waiting, ())
+    changes = [
+        (deque([second, first]), (), 0, 0),
+        (deque([first]), (), 0, 0),
+        (deque([first, second, first]), (), 0, 0),
+        (waiting, ("a",), 0, 0),
+        (waiting, (), 1, 0),
+        (waiting, (), 0, 1),
+    ]
+    for queue, pinned_ids, insertions, waiter_changes in changes:
+        memo.num_hash_insertions += insertions
+        memo.num_waiter_changes += waiter_changes
+        assert not memo.knows_idle_pass(queue, pinned_ids)
+        memo.pass_ends(waiting, (), pinned=False)

@@ -124,6 +124,7 @@ class AsyncScheduler(Scheduler):
         request.num_in_flight_tokens -= item.num_scheduled_tokens
         stale = request.num_stale_output_tokens > 0
         if stale:
+            self.fast_path.waiting_tokens_change()  # a waiter's tokens may grow (rule 11)
             request.num_stale_output_tokens -= item.num_scheduled_tokens
             assert request.num_stale_output_tokens >= 0
             if request.num_stale_output_tokens == 0:

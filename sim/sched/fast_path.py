@@ -13,13 +13,17 @@ when ``simulation.fast_path`` is off, so the scheduler never branches on it):
   ``BatchQueueEngineCore`` makes ``async_steady.py``'s with ``make_async_lane``);
 - **known-idle waiting loops**: a waiting loop that admitted nobody admits
   nobody again while its inputs, its head and the allocator are unchanged
-  (the allocator's version counts the calls that may change it).
+  (the allocator's version counts the calls that may change it);
+- **missed pin lookups** (``missed_lookups.py``): a waiter whose lookup for
+  the fork's waiter pins found no hit finds none again until a hash is
+  cached or its tokens change.
 
 The scheduler calls it at a few named points: ``skips_allocation`` /
 ``allocated`` around ``allocate_slots``, ``skips_caching`` / ``cached``
 around ``cache_blocks``, ``blocks_freed`` and ``allocator_changes`` where
 blocks move, ``skips_waiting`` / ``waiting_starts`` / ``waiting_ends``
-around the waiting loop.
+around the waiting loop, ``skips_pin_lookup`` / ``pin_lookup_found_no_hit``
+around a waiter's pin lookup (``pins.py``).
 
 ``audit = True`` makes every skipped call anyway and asserts it changed
 nothing (the whole allocator state compared, ``allocator_snapshot``), and
@@ -84,6 +88,25 @@ is broken:
    ``tests/test_fast_path.py::test_the_check_catches_an_async_window_blind_to_the_tokens_in_flight``,
    ``tests/test_async_steady.py::test_the_check_catches_an_async_lane_blind_to_the_tokens_in_flight``,
    ``::test_a_lane_that_ignores_the_stagger_fails_the_conformance_gate``.
+10. A waiter's pin lookup (``get_computed_blocks``, pin point 3) that found
+   no hit finds none again while no hash was inserted into the pool's
+   cached-hash map (``BlockPool._insert_block_hash``, counted) and the
+   request has the same tokens and block hashes: a lookup reads nothing
+   else that moves, and removing cached hashes (evictions, a reset) only
+   shrinks a hit. The allocator version would be safe too, but it moves
+   with every allocation; a hash is inserted only as a block (or, with
+   partial hits, a unit) is cached. The audit makes each skipped lookup.
+   ``tests/test_fast_path.py::test_the_check_catches_a_pin_lookup_memo_blind_to_new_hashes``,
+   ``::test_a_pin_lookup_memo_blind_to_new_hashes_changes_the_frames``,
+   ``::test_a_waiter_with_no_hit_is_looked_up_again_once_a_hash_is_cached_or_its_tokens_grow``.
+11. A pin pass that pinned nothing pins nothing again, and is skipped
+   whole, while no hash was inserted, the waiting queue holds the same
+   entries (by identity) in the same order, no waiting request took tokens
+   (``waiting_tokens_change``: a stale output lands, async mode) and the
+   same waiters are pinned: each waiter meets it as before (pinned, past
+   the bound, or known to find no hit, rule 10). A waiter's computed tokens
+   and status change only as it enters or leaves the queue.
+   ``tests/test_fast_path.py::test_a_pin_pass_is_known_idle_only_with_the_same_queue_pins_hashes_and_tokens``.
 
 Every rule is also checked whole, in both engine modes: every gate scenario's frames are the same
 with the fast path off, and the conformance driver steps the lane against
@@ -98,6 +121,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from sim.allocator_invariants import allocator_snapshot
 from sim.sched.async_steady import AsyncSteadyDecode
+from sim.sched.missed_lookups import MissedPinLookups
 from sim.sched.settled import SettledSteps
 from sim.sched.steady import SKIP, SteadyDecode
 
@@ -117,6 +141,8 @@ class AuditCounts:
     cachings: int = 0
     waiting_loops: int = 0
     lane_steps: int = 0
+    pin_lookups: int = 0
+    pin_passes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +156,7 @@ class _IdleWaiting:
 
 
 class FastPath:
-    """The fast path of one scheduler (rules 1-9 above)."""
+    """The fast path of one scheduler (rules 1-11 above)."""
 
     enabled = True
 
@@ -142,6 +168,9 @@ class FastPath:
         # waiting loop's outcome can be known unchanged (rule 3).
         self.allocator_version = 0
         self._idle_waiting: _IdleWaiting | None = None
+        # Waiters whose pin lookup found no hit (rule 10).
+        self.missed_pin_lookups = MissedPinLookups(scheduler.kv_cache_manager.block_pool)
+        self._pin_pass_version = 0
         # Make every skipped call anyway and assert it changed nothing.
         self.audit = False
         self.audited = AuditCounts()
@@ -246,6 +275,38 @@ class FastPath:
             prefill_scheduled,
         )
 
+    # ------------------------------------------------ missed pin lookups
+    def skips_pin_lookup(self, request: Request) -> bool:
+        """Whether a waiter's pin lookup is known to find no hit (rule 10)."""
+        if not self.missed_pin_lookups.knows_no_hit(request):
+            return False
+        if self.audit:
+            self._audit_pin_lookup(request)
+        return True
+
+    def pin_lookup_found_no_hit(self, request: Request) -> None:
+        """A waiter's pin lookup, just made, found no hit."""
+        self.missed_pin_lookups.found_no_hit(request)
+
+    def skips_pin_pass(self, pinned_ids: tuple[str, ...]) -> bool:
+        """Whether the pin pass is known to pin nothing (rule 11);
+        ``pinned_ids``: the pinned waiters now."""
+        self._pin_pass_version = self.allocator_version
+        if not self.missed_pin_lookups.knows_idle_pass(self.scheduler.waiting, pinned_ids):
+            return False
+        if self.audit:
+            self._audit_pin_pass()
+        return True
+
+    def pin_pass_ends(self, pinned_ids: tuple[str, ...]) -> None:
+        """A pin pass ended (it pinned something iff it bumped the version)."""
+        pinned = self.allocator_version != self._pin_pass_version
+        self.missed_pin_lookups.pass_ends(self.scheduler.waiting, pinned_ids, pinned)
+
+    def waiting_tokens_change(self) -> None:
+        """A waiting request may take tokens (a stale output lands, rule 11)."""
+        self.missed_pin_lookups.num_waiter_changes += 1
+
     # -------------------------------------------------------------- audit
     def _audit(self, call: Callable[[], T], what: str) -> T:
         """Make ``call`` and assert the allocator is as it was."""
@@ -264,6 +325,23 @@ class FastPath:
             f"{request.request_id}: a settled call allocated"
         )
         self.audited.allocations += 1
+
+    def _audit_pin_lookup(self, request: Request) -> None:
+        """Make the skipped pin call: it must look up and find no hit, which
+        returns before touching anything (no snapshot: there are many)."""
+        manager = self.scheduler.kv_cache_manager
+        pinned = manager.pin_waiting_hit(request)  # type: ignore[attr-defined]  # a PinningKVCacheManager's
+        assert pinned == 0 and manager.pin_lookup_found_no_hit, (  # type: ignore[attr-defined]
+            f"{request.request_id}: a skipped pin lookup hits"
+        )
+        self.audited.pin_lookups += 1
+
+    def _audit_pin_pass(self) -> None:
+        """Run the skipped pin pass (its skipped lookups audited in turn)."""
+        scheduler = self.scheduler
+        pins = scheduler.pins.pin_waiters  # type: ignore[union-attr]  # a SchedulerPins'
+        self._audit(lambda: pins(scheduler._waiting_requests()), "pin pass")
+        self.audited.pin_passes += 1
 
     def _audit_waiting(self, step: _StepState) -> None:
         """Run the skipped waiting loop on a copy of the step's inputs."""
@@ -317,6 +395,21 @@ class NoFastPath:
         return ()
 
     def waiting_ends(self, inputs: tuple, admitted: bool) -> None:
+        return None
+
+    def skips_pin_lookup(self, request: Request) -> bool:
+        return False
+
+    def pin_lookup_found_no_hit(self, request: Request) -> None:
+        return None
+
+    def skips_pin_pass(self, pinned_ids: tuple[str, ...]) -> bool:
+        return False
+
+    def pin_pass_ends(self, pinned_ids: tuple[str, ...]) -> None:
+        return None
+
+    def waiting_tokens_change(self) -> None:
         return None
 
 

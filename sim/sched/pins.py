@@ -18,7 +18,8 @@ scheduler never branches on it and ``fork: upstream`` is vLLM's scheduler):
 3. ``pin_waiting``: the end of each ``schedule()`` that scheduled the
    waiting queue (no preemption): the waiters' hits are pinned in arrival
    order, skipping requests that computed anything or are neither WAITING
-   nor PREEMPTED, up to the manager's bound.
+   nor PREEMPTED, up to the manager's bound. The fast path skips a lookup
+   known to find no hit, and a pass known to pin nothing (its rules 10, 11).
 
 Every change to the allocator made here voids the fast path's memo of an
 idle waiting loop (``FastPath.allocator_changes``, rule 3).
@@ -104,15 +105,31 @@ class SchedulerPins:
         return manager.last_alloc_shortfall <= manager.num_yieldable_blocks(keep=request_id, keep_hit=hit)
 
     def pin_waiting(self, waiting: Iterator[Request]) -> None:
-        """Pin the waiters' hits in arrival order up to the manager's bound."""
+        """Pin the waiters' hits in arrival order up to the manager's bound,
+        unless the fast path knows the pass pins nothing (its rule 11)."""
         manager = self.manager
-        if not manager.enable_waiter_pins:
+        if not manager.enable_waiter_pins or self.fast_path.skips_pin_pass(manager.pinned_waiter_ids()):
             return
+        self.pin_waiters(waiting)
+        self.fast_path.pin_pass_ends(manager.pinned_waiter_ids())
+
+    def pin_waiters(self, waiting: Iterator[Request]) -> None:
+        """The pass itself."""
+        manager = self.manager
         for request in waiting:
             if manager.num_pinned_waiters >= manager.max_pinned_waiters:
                 return
             if request.num_computed_tokens == 0 and request.status in _PINNABLE_STATUSES:
-                self._changed(manager.pin_waiting_hit(request))
+                self._pin_waiter(request)
+
+    def _pin_waiter(self, request: Request) -> None:
+        """Pin one waiter's hit, unless the fast path knows its lookup finds
+        none (fast-path rule 10); a lookup that found none is remembered."""
+        if self.fast_path.skips_pin_lookup(request):
+            return
+        self._changed(self.manager.pin_waiting_hit(request))
+        if self.manager.pin_lookup_found_no_hit:
+            self.fast_path.pin_lookup_found_no_hit(request)
 
 
 def scheduler_pins(manager: KVCacheManager, fast_path: FastPath | NoFastPath) -> NoPins | SchedulerPins:
