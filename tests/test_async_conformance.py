@@ -242,3 +242,22 @@ def test_the_reference_leaves_model_runner_v2_unselected_for_later_schedulers():
     before = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     _conform("long-chunked", "off", "eagle-drop")
     assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == before
+
+
+# ------------------------------------------------ the rig's deployment
+def test_every_engine_step_is_identical_on_the_rigs_block_flags():
+    """The rig as shipped hashes on a 64-token prefix-match unit under
+    4,096-token blocks with RecoverSSM (``default``). vLLM's requests must be
+    hashed on the scheduler's hash block, as its engine core hashes them:
+    hashed on the block size, vLLM's own Mamba manager asserts while caching
+    a prompt's partial-block state (fewer block hashes than the unit needs),
+    which is how ``kvsim bench default --against vllm`` crashed."""
+    from sim.analysis.runs import scenario_workload
+    from sim.scenario import load_scenario
+
+    scenario = load_scenario("default", ["fork=upstream", "workload.max_requests=6"])
+    assert (scenario.deployment.block_size, scenario.deployment.prefix_match_unit) == (4096, 64)
+    comparison = run_async_conformance(scenario, "on", scenario_workload(scenario).requests)
+    assert comparison.num_steps > 0
+    assert comparison.first_difference is None, comparison.differing_fields(comparison.first_difference)
+    assert comparison.conforms and not comparison.right.stalled

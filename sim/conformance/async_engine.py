@@ -162,7 +162,8 @@ class _VllmEngine:
             vllm_config, kv_cache_config, bridge.FakeExecutor(self._sample, self._on_schedule)
         )
         self.scheduler: Any = self.core.scheduler  # vLLM's AsyncScheduler
-        self._hasher = vllm_scheduler.request_block_hasher(vllm_config)
+        # On the scheduler's hash block (the prefix-match unit), as the sync backend's.
+        self._hasher = vllm_scheduler.request_block_hasher(vllm_config, self.scheduler.hash_block_size)
         self.runner = runner
         self.max_model_len = settings.max_model_len
         self._in_flight: deque[SchedulerOutput] = deque()
