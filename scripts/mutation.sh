@@ -90,10 +90,11 @@ tests/test_async_steady.py::test_a_lane_that_ignores_the_stagger_fails_the_confo
 tests/test_async_steady.py::test_a_lane_that_never_rolls_back_a_draft_fails_the_conformance_gate"
 
 # The fast path's rules 10-11 (the waiters' pin lookups that found no hit,
-# pin passes known idle): the memo's unit tests, the audit on prefix-shared
+# pin passes known idle): the value tests, the memo's unit tests, the audit on prefix-shared
 # with its failing control (under a second each) and the saturated-decode
 # audit, the one checked shape that skips pin lookups and whole passes (4 s).
-MISSED_LOOKUP_TESTS="tests/test_fast_path.py::test_a_waiter_with_no_hit_is_looked_up_again_once_a_hash_is_cached_or_its_tokens_grow \
+MISSED_LOOKUP_TESTS="tests/test_values_fast_path.py \
+tests/test_fast_path.py::test_a_waiter_with_no_hit_is_looked_up_again_once_a_hash_is_cached_or_its_tokens_grow \
 tests/test_fast_path.py::test_a_pin_pass_is_known_idle_only_with_the_same_queue_pins_hashes_and_tokens \
 tests/test_fast_path.py::test_the_check_catches_a_pin_lookup_memo_blind_to_new_hashes[False] \
 tests/test_fast_path.py::test_the_check_catches_a_pin_lookup_memo_blind_to_new_hashes[True] \

@@ -1,0 +1,102 @@
+"""Value tests of the fast path's memos (``sim/sched/fast_path.py``,
+``sim/sched/missed_lookups.py``) that the audits and frame comparisons do
+not pin: the counts the memos keep, per waiter, and the fast path off.
+Expected values are worked by hand from the rules in ``fast_path.py``'s
+docstring (rules 10-11), each with its control.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from helpers import pins
+
+from sim.sched.fast_path import NoFastPath
+from sim.sched.missed_lookups import MissedPinLookups
+from sim.vllm_bridge import init_none_hash, sha256
+
+
+class _Pool:
+    """A stand-in block pool: records the insertions it is asked to make."""
+
+    def __init__(self) -> None:
+        self.inserted: list[tuple] = []
+
+    def _insert_block_hash(self, *args, **kwargs) -> None:
+        self.inserted.append((args, kwargs))
+
+
+def _waiter(name: str, seed: int):
+    init_none_hash(sha256)  # vLLM's block hasher needs its root hash set
+    return pins.request(name, pins.tail_tokens(seed, 40))
+
+
+def test_a_fresh_memo_has_counted_nothing_and_counts_each_insertion_once():
+    """Three insertions through the pool: three counted, each passed on."""
+    pool = _Pool()
+    memo = MissedPinLookups(pool)  # type: ignore[arg-type]
+    assert (memo.num_hash_insertions, memo.num_waiter_changes) == (0, 0)
+    for index in range(3):
+        pool._insert_block_hash(index, block=index)
+    assert memo.num_hash_insertions == 3
+    assert pool.inserted == [((0,), {"block": 0}), ((1,), {"block": 1}), ((2,), {"block": 2})]
+
+
+def test_every_waiter_with_no_hit_is_remembered_until_a_hash_is_inserted():
+    """Rule 10 per waiter: two lookups with no hit, both known; one
+    insertion voids both (control: before it, both skip)."""
+    pool = _Pool()
+    memo = MissedPinLookups(pool)  # type: ignore[arg-type]
+    a, b = _waiter("a", 1), _waiter("b", 2)
+    memo.found_no_hit(a)
+    memo.found_no_hit(b)
+    assert memo.knows_no_hit(a) and memo.knows_no_hit(b)
+    pool._insert_block_hash("h")
+    assert not memo.knows_no_hit(a) and not memo.knows_no_hit(b)
+
+
+def test_a_lookup_after_an_insertion_is_remembered_at_once():
+    """A hash inserted before any check, then a lookup with no hit: that
+    lookup already saw the hash, so it is known (no second lookup); the
+    other waiter, never looked up since, is not."""
+    pool = _Pool()
+    memo = MissedPinLookups(pool)  # type: ignore[arg-type]
+    a, b = _waiter("a", 1), _waiter("b", 2)
+    memo.found_no_hit(b)
+    pool._insert_block_hash("h")
+    memo.found_no_hit(a)
+    assert memo.knows_no_hit(a)
+    assert not memo.knows_no_hit(b)
+
+
+def test_a_pass_memo_counts_waiter_changes_from_zero():
+    """An idle pass remembered before any change holds until the first."""
+    memo = MissedPinLookups(_Pool())  # type: ignore[arg-type]
+    waiting = deque([_waiter("a", 1)])
+    memo.pass_ends(waiting, (), pinned=False)
+    assert memo.knows_idle_pass(waiting, ())
+    memo.num_waiter_changes += 1
+    assert not memo.knows_idle_pass(waiting, ())
+
+
+def test_the_fast_path_off_makes_every_call_and_remembers_nothing():
+    """``NoFastPath``: no lane, no call skipped, no waiting inputs."""
+    off = NoFastPath()
+    waiter = _waiter("a", 1)
+    assert (off.enabled, off.audit) == (False, False)
+    assert off.make_lane(None) is None and off.make_async_lane() is None  # type: ignore[arg-type]
+    assert not off.skips_allocation(waiter, 4, 3) and not off.skips_caching(waiter, 40)
+    assert not off.skips_waiting(None) and off.waiting_starts(None) == ()  # type: ignore[arg-type]
+    assert not off.skips_pin_lookup(waiter) and not off.skips_pin_pass(())
+    for call in (
+        lambda: off.allocated(waiter, 4, 3),
+        lambda: off.cached(waiter, 40),
+        lambda: off.blocks_freed("a"),
+        off.allocator_changes,
+        off.waiting_request_changes,
+        lambda: off.waiting_ends((), False),
+        lambda: off.pin_lookup_found_no_hit(waiter),
+        lambda: off.pin_pass_ends(()),
+        off.waiting_tokens_change,
+    ):
+        assert call() is None
