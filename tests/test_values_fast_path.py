@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections import deque
 
+import pytest
 from helpers import pins
+from helpers.scheduler import tiny_scheduler, tiny_spec
 
-from sim.sched.fast_path import NoFastPath
+from sim.sched.fast_path import FastPath, NoFastPath
 from sim.sched.missed_lookups import MissedPinLookups
+from sim.sched.scheduler import Scheduler, _StepState
 from sim.vllm_bridge import init_none_hash, sha256
 
 
@@ -100,3 +103,48 @@ def test_the_fast_path_off_makes_every_call_and_remembers_nothing():
         off.waiting_tokens_change,
     ):
         assert call() is None
+
+
+# ------------------------------------------------ the waiting loop's audit
+
+
+def _one_token_waiter() -> Scheduler:
+    """The tiny scheduler (K = 3, 400 blocks) with a 1-token prompt waiting:
+    vLLM pads its admission to 1 + K = 4 rows beside a scheduled running
+    request when no prefill is scheduled (``_pads_to_uniform_decode``), and
+    schedules nothing if the 4 rows do not fit the budget."""
+    scheduler = tiny_scheduler()
+    scheduler.add_request(tiny_spec(0, 1))
+    return scheduler
+
+
+def test_the_waiting_audit_runs_the_loop_with_the_steps_flags():
+    """Budget 2 after a running request, no prefill: padded to 4 > 2, the
+    loop admits nobody and the audit passes (a probe without the running
+    flag would admit the 1 token unpadded and fail); each audit counts."""
+    scheduler = _one_token_waiter()
+    fast_path = scheduler.fast_path
+    for count in (1, 2):
+        fast_path._audit_waiting(_StepState(token_budget=2, running_scheduled=True, prefill_scheduled=False))
+        assert fast_path.audited.waiting_loops == count
+    assert [request.request_id for request in scheduler.waiting] == ["r000"]
+
+
+def test_the_waiting_audit_catches_a_loop_that_admits():
+    """Control: with a prefill scheduled there is no padding, so the same
+    loop admits the 1 token, which the audit catches (a probe without the
+    prefill flag would pad, refuse, and pass)."""
+    scheduler = _one_token_waiter()
+    step = _StepState(token_budget=2, running_scheduled=True, prefill_scheduled=True)
+    with pytest.raises(AssertionError, match=r"^a skipped waiting loop call changed the allocator$"):
+        scheduler.fast_path._audit_waiting(step)
+    assert scheduler.fast_path.audited.waiting_loops == 0
+
+
+def test_a_waiting_request_taking_tokens_counts_one_change():
+    """Rule 11: each stale output landing on a waiter is one change."""
+    fast_path = tiny_scheduler().fast_path
+    assert isinstance(fast_path, FastPath)
+    for count in (1, 2):
+        fast_path.waiting_tokens_change()
+        assert fast_path.missed_pin_lookups.num_waiter_changes == count
