@@ -11,7 +11,7 @@ from collections import deque
 
 import pytest
 from helpers import pins
-from helpers.scheduler import tiny_scheduler, tiny_spec
+from helpers.scheduler import CheckedEngine, tiny_scheduler, tiny_spec
 
 from sim.sched.fast_path import FastPath, NoFastPath
 from sim.sched.missed_lookups import MissedPinLookups
@@ -148,3 +148,28 @@ def test_a_waiting_request_taking_tokens_counts_one_change():
     for count in (1, 2):
         fast_path.waiting_tokens_change()
         assert fast_path.missed_pin_lookups.num_waiter_changes == count
+
+
+# ------------------------------------------- the allocation call's audit
+
+
+def test_the_allocation_audit_makes_the_call_with_its_lookahead():
+    """The tiny scheduler (32-token blocks, K = 3): a 60-token prompt is
+    prefilled in one step (budget 64) into 2 blocks, 64 slots. After the
+    first decode call (made: it records the request's retired blocks), a
+    skipped call for 1 new token and 3 lookahead slots needs 60 + 1 + 3 =
+    64: it allocates nothing and the audit passes; 2 new + 3 lookahead need 65,
+    a third block, which the audit catches (without the lookahead, 62
+    slots: it would pass)."""
+    scheduler = tiny_scheduler()
+    scheduler.add_request(tiny_spec(0, 60))
+    engine = CheckedEngine(scheduler)
+    engine.step()
+    request = scheduler.requests["r000"]
+    assert request.num_computed_tokens == 60
+    scheduler.kv_cache_manager.allocate_slots(request, 1, num_lookahead_tokens=3)
+    fast_path = scheduler.fast_path
+    fast_path._audit_allocation(request, 1, 3)
+    assert fast_path.audited.allocations == 1
+    with pytest.raises(AssertionError, match=r"^a skipped allocation call changed the allocator$"):
+        fast_path._audit_allocation(request, 2, 3)
