@@ -212,7 +212,12 @@ tests/test_calibrate.py::test_a_replay_without_its_scenario_is_a_one_line_error"
   [engine_loop]="sim/sched/engine_loop.py|tests/test_values_async.py tests/test_engine_timeline.py tests/test_async_engine.py $ASYNC_CONFORMANCE_TESTS"
   [async_scheduler]="sim/sched/async_scheduler.py|tests/test_values_async.py $ASYNC_CONFORMANCE_TESTS"
   [async_steady]="sim/sched/async_steady.py|tests/test_values_async.py $ASYNC_STEADY_TESTS $ASYNC_CONFORMANCE_TESTS"
-  [fast_path]="sim/sched/fast_path.py|$FAST_PATH_TESTS $STEADY_TESTS $ASYNC_STEADY_TESTS $MISSED_LOOKUP_TESTS"
+  # The fast path's own file: its settled-call, lane and pin-lookup sets, and
+  # the waiting memo's hand cases with the audit's failing control (rules 3-4).
+  [fast_path]="sim/sched/fast_path.py|$FAST_PATH_TESTS $STEADY_TESTS $ASYNC_STEADY_TESTS $MISSED_LOOKUP_TESTS \
+tests/test_steady.py::test_the_waiting_memo_holds_only_for_the_same_inputs_and_allocator \
+tests/test_steady.py::test_an_arrival_voids_the_waiting_memo \
+tests/test_steady.py::test_the_check_catches_a_waiting_loop_wrongly_skipped"
   [missed_lookups]="sim/sched/missed_lookups.py|$MISSED_LOOKUP_TESTS"
 )
 ORDER=(engine scheduler settled steady engine_core pipeline_clock engine_loop async_scheduler async_steady fast_path missed_lookups output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving server_metrics live_engine openai_requests loaders config async_engine pool_replay kv_cache_pins sched_pins partial_tail)

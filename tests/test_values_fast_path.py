@@ -169,7 +169,8 @@ def test_the_allocation_audit_makes_the_call_with_its_lookahead():
     assert request.num_computed_tokens == 60
     scheduler.kv_cache_manager.allocate_slots(request, 1, num_lookahead_tokens=3)
     fast_path = scheduler.fast_path
-    fast_path._audit_allocation(request, 1, 3)
-    assert fast_path.audited.allocations == 1
+    for count in (1, 2):
+        fast_path._audit_allocation(request, 1, 3)
+        assert fast_path.audited.allocations == count
     with pytest.raises(AssertionError, match=r"^a skipped allocation call changed the allocator$"):
         fast_path._audit_allocation(request, 2, 3)
