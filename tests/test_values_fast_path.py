@@ -16,6 +16,7 @@ from helpers.scheduler import CheckedEngine, tiny_scheduler, tiny_spec
 from sim.sched.fast_path import FastPath, NoFastPath
 from sim.sched.missed_lookups import MissedPinLookups
 from sim.sched.scheduler import Scheduler, _StepState
+from sim.sched.settled import SettledSteps
 from sim.vllm_bridge import init_none_hash, sha256
 
 
@@ -174,3 +175,46 @@ def test_the_allocation_audit_makes_the_call_with_its_lookahead():
         assert fast_path.audited.allocations == count
     with pytest.raises(AssertionError, match=r"^a skipped allocation call changed the allocator$"):
         fast_path._audit_allocation(request, 2, 3)
+
+
+# ---------------------------------------------- what the fast path remembers
+
+
+def test_a_free_forgets_both_windows_of_that_request_only():
+    """Rule 6: windows move only on a real call or a free. Windows of
+    3,200-token blocks, margin 8: a call over 100..107 settles 104..111."""
+    fast_path = tiny_scheduler().fast_path
+    fast_path.allocations, fast_path.caching = SettledSteps((3200,), 8), SettledSteps((3200,), 8)
+    for steps in (fast_path.allocations, fast_path.caching):
+        steps.record("a", 100, 107)
+        steps.record("b", 100, 107)
+    version = fast_path.allocator_version
+    fast_path.blocks_freed("a")
+    assert fast_path.allocator_version == version + 1
+    for steps in (fast_path.allocations, fast_path.caching):
+        assert not steps.is_settled("a", 104, 111) and steps.is_settled("b", 104, 111)
+
+
+def test_a_lookup_that_found_no_hit_is_skipped_next_time():
+    """Rule 10 through the fast path: the lookup is skipped once it found
+    no hit (control: a waiter never looked up is not)."""
+    scheduler = tiny_scheduler()
+    first, second = (scheduler._materialize(tiny_spec(index, 60)) for index in range(2))
+    fast_path = scheduler.fast_path
+    fast_path.pin_lookup_found_no_hit(first)
+    assert fast_path.skips_pin_lookup(first) and not fast_path.skips_pin_lookup(second)
+
+
+def test_a_pin_pass_is_skipped_only_after_one_that_changed_nothing():
+    """Rule 11 through the fast path: a pass that bumped the allocator's
+    version pinned something, so the next is made; one that did not is
+    remembered, and the next with the same inputs is skipped."""
+    scheduler = tiny_scheduler()
+    scheduler.add_request(tiny_spec(0, 60))
+    fast_path = scheduler.fast_path
+    assert not fast_path.skips_pin_pass(())  # never run
+    fast_path.allocator_changes()  # the pass pinned a waiter
+    fast_path.pin_pass_ends(())
+    assert not fast_path.skips_pin_pass(())
+    fast_path.pin_pass_ends(())  # this pass pinned nothing
+    assert fast_path.skips_pin_pass(())
