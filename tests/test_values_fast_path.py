@@ -11,6 +11,7 @@ from collections import deque
 
 import pytest
 from helpers import pins
+from helpers.fast_path import audited, one_request
 from helpers.scheduler import CheckedEngine, tiny_scheduler, tiny_spec
 
 from sim.sched.fast_path import FastPath, NoFastPath
@@ -218,3 +219,17 @@ def test_a_pin_pass_is_skipped_only_after_one_that_changed_nothing():
     assert not fast_path.skips_pin_pass(())
     fast_path.pin_pass_ends(())  # this pass pinned nothing
     assert fast_path.skips_pin_pass(())
+
+
+# ------------------------------------------------- the audit on one request
+
+
+def test_the_audit_makes_each_skipped_call_once(tmp_path):
+    """``test_fast_path.py::test_the_calls_skipped_across_a_block_boundary``'s
+    request (3,120-token prompt, 150 outputs, margin 32, 3,200-token
+    blocks), the lane off: the scheduler skips 40 + 35 = 75 allocations
+    and 47 + 35 = 82 cachings (that test's hand count), each audited once."""
+    simulation = one_request(tmp_path, 3120, 150)
+    counts = audited(simulation, lane=False)
+    simulation.run()
+    assert (counts.allocations, counts.cachings) == (75, 82)
