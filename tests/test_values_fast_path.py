@@ -233,3 +233,37 @@ def test_the_audit_makes_each_skipped_call_once(tmp_path):
     counts = audited(simulation, lane=False)
     simulation.run()
     assert (counts.allocations, counts.cachings) == (75, 82)
+
+
+# ------------------------------------------------- the pin calls' audits
+
+
+def _grace_rig_with_a_cached_prompt():
+    """The fork's grace rig (block 16, prefix caching, waiter pins on) after
+    a 64-token prompt ran and finished: its 4 full blocks are cached, free."""
+    scheduler = pins.grace_scheduler(32)
+    prompt = tuple(pins.tail_tokens(3, 64))
+    pins.finish(scheduler, pins.Spec("done", prompt, 2))
+    return scheduler, prompt
+
+
+def test_each_audited_pin_lookup_counts_once():
+    """A waiter with its own tokens finds no hit: the audit passes, once a call."""
+    scheduler, _ = _grace_rig_with_a_cached_prompt()
+    fast_path = FastPath(scheduler)
+    waiter = pins.request("new", pins.tail_tokens(4, 64), unit=16)
+    for count in (1, 2):
+        fast_path._audit_pin_lookup(waiter)
+        assert fast_path.audited.pin_lookups == count
+
+
+def test_the_pin_pass_audit_catches_a_pass_that_pins():
+    """Failing control of rule 11's audit: two waiters behind nobody, both
+    with the cached 64-token prompt; the pass the audit makes pins a hit."""
+    scheduler, prompt = _grace_rig_with_a_cached_prompt()
+    for name in ("w1", "w2"):
+        scheduler.add_request(pins.Spec(name, (*prompt, 9), 2))
+    fast_path = FastPath(scheduler)
+    with pytest.raises(AssertionError, match=r"^a skipped pin pass call changed the allocator$"):
+        fast_path._audit_pin_pass()
+    assert fast_path.audited.pin_passes == 0
