@@ -267,3 +267,14 @@ def test_the_pin_pass_audit_catches_a_pass_that_pins():
     with pytest.raises(AssertionError, match=r"^a skipped pin pass call changed the allocator$"):
         fast_path._audit_pin_pass()
     assert fast_path.audited.pin_passes == 0
+
+
+def test_each_audited_pin_pass_that_pins_nothing_counts_once():
+    """Control of the test above: waiters with their own tokens hit nothing."""
+    scheduler, _ = _grace_rig_with_a_cached_prompt()
+    for index, name in enumerate(("w1", "w2")):
+        scheduler.add_request(pins.Spec(name, tuple(pins.tail_tokens(5 + index, 65)), 2))
+    fast_path = FastPath(scheduler)
+    for count in (1, 2):
+        fast_path._audit_pin_pass()
+        assert fast_path.audited.pin_passes == count
