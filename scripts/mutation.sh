@@ -89,6 +89,17 @@ tests/test_async_steady.py::test_the_conformance_gate_runs_through_the_lane \
 tests/test_async_steady.py::test_a_lane_that_ignores_the_stagger_fails_the_conformance_gate \
 tests/test_async_steady.py::test_a_lane_that_never_rolls_back_a_draft_fails_the_conformance_gate"
 
+# The fast path's rules 10-11 (the waiters' pin lookups that found no hit,
+# pin passes known idle): the value tests, the memo's unit tests, the audit on prefix-shared
+# with its failing control (under a second each) and the saturated-decode
+# audit, the one checked shape that skips pin lookups and whole passes (4 s).
+MISSED_LOOKUP_TESTS="tests/test_values_fast_path.py \
+tests/test_fast_path.py::test_a_waiter_with_no_hit_is_looked_up_again_once_a_hash_is_cached_or_its_tokens_grow \
+tests/test_fast_path.py::test_a_pin_pass_is_known_idle_only_with_the_same_queue_pins_hashes_and_tokens \
+tests/test_fast_path.py::test_the_check_catches_a_pin_lookup_memo_blind_to_new_hashes[False] \
+tests/test_fast_path.py::test_the_check_catches_a_pin_lookup_memo_blind_to_new_hashes[True] \
+tests/test_fast_path.py::test_every_skipped_call_changes_nothing[saturated-decode--off-sync]"
+
 declare -A MODULES=(
   [allocator_invariants]="sim/allocator_invariants.py|tests/test_allocator_invariant_rules.py tests/test_allocator_properties.py"
   [step_time]="sim/step_time.py|tests/test_step_time.py tests/test_engine_timeline.py"
@@ -201,9 +212,15 @@ tests/test_calibrate.py::test_a_replay_without_its_scenario_is_a_one_line_error"
   [engine_loop]="sim/sched/engine_loop.py|tests/test_values_async.py tests/test_engine_timeline.py tests/test_async_engine.py $ASYNC_CONFORMANCE_TESTS"
   [async_scheduler]="sim/sched/async_scheduler.py|tests/test_values_async.py $ASYNC_CONFORMANCE_TESTS"
   [async_steady]="sim/sched/async_steady.py|tests/test_values_async.py $ASYNC_STEADY_TESTS $ASYNC_CONFORMANCE_TESTS"
-  [fast_path]="sim/sched/fast_path.py|$FAST_PATH_TESTS $STEADY_TESTS $ASYNC_STEADY_TESTS"
+  # The fast path's own file: its settled-call, lane and pin-lookup sets, and
+  # the waiting memo's hand cases with the audit's failing control (rules 3-4).
+  [fast_path]="sim/sched/fast_path.py|$FAST_PATH_TESTS $STEADY_TESTS $ASYNC_STEADY_TESTS $MISSED_LOOKUP_TESTS \
+tests/test_steady.py::test_the_waiting_memo_holds_only_for_the_same_inputs_and_allocator \
+tests/test_steady.py::test_an_arrival_voids_the_waiting_memo \
+tests/test_steady.py::test_the_check_catches_a_waiting_loop_wrongly_skipped"
+  [missed_lookups]="sim/sched/missed_lookups.py|$MISSED_LOOKUP_TESTS"
 )
-ORDER=(engine scheduler settled steady engine_core pipeline_clock engine_loop async_scheduler async_steady fast_path output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving server_metrics live_engine openai_requests loaders config async_engine pool_replay kv_cache_pins sched_pins partial_tail)
+ORDER=(engine scheduler settled steady engine_core pipeline_clock engine_loop async_scheduler async_steady fast_path missed_lookups output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving server_metrics live_engine openai_requests loaders config async_engine pool_replay kv_cache_pins sched_pins partial_tail)
 
 toml_list() { printf '"%s", ' "$@" | sed 's/, $//'; }
 

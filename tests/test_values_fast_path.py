@@ -1,0 +1,280 @@
+"""Value tests of the fast path's memos (``sim/sched/fast_path.py``,
+``sim/sched/missed_lookups.py``) that the audits and frame comparisons do
+not pin: the counts the memos keep, per waiter, and the fast path off.
+Expected values are worked by hand from the rules in ``fast_path.py``'s
+docstring (rules 10-11), each with its control.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+from helpers import pins
+from helpers.fast_path import audited, one_request
+from helpers.scheduler import CheckedEngine, tiny_scheduler, tiny_spec
+
+from sim.sched.fast_path import FastPath, NoFastPath
+from sim.sched.missed_lookups import MissedPinLookups
+from sim.sched.scheduler import Scheduler, _StepState
+from sim.sched.settled import SettledSteps
+from sim.vllm_bridge import init_none_hash, sha256
+
+
+class _Pool:
+    """A stand-in block pool: records the insertions it is asked to make."""
+
+    def __init__(self) -> None:
+        self.inserted: list[tuple] = []
+
+    def _insert_block_hash(self, *args, **kwargs) -> None:
+        self.inserted.append((args, kwargs))
+
+
+def _waiter(name: str, seed: int):
+    init_none_hash(sha256)  # vLLM's block hasher needs its root hash set
+    return pins.request(name, pins.tail_tokens(seed, 40))
+
+
+def test_a_fresh_memo_has_counted_nothing_and_counts_each_insertion_once():
+    """Three insertions through the pool: three counted, each passed on."""
+    pool = _Pool()
+    memo = MissedPinLookups(pool)  # type: ignore[arg-type]
+    assert (memo.num_hash_insertions, memo.num_waiter_changes) == (0, 0)
+    for index in range(3):
+        pool._insert_block_hash(index, block=index)
+    assert memo.num_hash_insertions == 3
+    assert pool.inserted == [((0,), {"block": 0}), ((1,), {"block": 1}), ((2,), {"block": 2})]
+
+
+def test_every_waiter_with_no_hit_is_remembered_until_a_hash_is_inserted():
+    """Rule 10 per waiter: two lookups with no hit, both known; one
+    insertion voids both (control: before it, both skip)."""
+    pool = _Pool()
+    memo = MissedPinLookups(pool)  # type: ignore[arg-type]
+    a, b = _waiter("a", 1), _waiter("b", 2)
+    memo.found_no_hit(a)
+    memo.found_no_hit(b)
+    assert memo.knows_no_hit(a) and memo.knows_no_hit(b)
+    pool._insert_block_hash("h")
+    assert not memo.knows_no_hit(a) and not memo.knows_no_hit(b)
+
+
+def test_a_lookup_after_an_insertion_is_remembered_at_once():
+    """A hash inserted before any check, then a lookup with no hit: that
+    lookup already saw the hash, so it is known (no second lookup); the
+    other waiter, never looked up since, is not."""
+    pool = _Pool()
+    memo = MissedPinLookups(pool)  # type: ignore[arg-type]
+    a, b = _waiter("a", 1), _waiter("b", 2)
+    memo.found_no_hit(b)
+    pool._insert_block_hash("h")
+    memo.found_no_hit(a)
+    assert memo.knows_no_hit(a)
+    assert not memo.knows_no_hit(b)
+
+
+def test_a_pass_memo_counts_waiter_changes_from_zero():
+    """An idle pass remembered before any change holds until the first."""
+    memo = MissedPinLookups(_Pool())  # type: ignore[arg-type]
+    waiting = deque([_waiter("a", 1)])
+    memo.pass_ends(waiting, (), pinned=False)
+    assert memo.knows_idle_pass(waiting, ())
+    memo.num_waiter_changes += 1
+    assert not memo.knows_idle_pass(waiting, ())
+
+
+def test_the_fast_path_off_makes_every_call_and_remembers_nothing():
+    """``NoFastPath``: no lane, no call skipped, no waiting inputs."""
+    off = NoFastPath()
+    waiter = _waiter("a", 1)
+    assert (off.enabled, off.audit) == (False, False)
+    assert off.make_lane(None) is None and off.make_async_lane() is None  # type: ignore[arg-type]
+    assert not off.skips_allocation(waiter, 4, 3) and not off.skips_caching(waiter, 40)
+    assert not off.skips_waiting(None) and off.waiting_starts(None) == ()  # type: ignore[arg-type]
+    assert not off.skips_pin_lookup(waiter) and not off.skips_pin_pass(())
+    for call in (
+        lambda: off.allocated(waiter, 4, 3),
+        lambda: off.cached(waiter, 40),
+        lambda: off.blocks_freed("a"),
+        off.allocator_changes,
+        off.waiting_request_changes,
+        lambda: off.waiting_ends((), False),
+        lambda: off.pin_lookup_found_no_hit(waiter),
+        lambda: off.pin_pass_ends(()),
+        off.waiting_tokens_change,
+    ):
+        assert call() is None
+
+
+# ------------------------------------------------ the waiting loop's audit
+
+
+def _one_token_waiter() -> Scheduler:
+    """The tiny scheduler (K = 3, 400 blocks) with a 1-token prompt waiting:
+    vLLM pads its admission to 1 + K = 4 rows beside a scheduled running
+    request when no prefill is scheduled (``_pads_to_uniform_decode``), and
+    schedules nothing if the 4 rows do not fit the budget."""
+    scheduler = tiny_scheduler()
+    scheduler.add_request(tiny_spec(0, 1))
+    return scheduler
+
+
+def test_the_waiting_audit_runs_the_loop_with_the_steps_flags():
+    """Budget 2 after a running request, no prefill: padded to 4 > 2, the
+    loop admits nobody and the audit passes (a probe without the running
+    flag would admit the 1 token unpadded and fail); each audit counts."""
+    scheduler = _one_token_waiter()
+    fast_path = scheduler.fast_path
+    for count in (1, 2):
+        fast_path._audit_waiting(_StepState(token_budget=2, running_scheduled=True, prefill_scheduled=False))
+        assert fast_path.audited.waiting_loops == count
+    assert [request.request_id for request in scheduler.waiting] == ["r000"]
+
+
+def test_the_waiting_audit_catches_a_loop_that_admits():
+    """Control: with a prefill scheduled there is no padding, so the same
+    loop admits the 1 token, which the audit catches (a probe without the
+    prefill flag would pad, refuse, and pass)."""
+    scheduler = _one_token_waiter()
+    step = _StepState(token_budget=2, running_scheduled=True, prefill_scheduled=True)
+    with pytest.raises(AssertionError, match=r"^a skipped waiting loop call changed the allocator$"):
+        scheduler.fast_path._audit_waiting(step)
+    assert scheduler.fast_path.audited.waiting_loops == 0
+
+
+def test_a_waiting_request_taking_tokens_counts_one_change():
+    """Rule 11: each stale output landing on a waiter is one change."""
+    fast_path = tiny_scheduler().fast_path
+    assert isinstance(fast_path, FastPath)
+    for count in (1, 2):
+        fast_path.waiting_tokens_change()
+        assert fast_path.missed_pin_lookups.num_waiter_changes == count
+
+
+# ------------------------------------------- the allocation call's audit
+
+
+def test_the_allocation_audit_makes_the_call_with_its_lookahead():
+    """The tiny scheduler (32-token blocks, K = 3): a 60-token prompt is
+    prefilled in one step (budget 64) into 2 blocks, 64 slots. After the
+    first decode call (made: it records the request's retired blocks), a
+    skipped call for 1 new token and 3 lookahead slots needs 60 + 1 + 3 =
+    64: it allocates nothing and the audit passes; 2 new + 3 lookahead need 65,
+    a third block, which the audit catches (without the lookahead, 62
+    slots: it would pass)."""
+    scheduler = tiny_scheduler()
+    scheduler.add_request(tiny_spec(0, 60))
+    engine = CheckedEngine(scheduler)
+    engine.step()
+    request = scheduler.requests["r000"]
+    assert request.num_computed_tokens == 60
+    scheduler.kv_cache_manager.allocate_slots(request, 1, num_lookahead_tokens=3)
+    fast_path = scheduler.fast_path
+    for count in (1, 2):
+        fast_path._audit_allocation(request, 1, 3)
+        assert fast_path.audited.allocations == count
+    with pytest.raises(AssertionError, match=r"^a skipped allocation call changed the allocator$"):
+        fast_path._audit_allocation(request, 2, 3)
+
+
+# ---------------------------------------------- what the fast path remembers
+
+
+def test_a_free_forgets_both_windows_of_that_request_only():
+    """Rule 6: windows move only on a real call or a free. Windows of
+    3,200-token blocks, margin 8: a call over 100..107 settles 104..111."""
+    fast_path = tiny_scheduler().fast_path
+    fast_path.allocations, fast_path.caching = SettledSteps((3200,), 8), SettledSteps((3200,), 8)
+    for steps in (fast_path.allocations, fast_path.caching):
+        steps.record("a", 100, 107)
+        steps.record("b", 100, 107)
+    version = fast_path.allocator_version
+    fast_path.blocks_freed("a")
+    assert fast_path.allocator_version == version + 1
+    for steps in (fast_path.allocations, fast_path.caching):
+        assert not steps.is_settled("a", 104, 111) and steps.is_settled("b", 104, 111)
+
+
+def test_a_lookup_that_found_no_hit_is_skipped_next_time():
+    """Rule 10 through the fast path: the lookup is skipped once it found
+    no hit (control: a waiter never looked up is not)."""
+    scheduler = tiny_scheduler()
+    first, second = (scheduler._materialize(tiny_spec(index, 60)) for index in range(2))
+    fast_path = scheduler.fast_path
+    fast_path.pin_lookup_found_no_hit(first)
+    assert fast_path.skips_pin_lookup(first) and not fast_path.skips_pin_lookup(second)
+
+
+def test_a_pin_pass_is_skipped_only_after_one_that_changed_nothing():
+    """Rule 11 through the fast path: a pass that bumped the allocator's
+    version pinned something, so the next is made; one that did not is
+    remembered, and the next with the same inputs is skipped."""
+    scheduler = tiny_scheduler()
+    scheduler.add_request(tiny_spec(0, 60))
+    fast_path = scheduler.fast_path
+    assert not fast_path.skips_pin_pass(())  # never run
+    fast_path.allocator_changes()  # the pass pinned a waiter
+    fast_path.pin_pass_ends(())
+    assert not fast_path.skips_pin_pass(())
+    fast_path.pin_pass_ends(())  # this pass pinned nothing
+    assert fast_path.skips_pin_pass(())
+
+
+# ------------------------------------------------- the audit on one request
+
+
+def test_the_audit_makes_each_skipped_call_once(tmp_path):
+    """``test_fast_path.py::test_the_calls_skipped_across_a_block_boundary``'s
+    request (3,120-token prompt, 150 outputs, margin 32, 3,200-token
+    blocks), the lane off: the scheduler skips 40 + 35 = 75 allocations
+    and 47 + 35 = 82 cachings (that test's hand count), each audited once."""
+    simulation = one_request(tmp_path, 3120, 150)
+    counts = audited(simulation, lane=False)
+    simulation.run()
+    assert (counts.allocations, counts.cachings) == (75, 82)
+
+
+# ------------------------------------------------- the pin calls' audits
+
+
+def _grace_rig_with_a_cached_prompt():
+    """The fork's grace rig (block 16, prefix caching, waiter pins on) after
+    a 64-token prompt ran and finished: its 4 full blocks are cached, free."""
+    scheduler = pins.grace_scheduler(32)
+    prompt = tuple(pins.tail_tokens(3, 64))
+    pins.finish(scheduler, pins.Spec("done", prompt, 2))
+    return scheduler, prompt
+
+
+def test_each_audited_pin_lookup_counts_once():
+    """A waiter with its own tokens finds no hit: the audit passes, once a call."""
+    scheduler, _ = _grace_rig_with_a_cached_prompt()
+    fast_path = FastPath(scheduler)
+    waiter = pins.request("new", pins.tail_tokens(4, 64), unit=16)
+    for count in (1, 2):
+        fast_path._audit_pin_lookup(waiter)
+        assert fast_path.audited.pin_lookups == count
+
+
+def test_the_pin_pass_audit_catches_a_pass_that_pins():
+    """Failing control of rule 11's audit: two waiters behind nobody, both
+    with the cached 64-token prompt; the pass the audit makes pins a hit."""
+    scheduler, prompt = _grace_rig_with_a_cached_prompt()
+    for name in ("w1", "w2"):
+        scheduler.add_request(pins.Spec(name, (*prompt, 9), 2))
+    fast_path = FastPath(scheduler)
+    with pytest.raises(AssertionError, match=r"^a skipped pin pass call changed the allocator$"):
+        fast_path._audit_pin_pass()
+    assert fast_path.audited.pin_passes == 0
+
+
+def test_each_audited_pin_pass_that_pins_nothing_counts_once():
+    """Control of the test above: waiters with their own tokens hit nothing."""
+    scheduler, _ = _grace_rig_with_a_cached_prompt()
+    for index, name in enumerate(("w1", "w2")):
+        scheduler.add_request(pins.Spec(name, tuple(pins.tail_tokens(5 + index, 65)), 2))
+    fast_path = FastPath(scheduler)
+    for count in (1, 2):
+        fast_path._audit_pin_pass()
+        assert fast_path.audited.pin_passes == count
