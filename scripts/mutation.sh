@@ -194,8 +194,8 @@ tests/test_calibrate.py::test_a_replay_without_its_scenario_is_a_one_line_error"
   # e.g. KVSIM_MUTANTS='sim.pool_replay.verify.*'.
   # The value files alone (seconds): a first pass over many mutants, whose
   # survivors then run against the whole set above.
-  [pool_replay_fast]="sim/pool_replay/*|tests/test_values_pool_checks.py tests/test_values_pool_writes.py tests/test_values_pool_plan.py tests/test_values_pool_replay_parts.py tests/test_values_pool_replay.py"
-  [pool_replay]="sim/pool_replay/*|tests/test_values_pool_checks.py tests/test_values_pool_writes.py tests/test_values_pool_plan.py tests/test_values_pool_replay_parts.py tests/test_values_pool_replay.py tests/test_worker_views.py tests/test_pool_replay.py"
+  [pool_replay_fast]="sim/pool_replay/*|tests/test_values_pool_checks.py tests/test_values_pool_writes.py tests/test_values_pool_plan.py tests/test_values_pool_replay_parts.py tests/test_values_pool_replay.py tests/test_values_pool_views.py"
+  [pool_replay]="sim/pool_replay/*|tests/test_values_pool_checks.py tests/test_values_pool_writes.py tests/test_values_pool_plan.py tests/test_values_pool_replay_parts.py tests/test_values_pool_replay.py tests/test_values_pool_views.py tests/test_worker_views.py tests/test_pool_replay.py"
   # The fork's patches 0093 and 0095-0097 (issue 26): the pins on the
   # manager and the scheduler's pin points, each against the fork's values
   # (tests/test_fork_pins.py, about 10 s); the partial-tail hold and the

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sim.analysis.runs import scenario_workload
-from sim.pool_replay import PoolCorruption, PoolReplay, replay_pool
+from sim.pool_replay import PoolCorruption, PoolReplay, replay_pool, with_pool_bytes
 from sim.pool_replay.fingerprints import UNKNOWN
 from sim.scenario import load_scenario
 
@@ -192,3 +192,41 @@ def test_a_page_changed_behind_the_allocator_is_caught_when_a_prefix_hit_reads_i
     )
     assert found, (message, c)
     assert int(found[2]) == int(found[1]) ^ 1
+
+
+def test_the_report_names_the_run_its_pool_and_its_steps(monkeypatch):
+    """Two requests of at most 96 + 96 tokens (six 32-token blocks each) in
+    the 93-block pool: nothing is preempted, and the old layout has no
+    packed ring group. The clock is faked to tick once per reading, so each
+    timed hook adds exactly one second to its step."""
+    ticks = iter(range(10**9, 2 * 10**9))  # a clock that started long ago
+    monkeypatch.setattr("sim.pool_replay.replay.time.perf_counter", lambda: float(next(ticks)))
+    scenario = load_scenario(str(SMALL), ["workload.num_requests=2"])
+    report = replay_pool(scenario, "off", scenario_workload(scenario))
+    assert (report.scenario, report.layout, report.rank, report.device) == ("pool-replay", "off", 0, "cpu")
+    # 12 MB over the larger stage's stride (129,024 B): 93 blocks on every rank.
+    assert report.num_blocks == 93
+    assert report.pool_bytes == 93 * report.block_stride_bytes <= 12_000_000
+    counts = report.counts
+    assert (counts["num_requests"], counts["num_preemptions"], counts["max_ring_slots_sharing_a_block"]) == (
+        2,
+        0,
+        0,
+    )
+    assert counts["prefix_hit_tokens"] % 32 == 0  # whole blocks
+    numbers = [step.step for step in report.steps]
+    assert numbers == sorted(set(numbers)) and numbers
+    # Every step's time is a whole count of timed hooks; some step has two.
+    assert all(step.replay_s >= 1 and step.replay_s == int(step.replay_s) for step in report.steps)
+    assert max(step.replay_s for step in report.steps) >= 2
+    assert all(step.time_s >= 0.0 for step in report.steps)
+    assert report.replay_s == sum(step.replay_s for step in report.steps) < report.wall_s
+    assert report.wall_s < 10**9  # the run's own readings, not the clock's age
+
+
+def test_a_pinned_pool_changes_the_pool_bytes_alone(small):
+    scenario = small[0]
+    pinned = with_pool_bytes(scenario, 5_000_000)
+    assert pinned.deployment.kv_cache_memory_bytes == 5_000_000
+    assert pinned.deployment.max_model_len == 512 and pinned.name == "pool-replay"
+    assert scenario.deployment.kv_cache_memory_bytes == 12_000_000  # the original is kept
