@@ -305,7 +305,7 @@ class FastPath:
 
     def waiting_tokens_change(self) -> None:
         """A waiting request may take tokens (a stale output lands, rule 11)."""
-        self.missed_pin_lookups.num_waiter_changes += 1
+        self.missed_pin_lookups.waiter_tokens_change()
 
     # -------------------------------------------------------------- audit
     def _audit(self, call: Callable[[], T], what: str) -> T:

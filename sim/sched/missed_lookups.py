@@ -71,11 +71,22 @@ class MissedPinLookups:
 
         block_pool._insert_block_hash = counting  # type: ignore[method-assign]
 
+    def _forget_after_insertions(self) -> bool:
+        """Forget every remembered miss if a hash was inserted since they
+        were remembered (any waiter may hit now); whether it forgot."""
+        if self._memo_insertions == self.num_hash_insertions:
+            return False
+        self._missed.clear()
+        self._memo_insertions = self.num_hash_insertions
+        return True
+
+    def waiter_tokens_change(self) -> None:
+        """A waiting request may take tokens (a stale output lands)."""
+        self.num_waiter_changes += 1
+
     def knows_no_hit(self, request: Request) -> bool:
         """Whether ``request``'s lookup is known to find no hit."""
-        if self._memo_insertions != self.num_hash_insertions:
-            self._missed.clear()  # a hash was inserted: any waiter may hit now
-            self._memo_insertions = self.num_hash_insertions
+        if self._forget_after_insertions():
             return False
         missed = self._missed.get(request.request_id)
         return (
@@ -87,9 +98,7 @@ class MissedPinLookups:
 
     def found_no_hit(self, request: Request) -> None:
         """``request``'s lookup, just made, found no hit."""
-        if self._memo_insertions != self.num_hash_insertions:
-            self._missed.clear()
-            self._memo_insertions = self.num_hash_insertions
+        self._forget_after_insertions()
         self._missed[request.request_id] = (request, request.num_tokens, len(request.block_hashes))
 
     # ------------------------------------------------------- whole passes
