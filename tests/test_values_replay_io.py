@@ -8,7 +8,42 @@ wait is bounded."""
 
 from __future__ import annotations
 
-from sim.serving.client import _mix64, map_token_ids
+import asyncio
+import json
+import math
+import time
+from typing import Any
+
+import pytest
+from aiohttp import web
+from helpers.fault_server import GOOD_METRICS, app_in_thread, free_port
+
+from sim.serving.client import (
+    ClientConfig,
+    Replay,
+    ReplayOutcome,
+    RequestRecord,
+    ServerUnreachable,
+    _mix64,
+    map_token_ids,
+)
+from sim.serving.recording import replay_frames, requests_frame, samples_frame
+from sim.serving.server_metrics import SCRAPED
+from sim.workloads import RequestSpec
+
+# The fault server's page (helpers.fault_server.GOOD_METRICS), read by hand.
+GOOD_PAGE_VALUES = {
+    "num_requests_running": 1.0,
+    "num_requests_waiting": 0.0,
+    "kv_cache_usage_perc": 0.25,
+    "num_preemptions_total": 2.0,
+    "prefix_cache_queries_total_tokens": 100.0,
+    "prefix_cache_hits_total_tokens": 40.0,
+    "num_draft_total_tokens": 30.0,
+    "num_accepted_total_tokens": 20.0,
+    "num_prompt_total_tokens": 500.0,
+    "num_generation_total_tokens": 50.0,
+}
 
 # SplitMix64 (Steele, Lea, Flood 2014; Vigna's reference splitmix64.c)
 # seeded with 0: its first outputs, the finaliser applied to 1, 2, 3, 4
@@ -27,3 +62,397 @@ def test_token_ids_map_through_the_mix_modulo_the_vocabulary():
     assert map_token_ids([0, 0, 5], 1000) == [0xE220A8397B1DCDAF % 1000] * 2 + [_mix64(5) % 1000]
     assert map_token_ids([0], 1000) == [0xE220A8397B1DCDAF % 1000] == [535]
     assert map_token_ids([3, 70000], None) == [3, 70000]
+
+
+# ------------------------------------------------------------ recording
+def _record(request_id: str, **changes: Any) -> RequestRecord:
+    base = dict(request_id=request_id, arrival_s=1.0, prompt_tokens=10, output_tokens=4)
+    return RequestRecord(**{**base, **changes})
+
+
+DONE = dict(sent_s=1.25, first_token_s=1.5, last_token_s=3.0, generated_tokens=4, finish_reason="length")
+
+
+def test_the_requests_frame_has_the_runs_columns_then_the_replays_own():
+    """``kvsim run``'s request columns (``sim.analysis.frames``) in its
+    order, the latencies, then ``sent_s``, ``finish_reason``, ``error``,
+    between the labels: scenario and layout first, source last."""
+    outcome = ReplayOutcome(records=[_record("a", **DONE)], samples=[], duration_s=5.0)
+    frame = requests_frame(outcome, "s", "on")
+    assert list(frame.columns) == [
+        "scenario", "layout", "request_id", "arrival_s", "prompt_tokens", "output_tokens",
+        "rejected", "admitted_s", "first_token_s", "finished_s", "num_preemptions",
+        "prefix_hit_tokens", "generated_tokens", "turn", "admitted", "finished", "ttft_s",
+        "queue_s", "e2e_s", "sent_s", "finish_reason", "error", "source",
+    ]  # fmt: skip
+    row = frame.iloc[0]
+    assert (row["scenario"], row["layout"], row["source"]) == ("s", "on", "replay")
+    assert (row["arrival_s"], row["prompt_tokens"], row["output_tokens"]) == (1.0, 10, 4)
+    assert (row["sent_s"], row["first_token_s"], row["finished_s"]) == (1.25, 1.5, 3.0)
+    assert (row["generated_tokens"], row["turn"], row["finish_reason"]) == (4, 0, "length")
+    assert row["error"] is None and not row["rejected"] and row["admitted"] and row["finished"]
+    for unknown in ("admitted_s", "num_preemptions", "prefix_hit_tokens", "queue_s"):
+        assert math.isnan(row[unknown]), unknown
+    assert (row["ttft_s"], row["e2e_s"]) == (0.5, 2.0)
+
+
+def test_an_error_after_the_finish_reason_is_not_a_finish():
+    """A finish reason with an error (the stream ended without ``[DONE]``):
+    rejected, admitted (it got tokens), not finished."""
+    outcome = ReplayOutcome(
+        records=[_record("late", **{**DONE, "error": "stream ended before the last token"})],
+        samples=[],
+        duration_s=5.0,
+    )
+    row = requests_frame(outcome, "s", "off").iloc[0]
+    assert row["rejected"] and row["admitted"] and not row["finished"] and math.isnan(row["finished_s"])
+
+
+def test_frames_of_a_replay_with_no_records_keep_their_columns_and_types():
+    outcome = ReplayOutcome(records=[], samples=[], duration_s=0.0)
+    requests = requests_frame(outcome, "s", "on")
+    assert requests.empty and "error" in requests.columns and "sent_s" in requests.columns
+    assert requests["rejected"].dtype == bool and requests["admitted"].dtype == bool
+    assert requests["finish_reason"].dtype == object and requests["error"].dtype == object
+    samples = samples_frame(outcome, "s", "on")
+    assert list(samples.columns) == ["scenario", "layout", "time_s", *SCRAPED.values(), "source"]
+
+
+def test_samples_are_floats_labelled_in_the_scraped_columns_order():
+    sample = {"time_s": 1, **{column: i for i, column in enumerate(SCRAPED.values())}}
+    frame = samples_frame(ReplayOutcome(records=[], samples=[sample], duration_s=1.0), "s", "on")
+    assert list(frame.columns) == ["scenario", "layout", "time_s", *SCRAPED.values(), "source"]
+    values = frame.drop(columns=["scenario", "layout", "source"])
+    assert (values.dtypes == float).all()
+    assert list(values.iloc[0]) == [1.0, *map(float, range(len(SCRAPED)))]
+    assert (frame["source"] == "replay").all()
+
+
+def test_the_summary_takes_the_plans_sizes_and_puts_the_extra_keys_before_source():
+    records = [_record("a", **DONE), _record("b", sent_s=1.0, error="HTTP 500: boom")]
+    outcome = ReplayOutcome(records=records, samples=[], duration_s=7.5)
+    plan = {"kv_cache_tokens": 1200, "num_blocks": 12}
+    frames = replay_frames(outcome, scenario="s", layout="on", plan=plan, extra_summary={"complete": True})
+    assert set(frames) == {"requests", "samples", "summary"} and len(frames["requests"]) == 2
+    summary = frames["summary"]
+    assert len(summary) == 1 and list(summary.columns)[-2:] == ["complete", "source"]
+    row = summary.iloc[0]
+    assert (row["kv_cache_tokens"], row["num_gpu_blocks"]) == (1200.0, 12.0)
+    assert isinstance(row["kv_cache_tokens"], float) and isinstance(row["num_gpu_blocks"], float)
+    assert (row["scenario"], row["layout"], row["source"], row["complete"]) == ("s", "on", "replay", True)
+    assert row["num_finished"] == 1 and row["duration_s"] == 7.5
+    no_plan = replay_frames(outcome, scenario="s", layout="on", plan=None, extra_summary={})["summary"]
+    assert math.isnan(no_plan["kv_cache_tokens"].item()) and math.isnan(no_plan["num_gpu_blocks"].item())
+    assert list(no_plan.columns)[-1] == "source"
+
+
+# --------------------------------------------------------------- client
+class Scripted:
+    """A server whose answers the test states: ``/v1/completions`` plays
+    back the ``n``-th script (status, body lines, a pause before each line)
+    and keeps each body it received; ``/v1/models`` and ``/metrics`` answer
+    what they are given."""
+
+    def __init__(
+        self,
+        scripts: list[tuple[int, list[bytes]]],
+        *,
+        pause_s: float = 0.0,
+        models: tuple[int, str] = (200, '{"data": [{"id": "scripted"}]}'),
+        metrics: tuple[int, str] = (200, GOOD_METRICS),
+    ) -> None:
+        self.scripts, self.pause_s, self.models, self.metrics = scripts, pause_s, models, metrics
+        self.bodies: list[dict[str, Any]] = []
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        status, lines = self.scripts[len(self.bodies) - 1]
+        if status != 200:
+            return web.Response(status=status, body=b"".join(lines))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for line in lines:
+            await asyncio.sleep(self.pause_s)
+            await response.write(line)
+        return response
+
+    async def get_models(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.models[0], text=self.models[1])
+
+    async def get_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.metrics[0], text=self.metrics[1])
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.get_models)
+        app.router.add_get("/metrics", self.get_metrics)
+        return app
+
+
+def _spec(request_id: str, arrival_s: float, output_len: int = 2, prompt_len: int = 1) -> RequestSpec:
+    # One chunk of id 0, one token per chunk: the prompt is [0, 1, ...][:prompt_len].
+    return RequestSpec(
+        request_id=request_id,
+        arrival_s=arrival_s,
+        prompt_len=prompt_len,
+        output_len=output_len,
+        prefix_ids=tuple(range(prompt_len)),
+        prefix_unit=1,
+    )
+
+
+def _chunk(*, ids: list[int] | None = None, text: str = "", finish: str | None = None, usage=None) -> bytes:
+    choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish}
+    if ids is not None:
+        choice["token_ids"] = ids
+    return f"data: {json.dumps({'choices': [choice], 'usage': usage})}\n\n".encode()
+
+
+DONE_LINE = b"data: [DONE]\n\n"
+
+
+def _replay(
+    server: Scripted, specs: list[RequestSpec], warnings: list[str] | None = None, **config: Any
+) -> ReplayOutcome:
+    """Run a replay of ``specs`` against ``server`` (bounded: 30 s)."""
+    warn = (warnings if warnings is not None else []).append
+
+    async def run(url: str) -> ReplayOutcome:
+        settings = {"sample_interval_s": None, "request_timeout_s": 10.0, "drain_timeout_s": 1.0, **config}
+        replay = Replay(tuple(specs), ClientConfig(base_url=url, **settings), warn)
+        return await asyncio.wait_for(replay.run(asyncio.Event()), 30)
+
+    with app_in_thread(server.app, start_timeout_s=10) as url:
+        return asyncio.run(run(url))
+
+
+def test_each_request_goes_out_as_vllm_bench_serve_sends_it():
+    """``vllm bench serve``'s completions body, lengths pinned
+    (``max_tokens`` = ``min_tokens``, ``ignore_eos``), greedy, streamed with
+    usage and token ids; the model is the one ``/v1/models`` lists first, or
+    the one given; prompt ids mapped below the vocabulary."""
+    lines = [_chunk(ids=[7], finish="length"), DONE_LINE]
+    server = Scripted([(200, lines)] * 2)
+    _replay(server, [_spec("r0", 0.0, output_len=3), _spec("r1", 0.0, output_len=5, prompt_len=2)])
+    assert sorted(server.bodies, key=lambda b: b["max_tokens"]) == [
+        {
+            "model": "scripted",
+            "prompt": prompt,
+            "max_tokens": n,
+            "min_tokens": n,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+        }
+        for prompt, n in (([0], 3), ([0, 1], 5))
+    ]
+    given = Scripted([(200, lines)], models=(200, "{}"))
+    _replay(given, [_spec("r0", 0.0)], model="mine", vocab_size=1000)
+    assert given.bodies[0]["model"] == "mine" and given.bodies[0]["prompt"] == [535]
+
+
+def test_a_stream_is_recorded_token_by_token_and_the_servers_usage_wins():
+    """Tokens counted from ``token_ids`` (2 + 1), then from ``text`` alone
+    (1) when a chunk has no ids; empty choices, non-dict choices and
+    comments count nothing; the usage chunk's ``completion_tokens`` (9)
+    replaces the count; the finish reason is the last chunk's."""
+    lines = [
+        b": keep-alive\n\n",
+        b"event: ping\n\n",
+        _chunk(ids=[5, 6]),
+        f"data: {json.dumps({'choices': ['x', {'index': 0, 'text': ''}]})}\n\n".encode(),
+        _chunk(ids=[7]),
+        _chunk(text=" y", finish="length"),
+        b'data: {"choices": [], "usage": {"completion_tokens": 9}}\n\n',
+        b"data:[DONE]\n\n",
+    ]
+    outcome = _replay(Scripted([(200, lines)]), [_spec("r0", 0.0)])
+    record = outcome.records[0]
+    assert record.error is None and record.finish_reason == "length" and record.generated_tokens == 9
+    without_usage = _replay(Scripted([(200, lines[:-2] + [DONE_LINE])]), [_spec("r0", 0.0)])
+    assert without_usage.records[0].generated_tokens == 4 and without_usage.records[0].error is None
+    assert outcome.complete and not outcome.interrupted and not outcome.server_lost
+
+
+def test_times_are_wall_seconds_since_the_start_times_the_speed():
+    """At speed 4 a request arriving at 1.0 goes out 0.25 wall s after the
+    start (sent_s 1.0, never before); its two tokens 0.1 wall s apart are
+    0.4 scenario s apart. Bounds leave 0.1 wall s for a loaded machine."""
+    lines = [_chunk(ids=[1]), _chunk(ids=[2], finish="length"), DONE_LINE]
+    outcome = _replay(Scripted([(200, lines)], pause_s=0.1), [_spec("r0", 1.0)], speed=4.0)
+    record = outcome.records[0]
+    assert 1.0 <= record.sent_s < 1.4
+    assert record.sent_s + 0.4 <= record.first_token_s < record.sent_s + 0.8
+    assert record.first_token_s + 0.4 <= record.last_token_s < record.first_token_s + 0.8
+    assert record.last_token_s <= outcome.duration_s < record.last_token_s + 0.8
+
+
+@pytest.mark.parametrize(
+    ("lines", "error"),
+    [
+        ([_chunk(ids=[1], finish="length")], "stream ended before the last token"),
+        ([_chunk(ids=[1]), DONE_LINE], "stream ended before the last token"),
+        ([b"data: {not json\n\n"], "malformed stream chunk: {not json"),
+        ([b'data: {"error": {"message": "x"}}\n\n'], 'server error in stream: {"message": "x"}'),
+        ([b"data: " + b"[" * 100 + b"\n\n"], "malformed stream chunk: " + "[" * 77 + "..."),
+    ],
+)
+def test_a_stream_that_breaks_is_a_recorded_failure(lines, error):
+    record = _replay(Scripted([(200, lines)]), [_spec("r0", 0.0)]).records[0]
+    assert record.error == error
+
+
+def test_an_http_error_is_its_status_and_body_on_one_line_of_at_most_200_characters():
+    scripts = [(503, [b"busy\n  now"]), (400, [b"x" * 200]), (400, [b"y" * 201])]
+    outcome = _replay(Scripted(scripts), [_spec(f"r{i}", 0.0) for i in range(3)])
+    errors = sorted((r.error for r in outcome.records), key=len)
+    assert errors == ["HTTP 503: busy now", "HTTP 400: " + "x" * 200, "HTTP 400: " + "y" * 197 + "..."]
+    assert all(math.isnan(r.first_token_s) for r in outcome.records) and outcome.complete
+
+
+def test_a_request_past_its_timeout_is_a_failure_and_the_run_goes_on():
+    lines = [_chunk(ids=[1], finish="length"), DONE_LINE]
+    outcome = _replay(Scripted([(200, lines)], pause_s=2.0), [_spec("r0", 0.0)], request_timeout_s=0.25)
+    assert outcome.records[0].error == "timed out after 0.25 s" and outcome.complete
+
+
+def test_a_connection_cut_mid_stream_is_a_lost_server():
+    """The server closes the connection after one chunk: the request failed
+    with the cause, and the outcome is not complete."""
+
+    class Cut(Scripted):
+        async def completions(self, request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(_chunk(ids=[1]))
+            assert request.transport is not None
+            request.transport.close()
+            return response
+
+    outcome = _replay(Cut([]), [_spec("r0", 0.0)])
+    error = outcome.records[0].error
+    assert error is not None and error.startswith("connection lost: ClientPayloadError: ")
+    assert outcome.server_lost and not outcome.complete
+
+
+@pytest.mark.parametrize(
+    ("models", "cause"),
+    [
+        ((500, "{}"), "/v1/models answered HTTP 500"),
+        ((200, '{"data": []}'), "/v1/models: no model listed"),
+        ((200, '{"data": [{"name": "x"}]}'), "/v1/models: no model listed"),
+        ((200, '{"data": ["x"]}'), "/v1/models: no model listed"),
+        ((200, "[1]"), "/v1/models: no model listed"),
+        (
+            (200, "not json"),
+            ": server not reachable (JSONDecodeError: Expecting value: line 1 column 1 (char 0))",
+        ),
+    ],
+)
+def test_a_server_without_a_listed_model_is_unreachable_before_anything_is_sent(models, cause):
+    server = Scripted([], models=models)
+    with pytest.raises(ServerUnreachable) as raised:
+        _replay(server, [_spec("r0", 0.0)])
+    assert str(raised.value).startswith("http://127.0.0.1:") and str(raised.value).endswith(cause)
+    assert server.bodies == []
+
+
+def test_a_refused_connection_is_unreachable_with_its_cause():
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+
+    async def run() -> None:
+        replay = Replay((_spec("r0", 0.0),), ClientConfig(base_url=url, connect_timeout_s=2.0), print)
+        await asyncio.wait_for(replay.run(asyncio.Event()), 20)
+
+    with pytest.raises(ServerUnreachable) as raised:
+        asyncio.run(run())
+    assert str(raised.value).startswith(f"{url}: server not reachable (ClientConnectorError: ")
+
+
+def test_samples_are_taken_every_interval_from_the_start_and_once_at_the_end():
+    """Interval 0.5 scenario s at speed 2 (0.25 wall s), a request whose two
+    lines come 0.6 wall s apart (ending at 2.4 scenario s): samples at 0,
+    0.5, ..., 2.0, then one as the run ends; each the page's values."""
+    lines = [_chunk(ids=[1], finish="length"), DONE_LINE]
+    outcome = _replay(
+        Scripted([(200, lines)], pause_s=0.6), [_spec("r0", 0.0)], speed=2.0, sample_interval_s=0.5
+    )
+    times = [s["time_s"] for s in outcome.samples]
+    assert len(times) == 6, times
+    assert times[:5] == pytest.approx([0.0, 0.5, 1.0, 1.5, 2.0], abs=0.15)
+    assert 2.4 <= times[5] <= outcome.duration_s
+    for sample in outcome.samples:
+        assert {k: v for k, v in sample.items() if k != "time_s"} == GOOD_PAGE_VALUES
+
+
+@pytest.mark.parametrize("interval", [None, 0.0])
+def test_no_interval_takes_no_sample(interval):
+    lines = [_chunk(ids=[1], finish="length"), DONE_LINE]
+    assert _replay(Scripted([(200, lines)]), [_spec("r0", 0.0)], sample_interval_s=interval).samples == []
+
+
+def test_a_page_that_cannot_be_read_is_nan_samples_and_one_warning():
+    lines = [_chunk(ids=[1], finish="length"), DONE_LINE]
+    warnings: list[str] = []
+    outcome = _replay(
+        Scripted([(200, lines)], pause_s=0.3, metrics=(500, "")),
+        [_spec("r0", 0.0)],
+        warnings,
+        speed=10.0,
+        sample_interval_s=0.5,
+    )
+    assert len(outcome.samples) >= 2
+    assert all(math.isnan(v) for s in outcome.samples for k, v in s.items() if k != "time_s")
+    assert warnings == outcome.warnings == ["/metrics: cannot read (ClientResponseError): NaN samples"]
+
+
+def test_a_missing_metric_warns_once_naming_its_column():
+    lines = [_chunk(ids=[1], finish="length"), DONE_LINE]
+    warnings: list[str] = []
+    page = "\n".join(line for line in GOOD_METRICS.splitlines() if "preemptions" not in line)
+    outcome = _replay(
+        Scripted([(200, lines)], pause_s=0.3, metrics=(200, page)),
+        [_spec("r0", 0.0)],
+        warnings,
+        speed=10.0,
+        sample_interval_s=0.5,
+    )
+    assert len(outcome.samples) >= 2
+    assert warnings == ["/metrics: no vllm:num_preemptions: its column num_preemptions_total is NaN"]
+    assert outcome.warnings == warnings
+
+
+def test_a_stop_drains_for_the_drain_timeout_then_cancels():
+    """A stop 0.2 s in: the request in flight (its tokens 5 s away) gets the
+    0.3 s drain, then is cancelled; the one not yet due is not sent. The
+    whole run stays well under the in-flight request's 5 s."""
+    lines = [_chunk(ids=[1], finish="length"), DONE_LINE]
+    server = Scripted([(200, lines)] * 2, pause_s=5.0)
+
+    async def run(url: str) -> tuple[ReplayOutcome, float]:
+        config = ClientConfig(base_url=url, sample_interval_s=None, drain_timeout_s=0.3)
+        stop = asyncio.Event()
+        replay = Replay((_spec("r0", 0.0), _spec("r1", 60.0)), config, print)
+        asyncio.get_running_loop().call_later(0.2, stop.set)
+        started = time.monotonic()
+        outcome = await asyncio.wait_for(replay.run(stop), 30)
+        return outcome, time.monotonic() - started
+
+    with app_in_thread(server.app, start_timeout_s=10) as url:
+        outcome, wall_s = asyncio.run(run(url))
+    assert 0.5 <= wall_s < 2.0
+    assert [r.error for r in outcome.records] == [
+        "cancelled: the replay was stopped before the request finished",
+        "not sent: the replay was stopped first",
+    ]
+    assert math.isnan(outcome.records[1].sent_s) and outcome.interrupted and not outcome.complete
+
+
+def test_a_replay_is_complete_unless_stopped_or_the_server_was_lost():
+    def outcome(**flags: bool) -> bool:
+        return ReplayOutcome(records=[], samples=[], duration_s=0.0, **flags).complete
+
+    assert outcome() and not outcome(interrupted=True) and not outcome(server_lost=True)
