@@ -9,14 +9,21 @@ wait is bounded."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
+import signal
+import socket
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
 from helpers.fault_server import GOOD_METRICS, app_in_thread, free_port
+from helpers.scenarios import NO_WORKLOAD
+from helpers.scenarios import scenario as make_scenario
 
 from sim.serving.client import (
     ClientConfig,
@@ -27,6 +34,16 @@ from sim.serving.client import (
     _mix64,
     map_token_ids,
 )
+from sim.serving.launch import (
+    BootReport,
+    LaunchedServer,
+    LaunchError,
+    check_boot_log,
+    custom_command,
+    server_env,
+    vllm_serve_command,
+)
+from sim.serving.launch import free_port as free_port_launch
 from sim.serving.recording import replay_frames, requests_frame, samples_frame
 from sim.serving.server_metrics import SCRAPED
 from sim.workloads import RequestSpec
@@ -123,7 +140,7 @@ def test_samples_are_floats_labelled_in_the_scraped_columns_order():
     frame = samples_frame(ReplayOutcome(records=[], samples=[sample], duration_s=1.0), "s", "on")
     assert list(frame.columns) == ["scenario", "layout", "time_s", *SCRAPED.values(), "source"]
     values = frame.drop(columns=["scenario", "layout", "source"])
-    assert (values.dtypes == float).all()
+    assert (values.dtypes == "float64").all()
     assert list(values.iloc[0]) == [1.0, *map(float, range(len(SCRAPED)))]
     assert (frame["source"] == "replay").all()
 
@@ -456,3 +473,232 @@ def test_a_replay_is_complete_unless_stopped_or_the_server_was_lost():
         return ReplayOutcome(records=[], samples=[], duration_s=0.0, **flags).complete
 
     assert outcome() and not outcome(interrupted=True) and not outcome(server_lost=True)
+
+
+# --------------------------------------------------------------- launch
+PLAN_ON = {"kv_cache_tokens": 1234567, "side_cache_layout": True}
+BOOT_ON = (
+    "INFO GPU KV cache size: 1,234,567 tokens\n"
+    "INFO Side-cache layout: on (VLLM_E2_SIDE_CACHE_LAYOUT); ring 2 slots ;; eagle drop ; \n"
+)
+
+
+def test_the_boot_log_is_read_for_its_size_layout_and_notes():
+    """Thousands separators dropped; the layout's notes split at ``;``,
+    stripped, empty ones dropped; matching the plan: no mismatch."""
+    report = check_boot_log(BOOT_ON, PLAN_ON)
+    assert (report.kv_cache_tokens, report.side_cache_layout) == (1234567, "on")
+    assert report.notes == ["ring 2 slots", "eagle drop"] and report.mismatches == []
+    assert report.to_dict() == {
+        "boot_kv_cache_tokens": 1234567,
+        "boot_side_cache_layout": "on",
+        "boot_notes": ["ring 2 slots", "eagle drop"],
+        "layout_mismatches": [],
+    }
+
+
+def test_a_boot_log_unlike_the_plan_names_each_mismatch():
+    plan_off = {"kv_cache_tokens": 1000, "side_cache_layout": False}
+    assert check_boot_log(BOOT_ON, plan_off).mismatches == [
+        "GPU KV cache size: server 1,234,567 tokens, kvsim layout 1,000",
+        "side-cache layout: server on, kvsim layout off",
+    ]
+    off_log = "GPU KV cache size: 1000 tokens\nSide-cache layout: off (VLLM_E2_SIDE_CACHE_LAYOUT)\n"
+    report = check_boot_log(off_log, plan_off)
+    assert report.mismatches == [] and report.notes == [] and report.side_cache_layout == "off"
+    assert check_boot_log("nothing here", PLAN_ON).mismatches == [
+        "boot log has no 'GPU KV cache size: N tokens' line",
+        "boot log has no 'Side-cache layout: on|off' line",
+    ]
+    assert BootReport().to_dict()["boot_kv_cache_tokens"] is None
+
+
+def test_a_custom_command_is_split_as_a_shell_would_with_the_port_filled_in():
+    assert custom_command("serve 'a b' --port {port} --x={port}", 8123) == [
+        "serve", "a b", "--port", "8123", "--x=8123",
+    ]  # fmt: skip
+
+
+def test_a_free_port_can_be_listened_on():
+    port = free_port_launch()
+    assert 1024 <= port < 65536
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+def _python(tmp_path: Path, code: str, **env: str) -> LaunchedServer:
+    return LaunchedServer([sys.executable, "-c", code], env, tmp_path / "logs" / "server.log", grace_s=0.5)
+
+
+def _stopped(server: LaunchedServer) -> tuple[int | None, float]:
+    started = time.monotonic()
+    status = server.stop()
+    return status, time.monotonic() - started
+
+
+# Prints, then waits to be stopped; "ready" is printed once the handlers are set.
+WAITER = """
+import os, signal, sys, time
+for name in sys.argv[1:] or os.environ.get("IGNORE", "").split():
+    signal.signal(getattr(signal, name), signal.SIG_IGN)
+print("pid", os.getpid(), "pgid", os.getpgid(0), "x", os.environ.get("KVSIM_X"), "ready", flush=True)
+time.sleep(60)
+"""
+
+
+def _ready(server: LaunchedServer) -> str:
+    deadline = time.monotonic() + 20
+    while "ready" not in (text := server.log_text()):
+        assert time.monotonic() < deadline and not server.exited(), text
+        time.sleep(0.02)
+    return text
+
+
+def test_a_launched_server_runs_in_its_own_group_with_its_env_and_stops_at_sigint(tmp_path):
+    server = _python(tmp_path, WAITER, KVSIM_X="42")
+    try:
+        text = _ready(server)
+        assert f"pid {server.process.pid} pgid {server.process.pid} x 42 ready" in text
+        assert not server.exited() and server.command[:2] == [sys.executable, "-c"]
+    finally:
+        status, wall_s = _stopped(server)
+    assert status == -signal.SIGINT and wall_s < 0.5 and server.exited()
+    assert server.stop() == -signal.SIGINT  # idempotent
+    assert server.log_path == tmp_path / "logs" / "server.log" and server.log_path.exists()
+
+
+@pytest.mark.parametrize(
+    ("ignored", "status", "grace_periods"),
+    [("SIGINT", -signal.SIGTERM, 1), ("SIGINT SIGTERM", -signal.SIGKILL, 2)],
+)
+def test_a_server_that_ignores_a_signal_gets_the_next_after_the_grace(
+    tmp_path, ignored, status, grace_periods
+):
+    server = _python(tmp_path, WAITER, IGNORE=ignored)
+    try:
+        _ready(server)
+    finally:
+        got, wall_s = _stopped(server)
+    assert got == status
+    assert 0.5 * grace_periods <= wall_s < 0.5 * grace_periods + 0.5
+
+
+def test_a_server_that_cannot_be_started_is_a_launch_error(tmp_path):
+    with pytest.raises(LaunchError) as raised:
+        LaunchedServer(["/nonexistent/kvsim-server"], {}, tmp_path / "server.log")
+    assert str(raised.value) == "cannot start '/nonexistent/kvsim-server': No such file or directory"
+
+
+def _healthy(server: LaunchedServer, url: str, deadline_s: float, stop: asyncio.Event | None = None) -> float:
+    async def run() -> None:
+        await asyncio.wait_for(server.wait_healthy(url, deadline_s, stop or asyncio.Event()), 30)
+
+    started = time.monotonic()
+    asyncio.run(run())
+    return time.monotonic() - started
+
+
+def test_health_is_polled_until_it_answers_200(tmp_path):
+    """The fault server as a process: healthy once it listens."""
+    port = free_port_launch()
+    fault = Path(__file__).parent / "helpers" / "fault_server.py"
+    server = LaunchedServer(
+        [sys.executable, str(fault), "--port", str(port)], {}, tmp_path / "server.log", grace_s=0.5
+    )
+    try:
+        assert _healthy(server, f"http://127.0.0.1:{port}", 20.0) < 20.0
+    finally:
+        server.stop()
+
+
+def test_a_server_that_exits_before_health_answers_is_a_launch_error(tmp_path):
+    server = _python(tmp_path, "import sys; sys.exit(3)")
+    try:
+        server.process.wait(20)
+        with pytest.raises(LaunchError) as raised:
+            _healthy(server, f"http://127.0.0.1:{free_port_launch()}", 20.0)
+    finally:
+        server.stop()
+    assert str(raised.value) == (
+        f"server exited with status 3 before /health answered (log: {tmp_path / 'logs' / 'server.log'})"
+    )
+
+
+def test_a_server_never_healthy_is_given_up_at_the_deadline(tmp_path):
+    """Nothing listens and then /health answers 503: both give up at the
+    deadline (0.6 s), polling every 0.25 s."""
+
+    async def unhealthy(request: web.Request) -> web.Response:
+        return web.Response(status=503)
+
+    def app() -> web.Application:
+        application = web.Application()
+        application.router.add_get("/health", unhealthy)
+        return application
+
+    server = _python(tmp_path, WAITER)
+    try:
+        for url_context in (contextlib.nullcontext(f"http://127.0.0.1:{free_port_launch()}"),
+                            app_in_thread(app, start_timeout_s=10)):  # fmt: skip
+            with url_context as url, pytest.raises(LaunchError) as raised:
+                wall_s = time.monotonic()
+                try:
+                    _healthy(server, url, 0.6)
+                finally:
+                    wall_s = time.monotonic() - wall_s
+            assert str(raised.value) == f"server not healthy after 0.6 s (log: {server.log_path})"
+            assert 0.6 <= wall_s < 1.5
+    finally:
+        server.stop()
+
+
+def test_a_stop_while_waiting_for_health_is_an_interrupt(tmp_path):
+    """A stop already set: KeyboardInterrupt at once, as Ctrl-C (caught in
+    the coroutine: a KeyboardInterrupt out of ``asyncio.run`` upsets
+    CPython 3.11's later parsing in the same process)."""
+
+    async def run(server: LaunchedServer) -> str:
+        stop = asyncio.Event()
+        stop.set()
+        url = f"http://127.0.0.1:{free_port_launch()}"
+        try:
+            await server.wait_healthy(url, 20.0, stop)  # bounded by its 20 s deadline
+        except KeyboardInterrupt:
+            return "interrupted"
+        return "healthy"
+
+    server = _python(tmp_path, WAITER)
+    try:
+        assert asyncio.run(run(server)) == "interrupted"
+    finally:
+        server.stop()
+
+
+def test_the_serve_command_with_prefix_caching_as_vllms_parser_reads_it(tmp_path):
+    """The other branch of ``tests/test_serve.py``'s case (prefix caching
+    on, the fork's retention on), the long-prefill threshold and the fork's
+    switches, read back by vLLM's own engine-argument parser."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    import sim.vllm_bridge  # noqa: F401  (sets VLLM_TARGET_DEVICE before vLLM's parser runs)
+
+    sc = make_scenario(
+        tmp_path,
+        workload=NO_WORKLOAD,
+        scheduler={"max_num_batched_tokens": 2048, "long_prefill_token_threshold": 512},
+        allocator={"enable_prefix_caching": True},
+        fork={"mamba_retain_checkpoint": True},
+    )
+    command = vllm_serve_command(sc, "/models/m", port=9)
+    assert command[3:7] == ["--host", "127.0.0.1", "--port", "9"]
+    args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
+        ["--model", *command[2:3], *command[7:]]
+    )
+    assert args.enable_prefix_caching is True and args.long_prefill_token_threshold == 512
+    assert args.max_num_batched_tokens == 2048
+    assert server_env(sc, "on") == {
+        "VLLM_E2_SIDE_CACHE_LAYOUT": "1",
+        "VLLM_E2_MAMBA_RETAIN_CHECKPOINT": "1",
+        "VLLM_PP_LAYER_PARTITION": ",".join(map(str, sc.deployment.layer_partition)),
+    }
