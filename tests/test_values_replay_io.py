@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import math
+import re
 import signal
 import socket
 import sys
@@ -21,7 +22,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from helpers.fault_server import GOOD_METRICS, app_in_thread, free_port
+from helpers.fault_server import GOOD_METRICS, MISSING_METRICS, app_in_thread, free_port
 from helpers.scenarios import NO_WORKLOAD
 from helpers.scenarios import scenario as make_scenario
 
@@ -272,15 +273,18 @@ def test_each_request_goes_out_as_vllm_bench_serve_sends_it():
 
 
 def test_a_stream_is_recorded_token_by_token_and_the_servers_usage_wins():
-    """Tokens counted from ``token_ids`` (2 + 1), then from ``text`` alone
-    (1) when a chunk has no ids; empty choices, non-dict choices and
-    comments count nothing; the usage chunk's ``completion_tokens`` (9)
+    """Tokens counted from ``token_ids`` (2, then 1 after a choice that is
+    no mapping, then 1), then from ``text`` alone (1) when a chunk has no
+    ids; a chunk that is no mapping, choices that are no list, comments and
+    other events count nothing; the usage chunk's ``completion_tokens`` (9)
     replaces the count; the finish reason is the last chunk's."""
     lines = [
         b": keep-alive\n\n",
         b"event: ping\n\n",
         _chunk(ids=[5, 6]),
-        f"data: {json.dumps({'choices': ['x', {'index': 0, 'text': ''}]})}\n\n".encode(),
+        b"data: [1]\n\n",
+        b'data: {"choices": 5}\n\n',
+        f"data: {json.dumps({'choices': ['x', {'index': 0, 'token_ids': [9]}]})}\n\n".encode(),
         _chunk(ids=[7]),
         _chunk(text=" y", finish="length"),
         b'data: {"choices": [], "usage": {"completion_tokens": 9}}\n\n',
@@ -290,7 +294,7 @@ def test_a_stream_is_recorded_token_by_token_and_the_servers_usage_wins():
     record = outcome.records[0]
     assert record.error is None and record.finish_reason == "length" and record.generated_tokens == 9
     without_usage = _replay(Scripted([(200, lines[:-2] + [DONE_LINE])]), [_spec("r0", 0.0)])
-    assert without_usage.records[0].generated_tokens == 4 and without_usage.records[0].error is None
+    assert without_usage.records[0].generated_tokens == 5 and without_usage.records[0].error is None
     assert outcome.complete and not outcome.interrupted and not outcome.server_lost
 
 
@@ -315,6 +319,10 @@ def test_times_are_wall_seconds_since_the_start_times_the_speed():
         ([b"data: {not json\n\n"], "malformed stream chunk: {not json"),
         ([b'data: {"error": {"message": "x"}}\n\n'], 'server error in stream: {"message": "x"}'),
         ([b"data: " + b"[" * 100 + b"\n\n"], "malformed stream chunk: " + "[" * 77 + "..."),
+        # Two bytes opening with NUL: JSON reads them as UTF-16 (RFC 8259's
+        # old detection), fails, and the message shows them as UTF-8 with
+        # the invalid byte replaced.
+        ([b"data: \x00\xff\n\n"], "malformed stream chunk: \x00\ufffd"),
     ],
 )
 def test_a_stream_that_breaks_is_a_recorded_failure(lines, error):
@@ -426,20 +434,52 @@ def test_a_page_that_cannot_be_read_is_nan_samples_and_one_warning():
     assert warnings == outcome.warnings == ["/metrics: cannot read (ClientResponseError): NaN samples"]
 
 
-def test_a_missing_metric_warns_once_naming_its_column():
+def test_each_missing_metric_warns_once_naming_its_column():
+    """The fault server's page without the preemption and spec-decode
+    counters: one warning each, however many scrapes."""
     lines = [_chunk(ids=[1], finish="length"), DONE_LINE]
     warnings: list[str] = []
-    page = "\n".join(line for line in GOOD_METRICS.splitlines() if "preemptions" not in line)
     outcome = _replay(
-        Scripted([(200, lines)], pause_s=0.3, metrics=(200, page)),
+        Scripted([(200, lines)], pause_s=0.3, metrics=(200, MISSING_METRICS)),
         [_spec("r0", 0.0)],
         warnings,
         speed=10.0,
         sample_interval_s=0.5,
     )
     assert len(outcome.samples) >= 2
-    assert warnings == ["/metrics: no vllm:num_preemptions: its column num_preemptions_total is NaN"]
+    assert warnings == [
+        "/metrics: no vllm:num_preemptions: its column num_preemptions_total is NaN",
+        "/metrics: no vllm:spec_decode_num_draft_tokens: its column num_draft_total_tokens is NaN",
+        "/metrics: no vllm:spec_decode_num_accepted_tokens: its column num_accepted_total_tokens is NaN",
+    ]
     assert outcome.warnings == warnings
+
+
+def test_a_page_that_never_comes_is_given_up_after_the_connect_timeout():
+    """``/metrics`` answering only after 20 s: each scrape gives up after
+    the 0.3 s connect timeout (NaN, one warning) and the run ends at once
+    (a scrape without that bound would outlive the sampler's 5.3 s wait)."""
+
+    class Slow(Scripted):
+        async def get_metrics(self, request: web.Request) -> web.Response:
+            await asyncio.sleep(20)
+            return web.Response(text=GOOD_METRICS)
+
+    lines = [_chunk(ids=[1], finish="length"), DONE_LINE]
+    warnings: list[str] = []
+    started = time.monotonic()
+    outcome = _replay(
+        Slow([(200, lines)], pause_s=0.2),
+        [_spec("r0", 0.0)],
+        warnings,
+        sample_interval_s=10.0,
+        connect_timeout_s=0.3,
+    )
+    assert time.monotonic() - started < 5.0
+    assert len(outcome.samples) == 2 and math.isnan(outcome.samples[0]["kv_cache_usage_perc"])
+    assert len(warnings) == 1 and re.fullmatch(
+        r"/metrics: cannot read \(\w*TimeoutError\): NaN samples", warnings[0]
+    )
 
 
 def test_a_stop_drains_for_the_drain_timeout_then_cancels():
