@@ -508,6 +508,26 @@ def test_a_stop_drains_for_the_drain_timeout_then_cancels():
     assert math.isnan(outcome.records[1].sent_s) and outcome.interrupted and not outcome.complete
 
 
+def test_a_stop_before_the_first_arrival_sends_nothing_and_is_an_interrupted_run():
+    server = Scripted([])
+
+    async def run(url: str) -> ReplayOutcome:
+        stop = asyncio.Event()
+        stop.set()
+        config = ClientConfig(base_url=url, sample_interval_s=None)
+        return await asyncio.wait_for(Replay((_spec("r0", 1.0),), config, print).run(stop), 30)
+
+    with app_in_thread(server.app, start_timeout_s=10) as url:
+        outcome = asyncio.run(run(url))
+    assert outcome.interrupted is True and not outcome.complete and server.bodies == []
+    assert outcome.records[0].error == "not sent: the replay was stopped first"
+
+
+def test_a_replay_of_no_requests_is_complete_and_not_interrupted():
+    outcome = _replay(Scripted([]), [])
+    assert outcome.interrupted is False and outcome.server_lost is False and outcome.records == []
+
+
 def test_a_replay_is_complete_unless_stopped_or_the_server_was_lost():
     def outcome(**flags: bool) -> bool:
         return ReplayOutcome(records=[], samples=[], duration_s=0.0, **flags).complete

@@ -328,6 +328,35 @@ def test_the_steps_take_their_scaled_time_on_the_wall_clock(tmp_path):
     assert _wall_time_of_a_request(tmp_path, 1000.0, 5) < 1.5
 
 
+def test_a_fresh_engine_serves_its_models_name_its_plan_and_zero_gauges(tmp_path):
+    """Before any request: every gauge 0 (no lag either) under the model
+    file's name (``flash-next``, read from the file), the cache info of the
+    plan ``plan_kv_cache`` makes for this deployment and layout, nothing
+    unfinished, and the core without the steady lane (requests are read
+    after every step)."""
+    from sim.kv_cache_plan import plan_kv_cache
+
+    clock = FakeClock(100.0)
+    engine, log = _engine(tmp_path, speed=4.0, clock=clock)
+    page = _page(engine)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert page[name] == 0.0, name
+    assert page["kvsim:engine_max_lag_seconds"] == 0.0 and engine.max_lag_s == 0.0
+    assert engine.model_name == "flash-next" and engine.num_unfinished == 0 and log == []
+    families = {f.name: f for f in engine.metrics.registry.collect()}
+    assert {s.labels["model_name"] for s in families["vllm:num_requests_running"].samples} == {"flash-next"}
+    sc = engine.sim.scenario
+    plan = plan_kv_cache(sc.load_model(), sc.deployment, side_cache_layout=True)
+    (info,) = families["vllm:cache_config_info"].samples
+    assert (info.labels["block_size"], info.labels["num_gpu_blocks"]) == (
+        str(plan.block_size),
+        str(plan.num_blocks),
+    )
+    assert engine.sim.core.steady is None and engine.speed == 4.0 and engine.now_s() == 0.0
+    clock.now = 101.0
+    assert engine.now_s() == 4.0
+
+
 @pytest.mark.parametrize("speed", [0.0, -1.0])
 def test_a_speed_of_zero_or_less_is_refused(tmp_path, speed):
     with pytest.raises(ValueError, match=f"^speed: expected > 0, got {speed}$"):
