@@ -323,6 +323,11 @@ def test_times_are_wall_seconds_since_the_start_times_the_speed():
         # old detection), fails, and the message shows them as UTF-8 with
         # the invalid byte replaced.
         ([b"data: \x00\xff\n\n"], "malformed stream chunk: \x00\ufffd"),
+        # Not UTF-8 at all: the codec's own message.
+        (
+            [b"data: \xff\n\n"],
+            "UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff in position 0: invalid start byte",
+        ),
     ],
 )
 def test_a_stream_that_breaks_is_a_recorded_failure(lines, error):
@@ -360,6 +365,10 @@ def test_a_connection_cut_mid_stream_is_a_lost_server():
     outcome = _replay(Cut([]), [_spec("r0", 0.0)])
     error = outcome.records[0].error
     assert error is not None and error.startswith("connection lost: ClientPayloadError: ")
+    # aiohttp's own message, cut to 117 characters and "...".
+    cause = error.removeprefix("connection lost: ClientPayloadError: ")
+    assert cause.startswith("Response payload is not completed: <TransferEncodingError: 400, message=")
+    assert len(cause) == 120 and cause.endswith("...")
     assert outcome.server_lost and not outcome.complete
 
 
