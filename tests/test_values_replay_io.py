@@ -305,6 +305,12 @@ def test_times_are_wall_seconds_since_the_start_times_the_speed():
     lines = [_chunk(ids=[1]), _chunk(ids=[2], finish="length"), DONE_LINE]
     outcome = _replay(Scripted([(200, lines)], pause_s=0.1), [_spec("r0", 1.0)], speed=4.0)
     record = outcome.records[0]
+    assert (record.request_id, record.arrival_s, record.prompt_tokens, record.output_tokens) == (
+        "r0",
+        1.0,
+        1,
+        2,
+    )
     assert 1.0 <= record.sent_s < 1.4
     assert record.sent_s + 0.4 <= record.first_token_s < record.sent_s + 0.8
     assert record.first_token_s + 0.4 <= record.last_token_s < record.first_token_s + 0.8
