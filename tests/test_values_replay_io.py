@@ -233,13 +233,13 @@ DONE_LINE = b"data: [DONE]\n\n"
 def _replay(
     server: Scripted, specs: list[RequestSpec], warnings: list[str] | None = None, **config: Any
 ) -> ReplayOutcome:
-    """Run a replay of ``specs`` against ``server`` (bounded: 30 s)."""
+    """Run a replay of ``specs`` against ``server`` (bounded: 15 s)."""
     warn = (warnings if warnings is not None else []).append
 
     async def run(url: str) -> ReplayOutcome:
         settings = {"sample_interval_s": None, "request_timeout_s": 10.0, "drain_timeout_s": 1.0, **config}
         replay = Replay(tuple(specs), ClientConfig(base_url=url, **settings), warn)
-        return await asyncio.wait_for(replay.run(asyncio.Event()), 30)
+        return await asyncio.wait_for(replay.run(asyncio.Event()), 15)
 
     with app_in_thread(server.app, start_timeout_s=10) as url:
         return asyncio.run(run(url))
@@ -398,6 +398,26 @@ def test_a_server_without_a_listed_model_is_unreachable_before_anything_is_sent(
         _replay(server, [_spec("r0", 0.0)])
     assert str(raised.value).startswith("http://127.0.0.1:") and str(raised.value).endswith(cause)
     assert server.bodies == []
+
+
+def test_a_model_list_that_never_comes_is_unreachable_after_the_connect_timeout():
+    """``/v1/models`` answering only after 20 s: unreachable after the 0.3 s
+    connect timeout, nothing sent (without that bound the replay would
+    wait for it)."""
+
+    class Silent(Scripted):
+        async def get_models(self, request: web.Request) -> web.Response:
+            await asyncio.sleep(20)
+            return web.Response(text='{"data": [{"id": "late"}]}')
+
+    server = Silent([])
+    started = time.monotonic()
+    with pytest.raises(ServerUnreachable) as raised:
+        _replay(server, [_spec("r0", 0.0)], connect_timeout_s=0.3)
+    assert time.monotonic() - started < 5.0 and server.bodies == []
+    assert re.fullmatch(
+        r"http://127\.0\.0\.1:\d+: server not reachable \(\w*TimeoutError: .*\)", str(raised.value)
+    )
 
 
 def test_a_refused_connection_is_unreachable_with_its_cause():
