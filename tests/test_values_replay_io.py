@@ -143,15 +143,20 @@ def test_samples_are_floats_labelled_in_the_scraped_columns_order():
     values = frame.drop(columns=["scenario", "layout", "source"])
     assert (values.dtypes == "float64").all()
     assert list(values.iloc[0]) == [1.0, *map(float, range(len(SCRAPED)))]
-    assert (frame["source"] == "replay").all()
+    assert (frame["scenario"].item(), frame["layout"].item(), frame["source"].item()) == ("s", "on", "replay")
 
 
 def test_the_summary_takes_the_plans_sizes_and_puts_the_extra_keys_before_source():
     records = [_record("a", **DONE), _record("b", sent_s=1.0, error="HTTP 500: boom")]
-    outcome = ReplayOutcome(records=records, samples=[], duration_s=7.5)
+    sample = {"time_s": 0.0, **dict.fromkeys(SCRAPED.values(), 1.0)}
+    outcome = ReplayOutcome(records=records, samples=[sample], duration_s=7.5)
     plan = {"kv_cache_tokens": 1200, "num_blocks": 12}
     frames = replay_frames(outcome, scenario="s", layout="on", plan=plan, extra_summary={"complete": True})
     assert set(frames) == {"requests", "samples", "summary"} and len(frames["requests"]) == 2
+    for name in ("requests", "samples"):
+        frame = frames[name]
+        assert list(frame["scenario"].unique()) == ["s"] and list(frame["layout"].unique()) == ["on"], name
+    assert len(frames["samples"]) == 1
     summary = frames["summary"]
     assert len(summary) == 1 and list(summary.columns)[-2:] == ["complete", "source"]
     row = summary.iloc[0]
