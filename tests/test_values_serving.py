@@ -348,13 +348,30 @@ def test_a_fresh_engine_serves_its_models_name_its_plan_and_zero_gauges(tmp_path
     sc = engine.sim.scenario
     plan = plan_kv_cache(sc.load_model(), sc.deployment, side_cache_layout=True)
     (info,) = families["vllm:cache_config_info"].samples
-    assert (info.labels["block_size"], info.labels["num_gpu_blocks"]) == (
+    assert (
+        info.labels["block_size"],
+        info.labels["num_gpu_blocks"],
+        info.labels["kv_cache_size_tokens"],
+    ) == (
         str(plan.block_size),
         str(plan.num_blocks),
+        str(plan.kv_cache_tokens),
     )
+    off = plan_kv_cache(sc.load_model(), sc.deployment, side_cache_layout=False)
+    assert off.kv_cache_tokens != plan.kv_cache_tokens  # the layout matters here (the control)
     assert engine.sim.core.steady is None and engine.speed == 4.0 and engine.now_s() == 0.0
     clock.now = 101.0
     assert engine.now_s() == 4.0
+
+
+def test_the_default_speed_is_real_time(tmp_path):
+    """The engine keeps wall time unless told: speed 1, as ``kvsim serve
+    --speed``'s default ("simulated seconds per wall second (default 1)")."""
+    sc = make_scenario(tmp_path, workload=NO_WORKLOAD, mtp=NO_DRAFTS)
+    clock = FakeClock(10.0)
+    engine = LiveEngine(sc, "on", clock=clock, log=lambda line: None)
+    clock.now = 12.5
+    assert engine.speed == 1.0 and engine.now_s() == 2.5
 
 
 @pytest.mark.parametrize("speed", [0.0, -1.0])
