@@ -691,7 +691,7 @@ def test_a_server_that_cannot_be_started_is_a_launch_error(tmp_path):
 
 def _healthy(server: LaunchedServer, url: str, deadline_s: float, stop: asyncio.Event | None = None) -> float:
     async def run() -> None:
-        await asyncio.wait_for(server.wait_healthy(url, deadline_s, stop or asyncio.Event()), 30)
+        await asyncio.wait_for(server.wait_healthy(url, deadline_s, stop or asyncio.Event()), 10)
 
     started = time.monotonic()
     asyncio.run(run())
@@ -747,7 +747,43 @@ def test_a_server_never_healthy_is_given_up_at_the_deadline(tmp_path):
                 finally:
                     wall_s = time.monotonic() - wall_s
             assert str(raised.value) == f"server not healthy after 0.6 s (log: {server.log_path})"
-            assert 0.6 <= wall_s < 1.5
+            assert 0.6 <= wall_s < 1.2  # polled every 0.25 s
+    finally:
+        server.stop()
+
+
+def test_a_health_check_that_never_answers_gives_up_after_its_two_second_poll(tmp_path):
+    """``/health`` accepting and never answering: each poll is cut at 2 s,
+    so a 0.6 s deadline gives up after the first poll (without that cut
+    the wait outlives the deadline)."""
+
+    async def hung(request: web.Request) -> web.Response:
+        await asyncio.sleep(60)
+        return web.Response(status=200)
+
+    def app() -> web.Application:
+        application = web.Application()
+        application.router.add_get("/health", hung)
+        return application
+
+    server = _python(tmp_path, WAITER)
+    try:
+        with app_in_thread(app, start_timeout_s=10) as url:
+            started = time.monotonic()
+            with pytest.raises(LaunchError, match="^server not healthy after 0.6 s"):
+                _healthy(server, url, 0.6)
+            assert 2.0 <= time.monotonic() - started < 4.0
+    finally:
+        server.stop()
+
+
+def test_the_log_is_read_with_bytes_that_are_not_utf8_replaced(tmp_path):
+    code = (
+        "import sys, time; sys.stdout.buffer.write(b'ok \\xff ready\\n'); sys.stdout.flush(); time.sleep(60)"
+    )
+    server = _python(tmp_path, code)
+    try:
+        assert "ok \ufffd ready" in _ready(server)
     finally:
         server.stop()
 
