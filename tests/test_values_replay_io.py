@@ -627,7 +627,10 @@ def test_a_free_port_can_be_listened_on():
 
 
 def _python(tmp_path: Path, code: str, **env: str) -> LaunchedServer:
-    return LaunchedServer([sys.executable, "-c", code], env, tmp_path / "logs" / "server.log", grace_s=0.5)
+    """``code`` as a server, its log two folders down (both made)."""
+    return LaunchedServer(
+        [sys.executable, "-c", code], env, tmp_path / "logs" / "run" / "server.log", grace_s=0.5
+    )
 
 
 def _stopped(server: LaunchedServer) -> tuple[int | None, float]:
@@ -664,7 +667,7 @@ def test_a_launched_server_runs_in_its_own_group_with_its_env_and_stops_at_sigin
         status, wall_s = _stopped(server)
     assert status == -signal.SIGINT and wall_s < 0.5 and server.exited()
     assert server.stop() == -signal.SIGINT  # idempotent
-    assert server.log_path == tmp_path / "logs" / "server.log" and server.log_path.exists()
+    assert server.log_path == tmp_path / "logs" / "run" / "server.log" and server.log_path.exists()
 
 
 @pytest.mark.parametrize(
@@ -720,7 +723,7 @@ def test_a_server_that_exits_before_health_answers_is_a_launch_error(tmp_path):
     finally:
         server.stop()
     assert str(raised.value) == (
-        f"server exited with status 3 before /health answered (log: {tmp_path / 'logs' / 'server.log'})"
+        f"server exited with status 3 before /health answered (log: {tmp_path / 'logs' / 'run' / 'server.log'})"
     )
 
 
