@@ -723,7 +723,7 @@ def test_a_server_that_exits_before_health_answers_is_a_launch_error(tmp_path):
     finally:
         server.stop()
     assert str(raised.value) == (
-        f"server exited with status 3 before /health answered (log: {tmp_path / 'logs' / 'run' / 'server.log'})"
+        f"server exited with status 3 before /health answered (log: {server.log_path})"
     )
 
 
