@@ -639,11 +639,13 @@ def _stopped(server: LaunchedServer) -> tuple[int | None, float]:
     return status, time.monotonic() - started
 
 
-# Prints, then waits to be stopped; "ready" is printed once the handlers are set.
+# Prints (to stderr, then stdout), then waits to be stopped; "ready" is
+# printed once the handlers are set.
 WAITER = """
 import os, signal, sys, time
 for name in sys.argv[1:] or os.environ.get("IGNORE", "").split():
     signal.signal(getattr(signal, name), signal.SIG_IGN)
+print("stderr too", file=sys.stderr, flush=True)
 print("pid", os.getpid(), "pgid", os.getpgid(0), "x", os.environ.get("KVSIM_X"), "ready", flush=True)
 time.sleep(60)
 """
@@ -662,6 +664,7 @@ def test_a_launched_server_runs_in_its_own_group_with_its_env_and_stops_at_sigin
     try:
         text = _ready(server)
         assert f"pid {server.process.pid} pgid {server.process.pid} x 42 ready" in text
+        assert text.startswith("stderr too\n")  # vLLM logs to stderr: the same log
         assert not server.exited() and server.command[:2] == [sys.executable, "-c"]
     finally:
         status, wall_s = _stopped(server)
