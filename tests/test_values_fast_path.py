@@ -18,17 +18,17 @@ from sim.sched.fast_path import FastPath, NoFastPath
 from sim.sched.missed_lookups import MissedPinLookups
 from sim.sched.scheduler import Scheduler, _StepState
 from sim.sched.settled import SettledSteps
-from sim.vllm_bridge import init_none_hash, sha256
+from sim.vllm_bridge import BlockPool, init_none_hash, sha256
 
 
-class _Pool:
-    """A stand-in block pool: records the insertions it is asked to make."""
+def _pool() -> BlockPool:
+    """vLLM's own block pool, eight 16-token blocks, caching on."""
+    return BlockPool(8, enable_caching=True, hash_block_size=16)
 
-    def __init__(self) -> None:
-        self.inserted: list[tuple] = []
 
-    def _insert_block_hash(self, *args, **kwargs) -> None:
-        self.inserted.append((args, kwargs))
+def _insert(pool: BlockPool, key: bytes, block_id: int) -> None:
+    """What vLLM's caching calls to put ``key`` -> block in the cached-hash map."""
+    pool._insert_block_hash(key, pool.blocks[block_id], num_tokens=16)
 
 
 def _waiter(name: str, seed: int):
@@ -37,26 +37,50 @@ def _waiter(name: str, seed: int):
 
 
 def test_a_fresh_memo_has_counted_nothing_and_counts_each_insertion_once():
-    """Three insertions through the pool: three counted, each passed on."""
-    pool = _Pool()
-    memo = MissedPinLookups(pool)  # type: ignore[arg-type]
+    """Three new (hash, block) pairs: three counted, each inserted into
+    vLLM's map."""
+    pool = _pool()
+    memo = MissedPinLookups(pool)
     assert (memo.num_hash_insertions, memo.num_waiter_changes) == (0, 0)
-    for index in range(3):
-        pool._insert_block_hash(index, block=index)
+    for index in range(1, 4):
+        _insert(pool, bytes([index]), index)
     assert memo.num_hash_insertions == 3
-    assert pool.inserted == [((0,), {"block": 0}), ((1,), {"block": 1}), ((2,), {"block": 2})]
+    assert [pool.cached_block_hash_to_block.get_one_block(bytes([i])) for i in range(1, 4)] == pool.blocks[
+        1:4
+    ]
+
+
+def test_only_a_pair_the_map_lacks_counts_as_an_insertion():
+    """vLLM returns at once for a pair its map already holds (a decode's
+    caching re-keys the prompt's partial tail every step): not counted, so
+    the memo lives on. The same hash on another block, and a pair again
+    after a prefix-cache reset (a new map), are new pairs and count."""
+    pool = _pool()
+    memo = MissedPinLookups(pool)
+    waiter = _waiter("a", 1)
+    _insert(pool, b"h", 1)
+    memo.found_no_hit(waiter)
+    _insert(pool, b"h", 1)  # held already: vLLM inserts nothing
+    assert memo.num_hash_insertions == 1 and memo.knows_no_hit(waiter)
+    _insert(pool, b"h", 2)
+    assert memo.num_hash_insertions == 2 and not memo.knows_no_hit(waiter)
+    pool.blocks[1].reset_hash()
+    pool.blocks[2].reset_hash()
+    pool.cached_block_hash_to_block = type(pool.cached_block_hash_to_block)()  # as a reset does
+    _insert(pool, b"h", 1)
+    assert memo.num_hash_insertions == 3
 
 
 def test_every_waiter_with_no_hit_is_remembered_until_a_hash_is_inserted():
     """Rule 10 per waiter: two lookups with no hit, both known; one
     insertion voids both (control: before it, both skip)."""
-    pool = _Pool()
-    memo = MissedPinLookups(pool)  # type: ignore[arg-type]
+    pool = _pool()
+    memo = MissedPinLookups(pool)
     a, b = _waiter("a", 1), _waiter("b", 2)
     memo.found_no_hit(a)
     memo.found_no_hit(b)
     assert memo.knows_no_hit(a) and memo.knows_no_hit(b)
-    pool._insert_block_hash("h")
+    _insert(pool, b"h", 1)
     assert not memo.knows_no_hit(a) and not memo.knows_no_hit(b)
 
 
@@ -64,11 +88,11 @@ def test_a_lookup_after_an_insertion_is_remembered_at_once():
     """A hash inserted before any check, then a lookup with no hit: that
     lookup already saw the hash, so it is known (no second lookup); the
     other waiter, never looked up since, is not."""
-    pool = _Pool()
-    memo = MissedPinLookups(pool)  # type: ignore[arg-type]
+    pool = _pool()
+    memo = MissedPinLookups(pool)
     a, b = _waiter("a", 1), _waiter("b", 2)
     memo.found_no_hit(b)
-    pool._insert_block_hash("h")
+    _insert(pool, b"h", 1)
     memo.found_no_hit(a)
     assert memo.knows_no_hit(a)
     assert not memo.knows_no_hit(b)
@@ -76,7 +100,7 @@ def test_a_lookup_after_an_insertion_is_remembered_at_once():
 
 def test_a_pass_memo_counts_waiter_changes_from_zero():
     """An idle pass remembered before any change holds until the first."""
-    memo = MissedPinLookups(_Pool())  # type: ignore[arg-type]
+    memo = MissedPinLookups(_pool())
     waiting = deque([_waiter("a", 1)])
     memo.pass_ends(waiting, (), pinned=False)
     assert memo.knows_idle_pass(waiting, ())

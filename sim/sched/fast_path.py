@@ -34,7 +34,15 @@ is broken:
 
 1. A call whose positions, widened by the margin, lie strictly inside one
    block of every size the allocator divides by, after a real call in the
-   same block, changes nothing (``settled.py``).
+   same block, changes nothing (``settled.py``). The hash unit is such a
+   size only where the widened span reaches into the prompt: past it a
+   call reads the unit only through the count of block hashes, floored to
+   a block, and through the prompt's own boundaries (argued: the calls
+   the scheduler makes inside a prompt are prefill chunks, never skipped,
+   so no trace has shown the unit to matter there; kept as the safe side).
+   ``tests/test_fast_path.py::test_the_hash_unit_bounds_a_window_only_inside_the_prompt``
+   (the arithmetic); the rig's block flags among the audited cases
+   (``tests/helpers/fast_path.py``) for the decodes past the prompt.
    ``tests/test_fast_path.py::test_the_check_catches_a_call_skipped_across_a_boundary``,
    ``::test_a_fast_path_that_skips_across_boundaries_changes_the_frames``.
 2. The margin, ``4 * (1 + K) + 16`` tokens (``margin_tokens``), lies well
@@ -89,8 +97,10 @@ is broken:
    ``tests/test_async_steady.py::test_the_check_catches_an_async_lane_blind_to_the_tokens_in_flight``,
    ``::test_a_lane_that_ignores_the_stagger_fails_the_conformance_gate``.
 10. A waiter's pin lookup (``get_computed_blocks``, pin point 3) that found
-   no hit finds none again while no hash was inserted into the pool's
-   cached-hash map (``BlockPool._insert_block_hash``, counted) and the
+   no hit finds none again while no (hash, block) pair was inserted into
+   the pool's cached-hash map (``BlockPool._insert_block_hash``, counted
+   when the map lacked the pair: a call for a pair it holds inserts
+   nothing, and a decode's caching makes one every step) and the
    request has the same tokens and block hashes: a lookup reads nothing
    else that moves, and removing cached hashes (evictions, a reset) only
    shrinks a hit. The allocator version would be safe too, but it moves
@@ -201,7 +211,7 @@ class FastPath:
         """A real ``allocate_slots`` call succeeded."""
         span = self.scheduler.decode_span(request, num_new + num_lookahead)
         if span is not None:
-            self.allocations.record(request.request_id, *span)
+            self.allocations.record(request.request_id, *span, request.num_prompt_tokens)
 
     def skips_caching(self, request: Request, computed: int) -> bool:
         """Whether this ``cache_blocks(request, computed)`` call is settled (rule 1)."""
@@ -214,7 +224,7 @@ class FastPath:
 
     def cached(self, request: Request, computed: int) -> None:
         """A real ``cache_blocks(request, computed)`` call was made."""
-        self.caching.record(request.request_id, computed, computed)
+        self.caching.record(request.request_id, computed, computed, request.num_prompt_tokens)
 
     def blocks_freed(self, request_id: str) -> None:
         """The request's blocks are freed (preempted or finished)."""
@@ -421,9 +431,13 @@ def _settled_steps(scheduler: Scheduler) -> SettledSteps:
     kv_cache_manager, config = scheduler.kv_cache_manager, scheduler.config
     rings = kv_cache_manager.ring_managers
     sizes = {m.block_size for m in kv_cache_manager.managers if m not in rings}
-    sizes.add(kv_cache_manager.block_pool.hash_block_size)
     sizes.add(config.block_size)
-    return SettledSteps(tuple(sizes), margin_tokens(config.num_speculative_tokens))
+    # The hash unit (the fork's 64-token prefix-match unit) counts only
+    # inside the prompt (``settled.py``).
+    unit = kv_cache_manager.block_pool.hash_block_size
+    return SettledSteps(
+        tuple(sizes), margin_tokens(config.num_speculative_tokens), None if unit in sizes else unit
+    )
 
 
 def margin_tokens(num_speculative_tokens: int) -> int:

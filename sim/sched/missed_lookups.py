@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from sim.vllm_bridge import BlockPool, Request
+    from sim.vllm_bridge import BlockPool, KVCacheBlock, Request
 
 # What a pin pass read: hash insertions, waiter token changes, the pinned
 # waiters, the waiting queue's entries by identity (and the entries, so no
@@ -47,8 +47,9 @@ class MissedPinLookups:
     and the last pin pass if it pinned nothing."""
 
     def __init__(self, block_pool: BlockPool) -> None:
-        # Hashes inserted into the pool's cached-hash map so far (or tried:
-        # an insertion of a hash already there counts too, which is safe).
+        # (hash, block) pairs inserted into the pool's cached-hash map so far
+        # (or tried: a pair the map lacks counts even where vLLM returns
+        # without inserting it, which is safe).
         self.num_hash_insertions = 0
         # request id -> (the request, its tokens, its block hashes) at a lookup
         # that found no hit, since insertion ``_memo_insertions``.
@@ -60,14 +61,20 @@ class MissedPinLookups:
         self._count_insertions(block_pool)
 
     def _count_insertions(self, block_pool: BlockPool) -> None:
-        """Count every call that may insert a hash (the one place vLLM's
-        pool inserts into ``cached_block_hash_to_block``); a reset replaces
-        the map, not this method, so the count survives it."""
+        """Count every hash inserted into ``cached_block_hash_to_block`` (the
+        one place vLLM's pool inserts into it). A call for a pair the map
+        already holds is not counted: vLLM returns at once, and a decode's
+        caching makes one every step (the prompt's partial tail, re-keyed),
+        which would void the memo every step. The map is read through
+        ``block_pool`` each time: a reset replaces it, not this method, so
+        the count survives it."""
         insert = block_pool._insert_block_hash
 
-        def counting(*args: Any, **kwargs: Any) -> None:
-            self.num_hash_insertions += 1
-            insert(*args, **kwargs)
+        def counting(key: object, block: KVCacheBlock, *args: Any, **kwargs: Any) -> None:
+            held = block_pool.cached_block_hash_to_block.contain(key, block.block_id)
+            insert(key, block, *args, **kwargs)
+            if not held:
+                self.num_hash_insertions += 1
 
         block_pool._insert_block_hash = counting  # type: ignore[method-assign]
 
