@@ -97,8 +97,8 @@ is broken:
    ``tests/test_async_steady.py::test_the_check_catches_an_async_lane_blind_to_the_tokens_in_flight``,
    ``::test_a_lane_that_ignores_the_stagger_fails_the_conformance_gate``.
 10. A waiter's pin lookup (``get_computed_blocks``, pin point 3) that found
-   no hit finds none again while no (hash, block) pair was inserted into
-   the pool's cached-hash map (``BlockPool._insert_block_hash``, counted
+   no hit finds none again while no (hash, block) pair with one of its own
+   block hashes was inserted into the pool's cached-hash map (``BlockPool._insert_block_hash``, counted
    when the map lacked the pair: a call for a pair it holds inserts
    nothing, and a decode's caching makes one every step) and the
    request has the same tokens and block hashes: a lookup reads nothing
@@ -116,7 +116,12 @@ is broken:
    same waiters are pinned: each waiter meets it as before (pinned, past
    the bound, or known to find no hit, rule 10). A waiter's computed tokens
    and status change only as it enters or leaves the queue.
-   ``tests/test_fast_path.py::test_a_pin_pass_is_known_idle_only_with_the_same_queue_pins_hashes_and_tokens``.
+   When only the queue changed (an arrival, an admission), a pass passes
+   over the waiters of the last idle pass and examines only the others
+   (by identity; the audit makes each passed-over waiter's pin call and
+   asserts it pins nothing).
+   ``tests/test_fast_path.py::test_a_pin_pass_is_known_idle_only_with_the_same_queue_pins_hashes_and_tokens``,
+   ``tests/test_values_fast_path.py::test_a_pass_after_an_idle_one_examines_only_the_waiters_it_did_not_meet``.
 
 Every rule is also checked whole, in both engine modes: every gate scenario's frames are the same
 with the fast path off, and the conformance driver steps the lane against
@@ -125,7 +130,7 @@ vLLM's own ``Scheduler``. Glossary: ``docs/fast-path.md``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -153,6 +158,7 @@ class AuditCounts:
     lane_steps: int = 0
     pin_lookups: int = 0
     pin_passes: int = 0
+    unchanged_waiters: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,6 +314,16 @@ class FastPath:
             self._audit_pin_pass()
         return True
 
+    def unchanged_waiters(self, pinned_ids: tuple[str, ...]) -> Container[int]:
+        """The waiters (by ``id``) a pin pass may pass over (rule 11): those
+        of the last pass, which pinned nothing, while the hash insertions,
+        the waiters' tokens and the pinned waiters are the same."""
+        return self.missed_pin_lookups.idle_pass_entries(pinned_ids)
+
+    def unchanged_waiter_passed_over(self, request: Request) -> None:
+        if self.audit:
+            self._audit_unchanged_waiter(request)
+
     def pin_pass_ends(self, pinned_ids: tuple[str, ...]) -> None:
         """A pin pass ended (it pinned something iff it bumped the version)."""
         pinned = self.allocator_version != self._pin_pass_version
@@ -345,6 +361,13 @@ class FastPath:
             f"{request.request_id}: a skipped pin lookup hits"
         )
         self.audited.pin_lookups += 1
+
+    def _audit_unchanged_waiter(self, request: Request) -> None:
+        """Make a passed-over waiter's pin call: it must pin nothing (it is
+        pinned already, or finds no hit)."""
+        pinned = self.scheduler.kv_cache_manager.pin_waiting_hit(request)  # type: ignore[attr-defined]
+        assert pinned == 0, f"{request.request_id}: a waiter passed over pins"
+        self.audited.unchanged_waiters += 1
 
     def _audit_pin_pass(self) -> None:
         """Run the skipped pin pass (its skipped lookups audited in turn)."""
@@ -415,6 +438,12 @@ class NoFastPath:
 
     def skips_pin_pass(self, pinned_ids: tuple[str, ...]) -> bool:
         return False
+
+    def unchanged_waiters(self, pinned_ids: tuple[str, ...]) -> Container[int]:
+        return frozenset()
+
+    def unchanged_waiter_passed_over(self, request: Request) -> None:
+        return None
 
     def pin_pass_ends(self, pinned_ids: tuple[str, ...]) -> None:
         return None

@@ -27,7 +27,7 @@ idle waiting loop (``FastPath.allocator_changes``, rule 3).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import TYPE_CHECKING
 
 from sim.kv_cache_manager import KVCacheManager
@@ -108,19 +108,25 @@ class SchedulerPins:
         """Pin the waiters' hits in arrival order up to the manager's bound,
         unless the fast path knows the pass pins nothing (its rule 11)."""
         manager = self.manager
-        if not manager.enable_waiter_pins or self.fast_path.skips_pin_pass(manager.pinned_waiter_ids()):
+        pinned_ids = manager.pinned_waiter_ids()
+        if not manager.enable_waiter_pins or self.fast_path.skips_pin_pass(pinned_ids):
             return
-        self.pin_waiters(waiting)
+        self.pin_waiters(waiting, self.fast_path.unchanged_waiters(pinned_ids))
         self.fast_path.pin_pass_ends(manager.pinned_waiter_ids())
 
-    def pin_waiters(self, waiting: Iterator[Request]) -> None:
-        """The pass itself."""
+    def pin_waiters(self, waiting: Iterator[Request], unchanged: Container[int] = frozenset()) -> None:
+        """The pass itself. ``unchanged``: the waiters (by ``id``) the fast
+        path knows meet this pass as they met the last, which pinned nothing
+        (its rule 11): passed over."""
         manager = self.manager
         for request in waiting:
             if manager.num_pinned_waiters >= manager.max_pinned_waiters:
                 return
             if request.num_computed_tokens == 0 and request.status in _PINNABLE_STATUSES:
-                self._pin_waiter(request)
+                if id(request) in unchanged:
+                    self.fast_path.unchanged_waiter_passed_over(request)
+                else:
+                    self._pin_waiter(request)
 
     def _pin_waiter(self, request: Request) -> None:
         """Pin one waiter's hit, unless the fast path knows its lookup finds
