@@ -537,3 +537,65 @@ def test_a_batch_queue_core_without_the_lane_reads_the_requests_own_state():
     request = SimpleNamespace(num_output_placeholders=4)
     assert core.num_output_placeholders(request) == 4
     assert BatchQueueEngineCore(scheduler, runner, 3).steady is not None  # control: the lane by default
+
+
+def test_a_preempted_requests_one_stale_token_drains_and_it_resumes():
+    """vLLM's rule (``Scheduler.update_from_output``, 0.33.0): a preempted
+    request's in-flight output is stale while its count is positive, and
+    each landing output drains its scheduled tokens from it; the request is
+    not resumed until the count is 0. The case no compared trace has: one
+    stale token (a one-token final chunk in flight at the preemption).
+
+    Budget 64, 32-token blocks, pp 2 (depth 3), every draft accepted, fenced
+    frees off (vLLM without a KV-consumer connector), 37 blocks: r000
+    (prompt 90) and r001 (prompt 33), 5 output tokens each.
+    S1: chunks of 32 each (block-aligned). S2: the final chunks, r000 58,
+    r001 1. S3: empty (both decodes eligible at S2 + 2). S4 (S1 landed):
+    r000's decode (90 + 4 + 3 lookahead = 97 tokens, a fourth block) does
+    not fit: the newest request, r001, is preempted with only S2's one
+    token in flight: stale 1, computed 0. S2 lands in the same call: the
+    stale token is delivered (r001's first token), the count drains to 0.
+    r000 finishes when S4 lands (1 + 4 tokens, call 6); S7 resumes r001:
+    its prompt and the delivered token, 34 tokens from 0 (one chunk).
+    Kills ``apply_sampled``'s ``stale > 1`` (the count stays 1, r001 is
+    never resumed) by hand with mutmut's switch."""
+    manager = build_kv_cache_manager(tiny_plan(True), num_gpu_blocks=37)
+    config = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=MAX_LEN,
+        block_size=32,
+        num_speculative_tokens=K,
+        max_concurrent_batches=3,
+        defer_block_free=False,
+    )
+    scheduler = AsyncScheduler(config, manager, decode_stagger=2)
+    runner = ModelRunner(AcceptanceModel(conditional_rates=(1.0, 1.0, 1.0)), np.random.default_rng(0))
+    core = BatchQueueEngineCore(scheduler, runner, 3, steady_lane=False)
+    scheduler.add_request(tiny_spec(0, 90, output=5))
+    scheduler.add_request(tiny_spec(1, 33, output=5))
+    calls = [core.step() for _ in range(3)]
+    call = core.begin_step()
+    victim = scheduler.requests["r001"]
+    assert call.scheduled.preempted_request_ids == ("r001",)
+    assert (victim.num_stale_output_tokens, victim.num_computed_tokens) == (1, 0)
+    core.end_step(call)
+    assert call.processed.step_index == 2
+    assert call.outcome.first_token_request_ids == ("r000", "r001")
+    assert (victim.num_stale_output_tokens, victim.num_output_tokens, victim.num_computed_tokens) == (0, 1, 0)
+    calls += [call] + [core.step() for _ in range(7)]
+    scheduled = [[(item.request_id, item.num_scheduled_tokens, item.num_computed_tokens)
+                  for item in call.scheduled.scheduled] for call in calls]  # fmt: skip
+    assert scheduled[:8] == [
+        [("r000", 32, 0), ("r001", 32, 0)],
+        [("r000", 58, 32), ("r001", 1, 32)],
+        [],
+        [("r000", 4, 90)],
+        [],
+        [("r000", 4, 94)],
+        [("r001", 34, 0)],
+        [],
+    ]
+    assert calls[6].scheduled.resumed_request_ids == ("r001",)
+    assert calls[5].outcome.finished == {"r000": 5}
+    assert calls[10].outcome.finished == {"r001": 5}
