@@ -539,39 +539,62 @@ def test_a_batch_queue_core_without_the_lane_reads_the_requests_own_state():
     assert BatchQueueEngineCore(scheduler, runner, 3).steady is not None  # control: the lane by default
 
 
-def test_a_preempted_requests_one_stale_token_drains_and_it_resumes():
-    """vLLM's rule (``Scheduler.update_from_output``, 0.33.0): a preempted
-    request's in-flight output is stale while its count is positive, and
-    each landing output drains its scheduled tokens from it; the request is
-    not resumed until the count is 0. The case no compared trace has: one
-    stale token (a one-token final chunk in flight at the preemption).
-
-    Budget 64, 32-token blocks, pp 2 (depth 3), every draft accepted, fenced
-    frees off (vLLM without a KV-consumer connector), 37 blocks: r000
-    (prompt 90) and r001 (prompt 33), 5 output tokens each.
-    S1: chunks of 32 each (block-aligned). S2: the final chunks, r000 58,
-    r001 1. S3: empty (both decodes eligible at S2 + 2). S4 (S1 landed):
-    r000's decode (90 + 4 + 3 lookahead = 97 tokens, a fourth block) does
-    not fit: the newest request, r001, is preempted with only S2's one
-    token in flight: stale 1, computed 0. S2 lands in the same call: the
-    stale token is delivered (r001's first token), the count drains to 0.
-    r000 finishes when S4 lands (1 + 4 tokens, call 6); S7 resumes r001:
-    its prompt and the delivered token, 34 tokens from 0 (one chunk).
-    Kills ``apply_sampled``'s ``stale > 1`` (the count stays 1, r001 is
-    never resumed) by hand with mutmut's switch."""
-    manager = build_kv_cache_manager(tiny_plan(True), num_gpu_blocks=37)
+def _batch_queue(num_blocks: int = 400, num_spec: int = K) -> tuple[BatchQueueEngineCore, list]:
+    """The tiny plan's async scheduler under a batch-queue core without the
+    lane (budget 64, 32-token blocks, pp 2: depth 3), fenced frees off (vLLM
+    without a KV-consumer connector), every draft accepted; the returned
+    list records each ``cache_blocks`` call as (request id, tokens)."""
+    manager = build_kv_cache_manager(tiny_plan(True), num_gpu_blocks=num_blocks)
     config = SchedulerConfig(
         max_num_seqs=8,
         max_num_batched_tokens=64,
         max_model_len=MAX_LEN,
         block_size=32,
-        num_speculative_tokens=K,
+        num_speculative_tokens=num_spec,
         max_concurrent_batches=3,
         defer_block_free=False,
     )
-    scheduler = AsyncScheduler(config, manager, decode_stagger=2)
-    runner = ModelRunner(AcceptanceModel(conditional_rates=(1.0, 1.0, 1.0)), np.random.default_rng(0))
-    core = BatchQueueEngineCore(scheduler, runner, 3, steady_lane=False)
+    scheduler = AsyncScheduler(config, manager, decode_stagger=2, fast_path=False)
+    runner = ModelRunner(AcceptanceModel(conditional_rates=(1.0,) * num_spec), np.random.default_rng(0))
+    cached: list[tuple[str, int]] = []
+    cache_blocks = manager.cache_blocks
+
+    def recorded(request, num_computed_tokens):
+        cached.append((request.request_id, num_computed_tokens))
+        return cache_blocks(request, num_computed_tokens)
+
+    manager.cache_blocks = recorded
+    return BatchQueueEngineCore(scheduler, runner, 3, steady_lane=False), cached
+
+
+def _scheduled(call: EngineCall) -> list[tuple[str, int, int]]:
+    return [(item.request_id, item.num_scheduled_tokens, item.num_computed_tokens)
+            for item in call.scheduled.scheduled]  # fmt: skip
+
+
+def test_a_preempted_requests_one_stale_token_drains_and_it_resumes():
+    """vLLM's rule (``Scheduler.update_from_output``, 0.33.0): a preempted
+    request's in-flight output is stale while its count is positive, and
+    each landing output drains its scheduled tokens from it; the request is
+    not resumed until the count is 0, and its stale output caches nothing.
+    The case no compared trace has: one stale token (a one-token final
+    chunk in flight at the preemption).
+
+    37 blocks: r000 (prompt 90) and r001 (prompt 33), 5 output tokens each.
+    S1: chunks of 32 each (block-aligned). S2: the final chunks, r000 58,
+    r001 1. S3: empty (both decodes eligible at S2 + 2). S4 (S1 landed):
+    r000's decode (90 + 4 + 3 lookahead = 97 tokens, a fourth block) does
+    not fit: the newest request, r001, is preempted with only S2's one
+    token in flight: stale 1, computed 0. S2 lands in the same call: the
+    stale token is delivered (r001's first token), the count drains to 0;
+    r000's blocks are cached up to its tokens not in flight (94 - 4 = 90),
+    r001's not at all. r000 finishes when S4 lands (1 + 4 tokens, call 6);
+    S7 resumes r001: its prompt and the delivered token, 34 tokens from 0.
+    Kills ``apply_sampled``'s ``stale > 1`` (the count stays 1, r001 is
+    never resumed; by hand with mutmut's switch) and the caching condition
+    joined with ``or`` (a stale request cached at 0)."""
+    core, cached = _batch_queue(num_blocks=37)
+    scheduler = core.scheduler
     scheduler.add_request(tiny_spec(0, 90, output=5))
     scheduler.add_request(tiny_spec(1, 33, output=5))
     calls = [core.step() for _ in range(3)]
@@ -579,14 +602,14 @@ def test_a_preempted_requests_one_stale_token_drains_and_it_resumes():
     victim = scheduler.requests["r001"]
     assert call.scheduled.preempted_request_ids == ("r001",)
     assert (victim.num_stale_output_tokens, victim.num_computed_tokens) == (1, 0)
+    cached.clear()
     core.end_step(call)
     assert call.processed.step_index == 2
+    assert cached == [("r000", 90)]
     assert call.outcome.first_token_request_ids == ("r000", "r001")
     assert (victim.num_stale_output_tokens, victim.num_output_tokens, victim.num_computed_tokens) == (0, 1, 0)
     calls += [call] + [core.step() for _ in range(7)]
-    scheduled = [[(item.request_id, item.num_scheduled_tokens, item.num_computed_tokens)
-                  for item in call.scheduled.scheduled] for call in calls]  # fmt: skip
-    assert scheduled[:8] == [
+    assert [_scheduled(call) for call in calls[:8]] == [
         [("r000", 32, 0), ("r001", 32, 0)],
         [("r000", 58, 32), ("r001", 1, 32)],
         [],
@@ -599,3 +622,66 @@ def test_a_preempted_requests_one_stale_token_drains_and_it_resumes():
     assert calls[6].scheduled.resumed_request_ids == ("r001",)
     assert calls[5].outcome.finished == {"r000": 5}
     assert calls[10].outcome.finished == {"r001": 5}
+
+
+def test_a_stale_token_that_reaches_max_tokens_finishes_the_waiting_request():
+    """As above with r001 asking one output token: at S4 it is not
+    scheduled (its one token is in flight: vLLM's skip) but is still the
+    newest request, so the victim. Its stale token, delivered when S2
+    lands, reaches ``max_tokens``: it finishes from the waiting queue
+    (vLLM's ``stopped_preempted_reqs``), its blocks freed, never resumed."""
+    core, _ = _batch_queue(num_blocks=37)
+    scheduler = core.scheduler
+    scheduler.add_request(tiny_spec(0, 90, output=5))
+    scheduler.add_request(tiny_spec(1, 33, output=1))
+    calls = [core.step() for _ in range(4)]
+    assert calls[3].scheduled.preempted_request_ids == ("r001",)
+    assert calls[3].outcome.finished == {"r001": 1}
+    assert "r001" not in scheduler.requests and list(scheduler.waiting) == []
+    calls += [core.step() for _ in range(2)]
+    assert [_scheduled(call) for call in calls[3:]] == [[("r000", 4, 90)], [], [("r000", 4, 94)]]
+    assert calls[5].outcome.finished == {"r000": 5}
+
+
+def test_a_steps_outcome_sums_its_requests_and_trims_a_stop_within_the_drafts():
+    """Two 30-token prompts in S1 (final chunks: one first token each), both
+    decoding at S3 (4 tokens each, every draft accepted). r000 asks 5
+    tokens: 1 + 4, it stops at the last. r001 asks 3: it stops at the
+    second of its 4 and the 2 after it leave its computed tokens
+    (vLLM's ``_update_request_with_output``): 34 - 2 = 32. S3's outcome:
+    4 + 2 tokens generated, 3 + 3 drafts, 3 + 3 accepted; each landed
+    output caches the blocks up to the tokens no longer in flight: 30 each
+    after S1, then 34 and 32."""
+    core, cached = _batch_queue()
+    scheduler = core.scheduler
+    scheduler.add_request(tiny_spec(0, 30, output=5))
+    scheduler.add_request(tiny_spec(1, 30, output=3))
+    calls = [core.step() for _ in range(5)]
+    assert [_scheduled(call) for call in calls] == [
+        [("r000", 30, 0), ("r001", 30, 0)],
+        [],
+        [("r000", 4, 30), ("r001", 4, 30)],
+        [],
+        [("r000", 4, 34), ("r001", 4, 34)],
+    ]
+    outcome = calls[4].outcome
+    assert calls[4].processed.step_index == 3
+    assert outcome.finished == {"r000": 5, "r001": 3}
+    assert (outcome.num_generated_tokens, outcome.num_draft_tokens, outcome.num_accepted_tokens) == (6, 6, 6)
+    assert calls[2].outcome.first_token_request_ids == ("r000", "r001")
+    assert cached == [("r000", 30), ("r001", 30), ("r000", 34), ("r001", 32)]
+
+
+def test_without_drafts_a_landed_output_caches_because_it_had_placeholders():
+    """No MTP (K = 0): vLLM caches after an output only for a request that
+    had output placeholders (``has_output_placeholders or num_spec_tokens
+    > 0``); every landed decode had one. One-token decodes on alternate
+    steps: 30, 31, 32 for both, then r000 alone (r001 stopped at 3): 33, 34."""
+    core, cached = _batch_queue(num_spec=0)
+    scheduler = core.scheduler
+    scheduler.add_request(tiny_spec(0, 30, output=5))
+    scheduler.add_request(tiny_spec(1, 30, output=3))
+    while core.has_work():
+        core.step()
+    assert cached == [("r000", 30), ("r001", 30), ("r000", 31), ("r001", 31),
+                      ("r000", 32), ("r001", 32), ("r000", 33), ("r000", 34)]  # fmt: skip
