@@ -685,3 +685,53 @@ def test_without_drafts_a_landed_output_caches_because_it_had_placeholders():
         core.step()
     assert cached == [("r000", 30), ("r001", 30), ("r000", 31), ("r001", 31),
                       ("r000", 32), ("r001", 32), ("r000", 33), ("r000", 34)]  # fmt: skip
+
+
+def test_the_batch_queue_calls_block_only_when_full_or_out_of_requests():
+    """``step_with_batch_queue`` (vLLM 0.33.0): a call with requests
+    schedules a step (an empty one too) and returns at once while fewer
+    than 3 are in flight; else it blocks on the oldest. ``samples``: some
+    request of the step samples; ``idle``: nothing scheduled or an empty
+    step, nothing processed or an empty step, only empty steps in flight.
+    The two prompts of the outcome test: S1 (final chunks, sampling), S2
+    empty (staggered decodes), S3 decodes (full: blocks on S1), S4 empty
+    (on S2), S5 decodes (on S3: both finish), S6 empty (the finished ids'
+    step, on S4), then no requests: two calls block on S5 and S6, the last
+    idle (nothing left in flight)."""
+    core, _ = _batch_queue()
+    core.scheduler.add_request(tiny_spec(0, 30, output=5))
+    core.scheduler.add_request(tiny_spec(1, 30, output=3))
+    calls = []
+    while core.has_work():
+        calls.append(core.step())
+    assert [(None if c.scheduled is None else c.scheduled.step_index, c.samples, c.waits, c.idle,
+             None if c.processed is None else c.processed.step_index) for c in calls] == [
+        (1, True, False, False, None),
+        (2, False, False, False, None),
+        (3, True, True, False, 1),
+        (4, False, True, False, 2),
+        (5, True, True, False, 3),
+        (6, False, True, False, 4),
+        (None, True, True, False, 5),
+        (None, True, True, True, 6),
+    ]  # fmt: skip
+
+
+def test_a_request_that_never_fits_leaves_the_batch_queue_idle():
+    """A 400-token prompt in a 16-block pool is never admitted: each call
+    schedules an empty step; the first two return at once, idle (only
+    empty steps in flight); the third fills the queue and blocks on the
+    first, idle too. A non-final chunk's step samples nothing: a 100-token
+    prompt's first chunk (64) in a pool that fits it."""
+    core, _ = _batch_queue(num_blocks=16)
+    core.scheduler.add_request(tiny_spec(0, 400, output=5))
+    calls = [core.step() for _ in range(3)]
+    assert [(c.scheduled.is_empty, c.samples, c.waits, c.idle) for c in calls] == [
+        (True, False, False, True),
+        (True, False, False, True),
+        (True, False, True, True),
+    ]
+    chunked, _ = _batch_queue()
+    chunked.scheduler.add_request(tiny_spec(0, 100, output=5))
+    call = chunked.step()
+    assert (_scheduled(call), call.samples, call.waits, call.idle) == ([("r000", 64, 0)], False, False, False)
