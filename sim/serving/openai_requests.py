@@ -130,6 +130,8 @@ async def read_json(request: web.Request) -> Any:
         raise ClientMistake.of(
             408, f"the body took longer than {BODY_READ_S:g} s to arrive", "Request Timeout"
         ) from None
+    if not raw:  # FastAPI parses no empty body: the body is missing
+        return None
     try:
         return json.loads(raw)
     except json.JSONDecodeError as error:
@@ -174,10 +176,14 @@ async def parse_request(body: Any, kind: Kind, model_name: str, max_model_len: i
     do: the request model, then the model name, then the prompt's length
     and the sampling parameters."""
     model = CompletionRequest if kind == "completion" else ChatCompletionRequest
+    if body is None:  # no body, or JSON null: FastAPI's missing-field error
+        missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
+        raise ClientMistake(*await validation_error_body([missing]))
     try:
-        request = model.model_validate(body)
+        # As FastAPI validates a body parameter (fastapi/_compat/v2.py).
+        request = model.model_validate(body, from_attributes=True)
     except ValidationError as error:
-        errors = [{**e, "loc": ("body", *e["loc"])} for e in error.errors()]
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in error.errors(include_url=False)]
         raise ClientMistake(*await validation_error_body(errors)) from None
     except CLIENT_ERRORS as error:
         raise ClientMistake(*error_body(error)) from None
