@@ -174,9 +174,10 @@ tests/test_calibrate.py::test_a_replay_without_its_scenario_is_a_one_line_error"
   # (The engine's lag is pinned by tests/test_serve.py's too-slow engine:
   # add it when mutating LiveEngine.run.)
   [live_engine]="sim/serving/live_engine.py|tests/test_values_serving.py"
-  # openai_requests: the serve tests that send bodies (vLLM's parse, budget,
-  # errors, chunk shapes) and the fuzzed-field case.
-  [openai_requests]="sim/serving/openai_requests.py|tests/test_serve.py tests/test_serve_hostile.py::test_fuzzed_fields_never_get_a_server_error"
+  # openai_requests: its value tests (vLLM's front end on the same bytes),
+  # the serve tests that send bodies (vLLM's parse, budget, errors, chunk
+  # shapes) and the fuzzed-field case.
+  [openai_requests]="sim/serving/openai_requests.py|tests/test_values_openai_requests.py tests/test_serve.py tests/test_serve_hostile.py::test_fuzzed_fields_never_get_a_server_error"
   # server.py: its value tests (a scripted token queue, answers against
   # vLLM's shapes), the serve tests (each well under a second) and the
   # hostile cases that reach a bound, a disconnect or the token wait; not
