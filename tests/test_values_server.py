@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
@@ -20,6 +21,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from helpers.scenarios import NO_WORKLOAD, scenario
 from prometheus_client.exposition import choose_encoder
@@ -77,6 +79,9 @@ class Transport:
 
     def is_closing(self) -> bool:
         return self.closing
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
 
 
 def _request(transport: Transport | None) -> tuple[Any, list[tuple[str, str]]]:
@@ -360,6 +365,7 @@ def test_models_is_vllms_model_list_with_the_scenarios_length(tmp_path):
     assert body["object"] == "list" and len(models.data) == 1
     card = body["data"][0]
     assert card["object"] == "model" and card["id"] == card["root"] == "flash-next"
+    assert "owned_by" in card  # vLLM's ModelCard field (kvsim's value is its own)
     assert card["max_model_len"] == 262_144  # the scenario's deployment
     assert int(before) <= card["created"] <= after
 
@@ -444,52 +450,100 @@ def test_no_access_log_line_per_request(tmp_path, caplog):
     assert not [r for r in caplog.records if r.name.startswith("aiohttp.access")]
 
 
-def test_the_connection_past_the_cap_is_counted(tmp_path):
-    """A cap of 2: two idle connections hold it, a third is closed and
-    counted (``num_refused_connections``); the two are not."""
+def test_the_connections_past_the_cap_are_counted(tmp_path):
+    """A cap of 2: two idle connections hold it, a third and a fourth are
+    closed and counted (``num_refused_connections``: 2); the two are not."""
     bounds = Bounds(max_connections=2)
 
-    async def body(port: int) -> tuple[int, bytes]:
+    async def body(port: int) -> tuple[int, list[bytes]]:
         idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
         await asyncio.sleep(0.2)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            refused = await asyncio.wait_for(reader.read(100), 5)
-        except ConnectionResetError:
-            refused = b""
-        for _, w in [*idle, (reader, writer)]:
+        refused = []
+        for _ in range(2):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                refused.append(await asyncio.wait_for(reader.read(100), 5))
+            except ConnectionResetError:
+                refused.append(b"")
+            writer.close()
+        for _, w in idle:
             w.close()
         return bounds.num_refused_connections, refused
 
-    assert _run_server(_engine(tmp_path), body, bounds) == (1, b"")
+    assert _run_server(_engine(tmp_path), body, bounds) == (2, [b"", b""])
+
+
+def test_a_whole_answer_holds_every_token_of_every_step(tmp_path):
+    """Not streamed, seven tokens come in several steps' deltas: the answer
+    holds all seven (its token ids, one text word each), as vLLM's whole
+    answer holds the request's output."""
+
+    async def check(client: TestClient) -> Any:
+        body = {"prompt": [1, 2, 3], "max_tokens": 7, "return_token_ids": True}
+        return await (await client.post("/v1/completions", json=body)).json()
+
+    choice = _served(_engine(tmp_path), check)["choices"][0]
+    assert len(choice["token_ids"]) == 7 and len(choice["text"].split()) == 7
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def test_serve_announces_its_address_and_stops_on_sigterm(tmp_path):
-    """``kvsim serve``: one line with the address bound, then serving until
-    SIGTERM; afterwards the port is closed and the signal's handler is the
-    default again."""
+    """``kvsim serve``: one line with the address, on the port it was given
+    and on that host only (127.0.0.2, another loopback address, finds
+    nothing: no wildcard bind), then serving until SIGTERM; afterwards the
+    port is closed and both signals' handlers are the defaults again."""
     lines: list[str] = []
     engine = _engine(tmp_path)
+    port = _free_port()
 
-    async def main() -> int:
-        serving = asyncio.create_task(server.serve(build_app(engine), "127.0.0.1", 0, lines.append))
+    async def connects(host: str) -> bool:
+        try:
+            _, writer = await asyncio.open_connection(host, port)
+        except OSError:
+            return False
+        writer.close()
+        return True
+
+    async def main() -> tuple[bool, bool]:
+        serving = asyncio.create_task(server.serve(build_app(engine), "127.0.0.1", port, lines.append))
         while not lines:
+            assert not serving.done(), serving.exception()
             await asyncio.sleep(0.01)
-        port = int(lines[0].rsplit(":", 1)[1].split(" ")[0])
         async with aiohttp.ClientSession() as session:
             async with session.get(f"http://127.0.0.1:{port}/health") as response:
                 assert response.status == 200
+        elsewhere = await connects("127.0.0.2")
         os.kill(os.getpid(), signal.SIGTERM)
         await asyncio.wait_for(serving, 10)
-        return port
+        return elsewhere, await connects("127.0.0.1")
 
-    port = asyncio.run(main())
+    elsewhere, after = asyncio.run(main())
     assert lines == [f"listening on http://127.0.0.1:{port} (Ctrl-C to stop)"]
+    assert not elsewhere and not after
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     assert signal.getsignal(signal.SIGINT) == signal.default_int_handler
 
-    async def closed() -> None:
-        with pytest.raises(OSError):
-            await asyncio.open_connection("127.0.0.1", port)
 
-    asyncio.run(closed())
+def test_a_write_that_finds_the_client_gone_aborts_the_stream(monkeypatch):
+    """The stream's own catch: a write raising ``ConnectionResetError`` (the
+    client went between the check and the write) aborts the request, and
+    the handler returns the response without raising."""
+    from aiohttp.test_utils import make_mocked_request
+
+    aborts: list[tuple[str, str]] = []
+    app = web.Application()
+    app[ENGINE_KEY] = SimpleNamespace(abort=lambda request_id, cause: aborts.append((request_id, cause)))  # type: ignore[assignment]
+    request = make_mocked_request("POST", "/v1/completions", app=app, transport=Transport(closing=False))
+
+    async def write(self: Any, data: bytes) -> None:
+        raise ConnectionResetError("gone")
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    answer = _answer(stream=True)
+    response = asyncio.run(server._stream(request, answer, ScriptedQueue([_delta([1], finished=True)])))  # type: ignore[arg-type]
+    assert response.status == 200 and aborts == [("cmpl-7", "client disconnected")]
