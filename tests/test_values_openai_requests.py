@@ -390,6 +390,34 @@ def test_a_body_of_exactly_16_mib_is_read_and_one_byte_more_declared_is_413(tmp_
     }
 
 
+def test_a_chunked_body_past_16_mib_is_413(tmp_path):
+    """A body sent in chunks declares no length: the bound is the app's
+    ``client_max_size`` (16 MiB, docs/serving.md), and its refusal is the
+    same 413 as a declared length's."""
+    limit = 16 << 20
+
+    async def chunks() -> Any:
+        yield b'{"prompt": [1, 2], "max_tokens": 1}'
+        for _ in range(16):
+            yield b" " * (1 << 20)
+
+    async def check(client: TestClient) -> tuple[int, Any]:
+        response = await client.post("/v1/completions", data=chunks())
+        return response.status, await response.json()
+
+    assert _served(tmp_path, check) == (
+        413,
+        {
+            "error": {
+                "message": f"the body is larger than {limit} bytes",
+                "type": "Request Entity Too Large",
+                "param": None,
+                "code": 413,
+            }
+        },
+    )
+
+
 def test_a_body_that_does_not_come_in_time_is_408(tmp_path, monkeypatch):
     """The body read is bounded (docs/serving.md: 30 s; 0.3 s here): half a
     body then nothing is 408 with HTTP's phrase as the type."""

@@ -350,6 +350,32 @@ def test_a_client_that_leaves_a_whole_answer_is_aborted_while_tokens_still_come(
     assert log == ["Request cmpl-0 aborted (client disconnected)."]
 
 
+def test_a_client_that_leaves_while_no_token_comes_is_aborted_by_the_handlers_cancellation(tmp_path):
+    """An engine far too slow to give a first token (speed 1e-4) and a
+    client that leaves a whole answer after 0.5 s: aiohttp cancels the
+    handler (``handler_cancellation``), whose catch aborts the request (one
+    log line with its cause) before the disconnect poll could."""
+    log: list[str] = []
+    engine = _engine(tmp_path, speed=1e-4, log=log.append)
+
+    async def body(port: int) -> None:
+        async with aiohttp.ClientSession() as session:
+            with pytest.raises(TimeoutError):
+                async with session.post(
+                    f"http://127.0.0.1:{port}/v1/completions",
+                    json={"prompt": [1, 2, 3], "max_tokens": 2},
+                    timeout=aiohttp.ClientTimeout(total=0.5),
+                ) as response:
+                    await response.read()
+        deadline = time.monotonic() + 5
+        while engine.num_unfinished:
+            assert time.monotonic() < deadline, "the request still runs 5 s after its client left"
+            await asyncio.sleep(0.01)
+
+    _run_server(engine, body)
+    assert log == ["Request cmpl-0 aborted (client disconnected)."]
+
+
 def test_models_is_vllms_model_list_with_the_scenarios_length(tmp_path):
     from vllm.entrypoints.serve.engine.protocol import ModelList
 
