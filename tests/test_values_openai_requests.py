@@ -215,9 +215,13 @@ def test_a_batch_of_one_prompt_is_that_prompt():
     assert _parse({"prompt": "the cat"}).prompt_ids == tokenize_text("the cat")
 
 
-@pytest.mark.parametrize("prompt", [[[1, 2], [3]], ["a", "b"]], ids=["two-id-lists", "two-texts"])
-def test_more_than_one_prompt_is_vllms_400_naming_the_prompt(prompt):
-    status, error = _refusal({"prompt": prompt})
+@pytest.mark.parametrize(
+    "body",
+    [{"prompt": [[1, 2], [3]]}, {"prompt": ["a", "b"]}, {"prompt_embeds": "AAAA"}],
+    ids=["two-id-lists", "two-texts", "embeddings"],
+)
+def test_more_than_one_prompt_or_none_is_vllms_400_naming_the_prompt(body):
+    status, error = _refusal(body)
     assert status == 400 and error == {
         "message": "kvsim serve takes one prompt per request (parameter=prompt)",
         "type": "BadRequestError",
@@ -260,7 +264,13 @@ def test_the_served_model_may_be_named_or_left_out_and_any_other_is_404():
     assert _parse({"prompt": [1], "model": "flash-next"}).prompt_ids == [1]
     assert _parse({"prompt": [1], "model": ""}).prompt_ids == [1]
     status, error = _refusal({"prompt": [1], "model": "other"})
-    assert status == 404 and error["type"] == "NotFoundError"
+    # vLLM's _check_model (entrypoints/serve/engine/serving.py): both names.
+    assert status == 404 and error == {
+        "message": "The model `other` does not exist. Valid aliases: flash-next.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }
 
 
 # ---------------------------------------------------------------- the answer
