@@ -179,10 +179,12 @@ tests/test_calibrate.py::test_a_replay_without_its_scenario_is_a_one_line_error"
   # shapes) and the fuzzed-field case.
   [openai_requests]="sim/serving/openai_requests.py|tests/test_values_openai_requests.py tests/test_serve.py tests/test_serve_hostile.py::test_fuzzed_fields_never_get_a_server_error"
   # server.py: its value tests (a scripted token queue, answers against
-  # vLLM's shapes), the serve tests (each well under a second) and the
-  # hostile cases that reach a bound, a disconnect or the token wait; not
-  # the Ctrl-C replay whose engine never aborts (6 s, the control only).
+  # vLLM's shapes) and the chunked body past the app's size bound, the
+  # serve tests (each well under a second) and the hostile cases that
+  # reach a bound, a disconnect or the token wait; not the Ctrl-C replay
+  # whose engine never aborts (6 s, the control only).
   [server]="sim/serving/server.py|tests/test_values_server.py tests/test_serve.py \
+tests/test_values_openai_requests.py::test_a_chunked_body_past_16_mib_is_413 \
 tests/test_serve_hostile.py::test_a_connection_past_the_cap_is_closed_and_health_returns \
 tests/test_serve_hostile.py::test_requests_past_the_in_flight_bound_get_429_and_the_rest_finish \
 tests/test_serve_hostile.py::test_a_request_given_no_tokens_in_time_is_aborted \
