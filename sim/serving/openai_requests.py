@@ -115,7 +115,8 @@ def _message_text(message: Any, index: int) -> str:
 # ------------------------------------------------------------------ reading
 async def read_json(request: web.Request) -> Any:
     """The body as JSON, within ``MAX_BODY_BYTES`` and ``BODY_READ_S``,
-    refused as FastAPI refuses it under vLLM: a body that does not parse is
+    refused as FastAPI refuses it under vLLM: no body is ``None`` (a missing
+    body, refused by ``parse_request``); a body that does not parse is
     a ``json_invalid`` validation error; one that nests past the parser's
     recursion limit, holds an integer past Python's digit limit or is not
     UTF-8 is "There was an error parsing the body" (400)."""
