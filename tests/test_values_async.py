@@ -27,6 +27,7 @@ from sim.sched.fast_path import FastPathScheduling
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import ScheduledRequest, SchedulerOutput, StepTally
 from sim.sched.scheduler import SchedulerConfig
+from sim.vllm_bridge import RequestStatus
 from sim.workloads import RequestSpec
 
 
@@ -342,6 +343,22 @@ def test_the_async_scheduler_takes_the_fast_path_switch_and_vllms_placeholders()
     assert scheduler.has_requests() is False
     assert scheduler._placeholder_drafts == [-1] * K
     scheduler.schedule()  # an empty step resets the flag the same way
+    assert scheduler.has_requests() is False
+
+
+def test_an_aborted_request_keeps_the_scheduler_busy_until_the_next_schedule():
+    """vLLM 0.33.0's ``Scheduler._free_request`` adds an aborted request to
+    ``finished_req_ids`` (``finish_requests`` calls it), and ``has_requests``
+    reads that set: the last request aborted, the engine still has
+    requests until a schedule reports it (control: the flag set only for
+    requests stopped by their output)."""
+    scheduler = _async_scheduler()
+    scheduler.add_request(_spec(0, prompt=40, output=8, arrival_s=0.0))
+    scheduler.schedule()
+    scheduler.finish_requests("r0", RequestStatus.FINISHED_ABORTED)
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.has_requests() is True
+    scheduler.schedule()
     assert scheduler.has_requests() is False
 
 
