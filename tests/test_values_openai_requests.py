@@ -15,12 +15,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from helpers.scenarios import NO_WORKLOAD, scenario
+from helpers.serve import serve_in_process
 
 import sim.serving.openai_requests as openai_requests
 import sim.vllm_bridge  # noqa: F401  (sets VLLM_TARGET_DEVICE before vLLM's modules load)
-from sim.serving.live_engine import LiveEngine
 from sim.serving.openai_requests import (
     IM_END_ID,
     IM_START_ID,
@@ -31,21 +31,11 @@ from sim.serving.openai_requests import (
     parse_request,
     tokenize_text,
 )
-from sim.serving.server import build_app
 
 
 def _served(tmp_path, check: Callable[[TestClient], Awaitable[Any]]) -> Any:
     sc = scenario(tmp_path, deployment={"max_num_seqs": 4}, workload=NO_WORKLOAD)
-
-    async def main() -> Any:
-        client = TestClient(TestServer(build_app(LiveEngine(sc, "on", speed=50.0)), host="127.0.0.1"))
-        await client.start_server()
-        try:
-            return await asyncio.wait_for(check(client), 60)
-        finally:
-            await client.close()
-
-    return asyncio.run(main())
+    return serve_in_process(sc, check, speed=50.0)
 
 
 # ------------------------------------------- vLLM's server on the same bytes

@@ -22,8 +22,9 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from helpers.scenarios import NO_WORKLOAD, scenario
+from helpers.serve import serve_engine
 from prometheus_client.exposition import choose_encoder
 
 import sim.serving.openai_requests as openai_requests
@@ -180,18 +181,7 @@ def _engine(tmp_path, speed: float = 50.0, **log: Any) -> LiveEngine:
     return LiveEngine(sc, "on", speed=speed, **log)
 
 
-def _served(
-    engine: LiveEngine, check: Callable[[TestClient], Awaitable[Any]], bounds: Bounds | None = None
-) -> Any:
-    async def main() -> Any:
-        client = TestClient(TestServer(build_app(engine, bounds), host="127.0.0.1"))
-        await client.start_server()
-        try:
-            return await asyncio.wait_for(check(client), 60)
-        finally:
-            await client.close()
-
-    return asyncio.run(main())
+_served = serve_engine
 
 
 async def _events(response: aiohttp.ClientResponse) -> AsyncIterator[Any]:
