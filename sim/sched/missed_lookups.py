@@ -144,8 +144,12 @@ class MissedPinLookups:
         idle = self._idle_pass
         if idle is None:
             return False
-        key = self._pass_key(waiting, pinned_ids)
-        return key[:4] == idle[:4]  # by identity: the entries themselves are not compared
+        # By identity: the entries themselves are not compared.
+        return self._reads_alike(idle, pinned_ids) and idle[3] == tuple(map(id, waiting))
+
+    def _reads_alike(self, idle: PassKey, pinned_ids: tuple[str, ...]) -> bool:
+        """The same insertions, waiter tokens and pinned waiters as ``idle``'s."""
+        return idle[:3] == (self.num_hash_insertions, self.num_waiter_changes, pinned_ids)
 
     def idle_pass_entries(self, pinned_ids: tuple[str, ...]) -> frozenset[int]:
         """The ids of the entries of the last pass, if it pinned nothing and
@@ -153,7 +157,7 @@ class MissedPinLookups:
         since: each meets a pass as it met that one (none of them pins);
         else none."""
         idle = self._idle_pass
-        if idle is None or idle[:3] != (self.num_hash_insertions, self.num_waiter_changes, pinned_ids):
+        if idle is None or not self._reads_alike(idle, pinned_ids):
             return frozenset()
         return self._idle_ids
 

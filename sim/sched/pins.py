@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from sim.sched.fast_path import FastPath, NoFastPath
 
 Allocate = Callable[[], "KVCacheBlocks | None"]
+Waiters = Callable[[Container[int]], Iterator[Request]]
 _PINNABLE_STATUSES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
@@ -50,7 +51,7 @@ class NoPins:
     def admit_head(self, request: Request, hit: KVCacheBlocks, retry: Allocate) -> KVCacheBlocks | None:
         return None
 
-    def pin_waiting(self, waiting: Iterator[Request]) -> None:
+    def pin_waiting(self, waiting: Waiters) -> None:
         return None
 
 
@@ -104,14 +105,19 @@ class SchedulerPins:
         manager = self.manager
         return manager.last_alloc_shortfall <= manager.num_yieldable_blocks(keep=request_id, keep_hit=hit)
 
-    def pin_waiting(self, waiting: Iterator[Request]) -> None:
+    def pin_waiting(self, waiting: Waiters) -> None:
         """Pin the waiters' hits in arrival order up to the manager's bound,
-        unless the fast path knows the pass pins nothing (its rule 11)."""
+        unless the fast path knows the pass pins nothing (its rule 11).
+        ``waiting(skip)``: the waiting queue in order, less the entries
+        (by ``id``) in ``skip``."""
         manager = self.manager
         pinned_ids = manager.pinned_waiter_ids()
         if not manager.enable_waiter_pins or self.fast_path.skips_pin_pass(pinned_ids):
             return
-        self.pin_waiters(waiting, self.fast_path.unchanged_waiters(pinned_ids))
+        unchanged = self.fast_path.unchanged_waiters(pinned_ids)
+        # The waiters the fast path knows unchanged are not even walked, but
+        # under its audit each is met and checked to pin nothing.
+        self.pin_waiters(waiting(frozenset() if self.fast_path.audit else unchanged), unchanged)
         self.fast_path.pin_pass_ends(manager.pinned_waiter_ids())
 
     def pin_waiters(self, waiting: Iterator[Request], unchanged: Container[int] = frozenset()) -> None:
