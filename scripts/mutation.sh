@@ -187,8 +187,23 @@ tests/test_calibrate.py::test_a_replay_without_its_scenario_is_a_one_line_error"
   # (The engine's lag is pinned by tests/test_serve.py's too-slow engine:
   # add it when mutating LiveEngine.run.)
   [live_engine]="sim/serving/live_engine.py|tests/test_values_serving.py"
-  # openai_requests: the serve tests that send bodies (vLLM's parse, budget,
-  # errors, chunk shapes) and the fuzzed-field case.
+  # openai_requests: its value tests (vLLM's front end on the same bytes),
+  # the serve tests that send bodies (vLLM's parse, budget, errors, chunk
+  # shapes) and the fuzzed-field case.
+  [openai_requests]="sim/serving/openai_requests.py|tests/test_values_openai_requests.py tests/test_serve.py tests/test_serve_hostile.py::test_fuzzed_fields_never_get_a_server_error"
+  # server.py: its value tests (a scripted token queue, answers against
+  # vLLM's shapes) and the chunked body past the app's size bound, the
+  # serve tests (each well under a second) and the hostile cases that
+  # reach a bound, a disconnect or the token wait; not the Ctrl-C replay
+  # whose engine never aborts (6 s, the control only).
+  [server]="sim/serving/server.py|tests/test_values_server.py tests/test_serve.py \
+tests/test_values_openai_requests.py::test_a_chunked_body_past_16_mib_is_413 \
+tests/test_serve_hostile.py::test_a_connection_past_the_cap_is_closed_and_health_returns \
+tests/test_serve_hostile.py::test_requests_past_the_in_flight_bound_get_429_and_the_rest_finish \
+tests/test_serve_hostile.py::test_a_request_given_no_tokens_in_time_is_aborted \
+tests/test_serve_hostile.py::test_fuzzed_fields_never_get_a_server_error \
+tests/test_serve_hostile.py::test_a_replay_stopped_with_ctrl_c_leaves_no_running_request_and_its_blocks_free[True] \
+tests/test_serve_hostile.py::test_hostile_clients_leave_the_server_responsive_and_accounted"
   # The replay's I/O (issue 26 item 2): the value tests of
   # tests/test_values_replay_io.py (hand frames, a scripted server, the
   # fault server's stated page, SplitMix64's published outputs, a server
@@ -196,7 +211,6 @@ tests/test_calibrate.py::test_a_replay_without_its_scenario_is_a_one_line_error"
   [recording]="sim/serving/recording.py|tests/test_values_replay_io.py $REPLAY_FAST_TESTS"
   [client]="sim/serving/client.py|tests/test_values_replay_io.py $REPLAY_FAST_TESTS"
   [launch]="sim/serving/launch.py|tests/test_values_replay_io.py tests/test_serve.py::test_boot_log_lines_are_what_launch_parses tests/test_serve.py::test_launch_command_is_the_scenario_deployment_as_vllm_reads_it tests/test_replay.py::test_a_server_that_dies_mid_run_gives_failures_whole_frames_and_incomplete"
-  [openai_requests]="sim/serving/openai_requests.py|tests/test_serve.py tests/test_serve_hostile.py::test_fuzzed_fields_never_get_a_server_error"
   [loaders]="sim/workloads/loaders.py|tests/test_values_loaders.py tests/test_values_bounds.py tests/test_workloads.py tests/test_trace_interchange.py"
   # config: its value tests, the bound tables, and the bad-input cases that
   # read config files (the rest of tests/test_bad_input.py runs whole
@@ -240,7 +254,7 @@ tests/test_steady.py::test_an_arrival_voids_the_waiting_memo \
 tests/test_steady.py::test_the_check_catches_a_waiting_loop_wrongly_skipped"
   [missed_lookups]="sim/sched/missed_lookups.py|$MISSED_LOOKUP_TESTS"
 )
-ORDER=(engine scheduler settled steady engine_core pipeline_clock engine_loop async_scheduler async_steady fast_path missed_lookups output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving server_metrics live_engine openai_requests recording client launch loaders config async_engine pool_replay kv_cache_pins sched_pins partial_tail)
+ORDER=(engine scheduler settled steady engine_core pipeline_clock engine_loop async_scheduler async_steady fast_path missed_lookups output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving server_metrics live_engine server openai_requests recording client launch loaders config async_engine pool_replay kv_cache_pins sched_pins partial_tail)
 
 toml_list() { printf '"%s", ' "$@" | sed 's/, $//'; }
 

@@ -30,6 +30,12 @@ T = TypeVar("T")
 # vLLM's own Scheduler driven by the conformance driver.
 BACKENDS = ("kvsim", "step-by-step", "vllm")
 
+# The speed targets (docs/speed.md): simulated seconds per CPU second on the
+# scenarios that name one, and how many times fewer CPU microseconds per
+# step than vLLM's own engine stepping the same trace.
+REAL_TIME_TARGETS = {"saturated-decode": 300.0, "default": 1000.0}
+STEP_COST_TARGET = 8.0
+
 
 @dataclass(frozen=True, kw_only=True)
 class BenchFigures:
@@ -259,7 +265,26 @@ def format_bench(scenario_name: str, figures: list[BenchFigures]) -> str:
         f"{f.import_s:>10.1f}{f.runs:>6}{'-' if f.cpu_s_max is None else f'{f.cpu_s_max:.1f}':>11}"
         for f in figures
     ]
-    return "\n".join([f"kvsim bench: scenario {scenario_name}", header, *rows, *_ratios(figures)])
+    lines = [f"kvsim bench: scenario {scenario_name}", header, *rows, *_ratios(figures)]
+    return "\n".join([*lines, *target_lines(scenario_name, figures)])
+
+
+def target_lines(scenario_name: str, figures: list[BenchFigures]) -> list[str]:
+    """Where each speed target that applies stands: the scenario's real-time
+    target per kvsim layout, the step-cost one per layout compared with vLLM."""
+    lines = []
+    real_time = REAL_TIME_TARGETS.get(Path(scenario_name).stem)
+    for f in figures:
+        if real_time is not None and f.backend == "kvsim":
+            lines.append(_target_line("simulated s per CPU s", real_time, f.sim_s_per_cpu_s, f.layout))
+    for layout, ratio in step_cost_ratios(figures).get("vllm", {}).items():
+        lines.append(_target_line("fewer CPU us per step than vllm", STEP_COST_TARGET, ratio, layout))
+    return lines
+
+
+def _target_line(what: str, target: float, value: float, layout: str) -> str:
+    verdict = "met" if value >= target else "missed"
+    return f"target >= {target:g}x {what} [{layout}]: {value:.1f}x, {verdict}"
 
 
 def step_cost_ratios(figures: list[BenchFigures]) -> dict[str, dict[str, float]]:

@@ -165,7 +165,7 @@ def test_bench_ratios_are_per_step_cpu_cost_within_one_run():
     """kvsim 1 CPU s over 1,000 steps (1,000 us a step); vLLM 6 CPU s over
     1,200 steps (5,000 us): 5x fewer. Wall time (a loaded machine: 3 s and
     9 s) does not enter. Only layouts both measured are compared."""
-    from sim.bench import BenchFigures, format_bench, step_cost_ratios
+    from sim.bench import BenchFigures, format_bench, step_cost_ratios, target_lines
 
     common = {"import_s": 1.0, "simulated_s": 100.0, "requests": 8, "peak_rss_mib": 1.0}
     figures = [
@@ -176,6 +176,27 @@ def test_bench_ratios_are_per_step_cpu_cost_within_one_run():
     assert step_cost_ratios(figures) == {"vllm": {"on": 5.0}}
     assert "kvsim takes 5.0x fewer CPU us per step than vllm [on]" in format_bench("x", figures)
     assert figures[0].sim_s_per_cpu_s == 100.0 and figures[0].cpu_us_per_step == 1000.0
+    # No real-time target for scenario "x"; the step-cost target (8x) is missed at 5x.
+    assert target_lines("x", figures) == ["target >= 8x fewer CPU us per step than vllm [on]: 5.0x, missed"]
+
+
+def test_bench_says_where_the_speed_targets_stand():
+    """saturated-decode's target is 300 simulated s per CPU s: 300 s in
+    1 CPU s meets it exactly, 299.9 s misses; default's is 1,000; a path
+    names its scenario by its stem. vLLM at 8x kvsim's per-step cost meets
+    the step-cost target."""
+    from sim.bench import BenchFigures, target_lines
+
+    common = {"import_s": 1.0, "requests": 8, "peak_rss_mib": 1.0, "wall_s": 1.0, "steps": 100}
+    kvsim = BenchFigures(layout="on", backend="kvsim", simulated_s=300.0, cpu_s=1.0, **common)
+    short = BenchFigures(layout="off", backend="kvsim", simulated_s=299.9, cpu_s=1.0, **common)
+    vllm = BenchFigures(layout="on", backend="vllm", simulated_s=300.0, cpu_s=8.0, **common)
+    assert target_lines("scenarios/saturated-decode.yaml", [kvsim, short, vllm]) == [
+        "target >= 300x simulated s per CPU s [on]: 300.0x, met",
+        "target >= 300x simulated s per CPU s [off]: 299.9x, missed",
+        "target >= 8x fewer CPU us per step than vllm [on]: 8.0x, met",
+    ]
+    assert target_lines("default", [kvsim]) == ["target >= 1000x simulated s per CPU s [on]: 300.0x, missed"]
 
 
 def test_bench_repeats_each_measurement_in_turn_and_keeps_its_least_disturbed_run(monkeypatch):

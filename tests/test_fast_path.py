@@ -105,6 +105,29 @@ def test_only_a_second_call_in_the_same_window_is_settled():
     assert not settled.is_settled("a", 104, 111)
 
 
+def test_the_hash_unit_bounds_a_window_only_inside_the_prompt():
+    """The rig: 4,096-token blocks, a 64-token hash unit, margin 32. Inside
+    the prompt no window fits the unit (its 63 interior positions hold no
+    span widened by 32 each way); a call past the prompt and the margin is
+    windowed by the block alone, and its window starts past them."""
+    settled = SettledSteps((4096,), margin_tokens=32, prompt_unit=64)
+    # 5,000..5,007 of a 4,500-token prompt: widened, from 4,968, past it.
+    assert settled.window(5000, 5007, prompt_tokens=4500) == (1,)
+    settled.record("a", 5000, 5007, 4500)
+    # Block 1 less the margin: 4,129..8,159; past the prompt and the margin: from 4,533.
+    assert settled.bounds("a") == (4533, 8159)
+    assert settled.is_settled("a", 4533, 4540) and not settled.is_settled("a", 4532, 4540)
+    # At 4,532 the widened span starts on the prompt's last token: the unit counts.
+    assert settled.window(4532, 4540, prompt_tokens=4500) is None
+    assert settled.window(4533, 4540, prompt_tokens=4500) == (1,)
+    # The prompt unknown, or reached by the span: the unit counts, no window fits.
+    assert settled.window(5000, 5007) is None
+    settled.record("b", 5000, 5007, 4968)
+    assert settled.bounds("b") is None
+    with pytest.raises(ValueError, match="unit 0"):
+        SettledSteps((4096,), margin_tokens=32, prompt_unit=0)
+
+
 # ------------------------------------------------- which calls are skipped
 
 
@@ -210,7 +233,9 @@ def settle_every_call_after_the_first(monkeypatch) -> None:
     """A broken fast path: blind to block boundaries, it settles every
     decode call of a request after its first real one."""
     called: set[tuple[int, str]] = set()
-    monkeypatch.setattr(SettledSteps, "record", lambda self, rid, first, last: called.add((id(self), rid)))
+    monkeypatch.setattr(
+        SettledSteps, "record", lambda self, rid, first, last, prompt=None: called.add((id(self), rid))
+    )
     monkeypatch.setattr(SettledSteps, "is_settled", lambda self, rid, first, last: (id(self), rid) in called)
 
 
@@ -314,7 +339,9 @@ def test_the_check_catches_a_pin_lookup_memo_blind_to_new_hashes(monkeypatch, bl
     simulation = Simulation(scenario, "on", scenario_workload(scenario))
     counts = audited(simulation, lane=False)
     if blind:
-        with pytest.raises(AssertionError, match="a skipped pin lookup hits|changed the allocator"):
+        with pytest.raises(
+            AssertionError, match="a skipped pin lookup hits|a waiter passed over pins|changed the allocator"
+        ):
             simulation.run()
     else:
         simulation.run()

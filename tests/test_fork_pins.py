@@ -201,13 +201,13 @@ def test_the_pass_pins_the_front_of_the_queue_in_arrival_order():
     waiters[1].num_computed_tokens = 8  # a resumed load: not a lookup
     cold = request("COLD", tail_tokens(9, 40))
     pins = SchedulerPins(manager, NoFastPath())
-    pins.pin_waiting(iter([cold, *waiters]))
+    pins.pin_waiting(lambda skip: iter([cold, *waiters]))
     pinned = list(manager.pinned_hits())
     assert waiters[1].request_id not in pinned and cold.request_id not in pinned
     assert pinned[0] == waiters[0].request_id
     assert len(pinned) == manager.max_pinned_waiters == 16
     assert waiters[-1].request_id not in pinned
-    pins.pin_waiting(iter([cold, *waiters]))
+    pins.pin_waiting(lambda skip: iter([cold, *waiters]))
     assert list(manager.pinned_hits()) == pinned
     manager.yield_pinned_hits()
     assert_pool_clean(manager, 96)
@@ -215,7 +215,8 @@ def test_the_pass_pins_the_front_of_the_queue_in_arrival_order():
     for fork, connector in ((PINS_ON, True), (ForkPatches(waiter_pins=False), False)):
         other = pinning_manager(96, fork, kv_connector=connector)
         first = _finished_first_turn(other)
-        SchedulerPins(other, NoFastPath()).pin_waiting(iter([follow_up(first, 20, seed=30)]))
+        waiter = follow_up(first, 20, seed=30)
+        SchedulerPins(other, NoFastPath()).pin_waiting(lambda skip, waiter=waiter: iter([waiter]))
         assert not other.pinned_hits()
 
 

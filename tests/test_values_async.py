@@ -27,6 +27,7 @@ from sim.sched.fast_path import FastPathScheduling
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import ScheduledRequest, SchedulerOutput, StepTally
 from sim.sched.scheduler import SchedulerConfig
+from sim.vllm_bridge import RequestStatus
 from sim.workloads import RequestSpec
 
 
@@ -345,6 +346,22 @@ def test_the_async_scheduler_takes_the_fast_path_switch_and_vllms_placeholders()
     assert scheduler.has_requests() is False
 
 
+def test_an_aborted_request_keeps_the_scheduler_busy_until_the_next_schedule():
+    """vLLM 0.33.0's ``Scheduler._free_request`` adds an aborted request to
+    ``finished_req_ids`` (``finish_requests`` calls it), and ``has_requests``
+    reads that set: the last request aborted, the engine still has
+    requests until a schedule reports it (control: the flag set only for
+    requests stopped by their output)."""
+    scheduler = _async_scheduler()
+    scheduler.add_request(_spec(0, prompt=40, output=8, arrival_s=0.0))
+    scheduler.schedule()
+    scheduler.finish_requests("r0", RequestStatus.FINISHED_ABORTED)
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.has_requests() is True
+    scheduler.schedule()
+    assert scheduler.has_requests() is False
+
+
 def _in_flight(computed: int, placeholders: int, eligible: int = 0, stale: int = 0) -> SimpleNamespace:
     """A running request (prompt 100, ``max_tokens`` 10) as the running
     loop reads it."""
@@ -537,3 +554,201 @@ def test_a_batch_queue_core_without_the_lane_reads_the_requests_own_state():
     request = SimpleNamespace(num_output_placeholders=4)
     assert core.num_output_placeholders(request) == 4
     assert BatchQueueEngineCore(scheduler, runner, 3).steady is not None  # control: the lane by default
+
+
+def _batch_queue(num_blocks: int = 400, num_spec: int = K) -> tuple[BatchQueueEngineCore, list]:
+    """The tiny plan's async scheduler under a batch-queue core without the
+    lane (budget 64, 32-token blocks, pp 2: depth 3), fenced frees off (vLLM
+    without a KV-consumer connector), every draft accepted; the returned
+    list records each ``cache_blocks`` call as (request id, tokens)."""
+    manager = build_kv_cache_manager(tiny_plan(True), num_gpu_blocks=num_blocks)
+    config = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=MAX_LEN,
+        block_size=32,
+        num_speculative_tokens=num_spec,
+        max_concurrent_batches=3,
+        defer_block_free=False,
+    )
+    scheduler = AsyncScheduler(config, manager, decode_stagger=2, fast_path=False)
+    runner = ModelRunner(AcceptanceModel(conditional_rates=(1.0,) * num_spec), np.random.default_rng(0))
+    cached: list[tuple[str, int]] = []
+    cache_blocks = manager.cache_blocks
+
+    def recorded(request, num_computed_tokens):
+        cached.append((request.request_id, num_computed_tokens))
+        return cache_blocks(request, num_computed_tokens)
+
+    manager.cache_blocks = recorded
+    return BatchQueueEngineCore(scheduler, runner, 3, steady_lane=False), cached
+
+
+def _scheduled(call: EngineCall) -> list[tuple[str, int, int]]:
+    return [(item.request_id, item.num_scheduled_tokens, item.num_computed_tokens)
+            for item in call.scheduled.scheduled]  # fmt: skip
+
+
+def test_a_preempted_requests_one_stale_token_drains_and_it_resumes():
+    """vLLM's rule (``Scheduler.update_from_output``, 0.33.0): a preempted
+    request's in-flight output is stale while its count is positive, and
+    each landing output drains its scheduled tokens from it; the request is
+    not resumed until the count is 0, and its stale output caches nothing.
+    The case no compared trace has: one stale token (a one-token final
+    chunk in flight at the preemption).
+
+    37 blocks: r000 (prompt 90) and r001 (prompt 33), 5 output tokens each.
+    S1: chunks of 32 each (block-aligned). S2: the final chunks, r000 58,
+    r001 1. S3: empty (both decodes eligible at S2 + 2). S4 (S1 landed):
+    r000's decode (90 + 4 + 3 lookahead = 97 tokens, a fourth block) does
+    not fit: the newest request, r001, is preempted with only S2's one
+    token in flight: stale 1, computed 0. S2 lands in the same call: the
+    stale token is delivered (r001's first token), the count drains to 0;
+    r000's blocks are cached up to its tokens not in flight (94 - 4 = 90),
+    r001's not at all. r000 finishes when S4 lands (1 + 4 tokens, call 6);
+    S7 resumes r001: its prompt and the delivered token, 34 tokens from 0.
+    Kills ``apply_sampled``'s ``stale > 1`` (the count stays 1, r001 is
+    never resumed; by hand with mutmut's switch) and the caching condition
+    joined with ``or`` (a stale request cached at 0)."""
+    core, cached = _batch_queue(num_blocks=37)
+    scheduler = core.scheduler
+    scheduler.add_request(tiny_spec(0, 90, output=5))
+    scheduler.add_request(tiny_spec(1, 33, output=5))
+    calls = [core.step() for _ in range(3)]
+    call = core.begin_step()
+    victim = scheduler.requests["r001"]
+    assert call.scheduled.preempted_request_ids == ("r001",)
+    assert (victim.num_stale_output_tokens, victim.num_computed_tokens) == (1, 0)
+    cached.clear()
+    core.end_step(call)
+    assert call.processed.step_index == 2
+    assert cached == [("r000", 90)]
+    assert call.outcome.first_token_request_ids == ("r000", "r001")
+    assert (victim.num_stale_output_tokens, victim.num_output_tokens, victim.num_computed_tokens) == (0, 1, 0)
+    calls += [call] + [core.step() for _ in range(7)]
+    assert [_scheduled(call) for call in calls[:8]] == [
+        [("r000", 32, 0), ("r001", 32, 0)],
+        [("r000", 58, 32), ("r001", 1, 32)],
+        [],
+        [("r000", 4, 90)],
+        [],
+        [("r000", 4, 94)],
+        [("r001", 34, 0)],
+        [],
+    ]
+    assert calls[6].scheduled.resumed_request_ids == ("r001",)
+    assert calls[5].outcome.finished == {"r000": 5}
+    assert calls[10].outcome.finished == {"r001": 5}
+
+
+def test_a_stale_token_that_reaches_max_tokens_finishes_the_waiting_request():
+    """As above with r001 asking one output token: at S4 it is not
+    scheduled (its one token is in flight: vLLM's skip) but is still the
+    newest request, so the victim. Its stale token, delivered when S2
+    lands, reaches ``max_tokens``: it finishes from the waiting queue
+    (vLLM's ``stopped_preempted_reqs``), its blocks freed, never resumed."""
+    core, _ = _batch_queue(num_blocks=37)
+    scheduler = core.scheduler
+    scheduler.add_request(tiny_spec(0, 90, output=5))
+    scheduler.add_request(tiny_spec(1, 33, output=1))
+    calls = [core.step() for _ in range(4)]
+    assert calls[3].scheduled.preempted_request_ids == ("r001",)
+    assert calls[3].outcome.finished == {"r001": 1}
+    assert "r001" not in scheduler.requests and list(scheduler.waiting) == []
+    calls += [core.step() for _ in range(2)]
+    assert [_scheduled(call) for call in calls[3:]] == [[("r000", 4, 90)], [], [("r000", 4, 94)]]
+    assert calls[5].outcome.finished == {"r000": 5}
+
+
+def test_a_steps_outcome_sums_its_requests_and_trims_a_stop_within_the_drafts():
+    """Two 30-token prompts in S1 (final chunks: one first token each), both
+    decoding at S3 (4 tokens each, every draft accepted). r000 asks 5
+    tokens: 1 + 4, it stops at the last. r001 asks 3: it stops at the
+    second of its 4 and the 2 after it leave its computed tokens
+    (vLLM's ``_update_request_with_output``): 34 - 2 = 32. S3's outcome:
+    4 + 2 tokens generated, 3 + 3 drafts, 3 + 3 accepted; each landed
+    output caches the blocks up to the tokens no longer in flight: 30 each
+    after S1, then 34 and 32."""
+    core, cached = _batch_queue()
+    scheduler = core.scheduler
+    scheduler.add_request(tiny_spec(0, 30, output=5))
+    scheduler.add_request(tiny_spec(1, 30, output=3))
+    calls = [core.step() for _ in range(5)]
+    assert [_scheduled(call) for call in calls] == [
+        [("r000", 30, 0), ("r001", 30, 0)],
+        [],
+        [("r000", 4, 30), ("r001", 4, 30)],
+        [],
+        [("r000", 4, 34), ("r001", 4, 34)],
+    ]
+    outcome = calls[4].outcome
+    assert calls[4].processed.step_index == 3
+    assert outcome.finished == {"r000": 5, "r001": 3}
+    assert (outcome.num_generated_tokens, outcome.num_draft_tokens, outcome.num_accepted_tokens) == (6, 6, 6)
+    assert calls[2].outcome.first_token_request_ids == ("r000", "r001")
+    assert cached == [("r000", 30), ("r001", 30), ("r000", 34), ("r001", 32)]
+
+
+def test_without_drafts_a_landed_output_caches_because_it_had_placeholders():
+    """No MTP (K = 0): vLLM caches after an output only for a request that
+    had output placeholders (``has_output_placeholders or num_spec_tokens
+    > 0``); every landed decode had one. One-token decodes on alternate
+    steps: 30, 31, 32 for both, then r000 alone (r001 stopped at 3): 33, 34."""
+    core, cached = _batch_queue(num_spec=0)
+    scheduler = core.scheduler
+    scheduler.add_request(tiny_spec(0, 30, output=5))
+    scheduler.add_request(tiny_spec(1, 30, output=3))
+    while core.has_work():
+        core.step()
+    assert cached == [("r000", 30), ("r001", 30), ("r000", 31), ("r001", 31),
+                      ("r000", 32), ("r001", 32), ("r000", 33), ("r000", 34)]  # fmt: skip
+
+
+def test_the_batch_queue_calls_block_only_when_full_or_out_of_requests():
+    """``step_with_batch_queue`` (vLLM 0.33.0): a call with requests
+    schedules a step (an empty one too) and returns at once while fewer
+    than 3 are in flight; else it blocks on the oldest. ``samples``: some
+    request of the step samples; ``idle``: nothing scheduled or an empty
+    step, nothing processed or an empty step, only empty steps in flight.
+    The two prompts of the outcome test: S1 (final chunks, sampling), S2
+    empty (staggered decodes), S3 decodes (full: blocks on S1), S4 empty
+    (on S2), S5 decodes (on S3: both finish), S6 empty (the finished ids'
+    step, on S4), then no requests: two calls block on S5 and S6, the last
+    idle (nothing left in flight)."""
+    core, _ = _batch_queue()
+    core.scheduler.add_request(tiny_spec(0, 30, output=5))
+    core.scheduler.add_request(tiny_spec(1, 30, output=3))
+    calls = []
+    while core.has_work():
+        calls.append(core.step())
+    assert [(None if c.scheduled is None else c.scheduled.step_index, c.samples, c.waits, c.idle,
+             None if c.processed is None else c.processed.step_index) for c in calls] == [
+        (1, True, False, False, None),
+        (2, False, False, False, None),
+        (3, True, True, False, 1),
+        (4, False, True, False, 2),
+        (5, True, True, False, 3),
+        (6, False, True, False, 4),
+        (None, True, True, False, 5),
+        (None, True, True, True, 6),
+    ]  # fmt: skip
+
+
+def test_a_request_that_never_fits_leaves_the_batch_queue_idle():
+    """A 400-token prompt in a 16-block pool is never admitted: each call
+    schedules an empty step; the first two return at once, idle (only
+    empty steps in flight); the third fills the queue and blocks on the
+    first, idle too. A non-final chunk's step samples nothing: a 100-token
+    prompt's first chunk (64) in a pool that fits it."""
+    core, _ = _batch_queue(num_blocks=16)
+    core.scheduler.add_request(tiny_spec(0, 400, output=5))
+    calls = [core.step() for _ in range(3)]
+    assert [(c.scheduled.is_empty, c.samples, c.waits, c.idle) for c in calls] == [
+        (True, False, False, True),
+        (True, False, False, True),
+        (True, False, True, True),
+    ]
+    chunked, _ = _batch_queue()
+    chunked.scheduler.add_request(tiny_spec(0, 100, output=5))
+    call = chunked.step()
+    assert (_scheduled(call), call.samples, call.waits, call.idle) == ([("r000", 64, 0)], False, False, False)

@@ -14,21 +14,27 @@ from helpers import pins
 from helpers.fast_path import audited, one_request
 from helpers.scheduler import CheckedEngine, tiny_scheduler, tiny_spec
 
-from sim.sched.fast_path import FastPath, NoFastPath
+from sim.sched.fast_path import AuditCounts, FastPath, NoFastPath
 from sim.sched.missed_lookups import MissedPinLookups
+from sim.sched.pins import SchedulerPins
 from sim.sched.scheduler import Scheduler, _StepState
 from sim.sched.settled import SettledSteps
-from sim.vllm_bridge import init_none_hash, sha256
+from sim.vllm_bridge import BlockPool, init_none_hash, kv_cache_utils, sha256
 
 
-class _Pool:
-    """A stand-in block pool: records the insertions it is asked to make."""
+def _pool() -> BlockPool:
+    """vLLM's own block pool, eight 16-token blocks, caching on."""
+    return BlockPool(8, enable_caching=True, hash_block_size=16)
 
-    def __init__(self) -> None:
-        self.inserted: list[tuple] = []
 
-    def _insert_block_hash(self, *args, **kwargs) -> None:
-        self.inserted.append((args, kwargs))
+def _insert(pool: BlockPool, key: bytes, block_id: int) -> None:
+    """What vLLM's caching calls to put ``key`` -> block in the cached-hash map."""
+    pool._insert_block_hash(key, pool.blocks[block_id], num_tokens=16)
+
+
+def _key(request, unit: int = 0, group_id: int = 0) -> bytes:
+    """vLLM's key for ``request``'s hash unit ``unit`` in a group."""
+    return kv_cache_utils.make_block_hash_with_group_id(request.block_hashes[unit], group_id)
 
 
 def _waiter(name: str, seed: int):
@@ -37,46 +43,92 @@ def _waiter(name: str, seed: int):
 
 
 def test_a_fresh_memo_has_counted_nothing_and_counts_each_insertion_once():
-    """Three insertions through the pool: three counted, each passed on."""
-    pool = _Pool()
-    memo = MissedPinLookups(pool)  # type: ignore[arg-type]
+    """Three new (hash, block) pairs: three counted, each inserted into
+    vLLM's map."""
+    pool = _pool()
+    memo = MissedPinLookups(pool)
     assert (memo.num_hash_insertions, memo.num_waiter_changes) == (0, 0)
-    for index in range(3):
-        pool._insert_block_hash(index, block=index)
+    for index in range(1, 4):
+        _insert(pool, bytes([index]) * 36, index)
     assert memo.num_hash_insertions == 3
-    assert pool.inserted == [((0,), {"block": 0}), ((1,), {"block": 1}), ((2,), {"block": 2})]
+    assert [
+        pool.cached_block_hash_to_block.get_one_block(bytes([i]) * 36) for i in range(1, 4)
+    ] == pool.blocks[1:4]
 
 
-def test_every_waiter_with_no_hit_is_remembered_until_a_hash_is_inserted():
-    """Rule 10 per waiter: two lookups with no hit, both known; one
-    insertion voids both (control: before it, both skip)."""
-    pool = _Pool()
-    memo = MissedPinLookups(pool)  # type: ignore[arg-type]
-    a, b = _waiter("a", 1), _waiter("b", 2)
+def test_only_a_pair_the_map_lacks_counts_as_an_insertion():
+    """vLLM returns at once for a pair its map already holds (a decode's
+    caching re-keys the prompt's partial tail every step): not counted, and
+    the memo lives on. The same key on another block, and a pair again
+    after a prefix-cache reset (a new map), are new pairs and count."""
+    pool = _pool()
+    memo = MissedPinLookups(pool)
+    waiter = _waiter("a", 1)
+    _insert(pool, _key(waiter), 1)
+    memo.found_no_hit(waiter)
+    _insert(pool, _key(waiter), 1)  # held already: vLLM inserts nothing
+    assert memo.num_hash_insertions == 1 and memo.knows_no_hit(waiter)
+    _insert(pool, _key(waiter), 2)
+    assert memo.num_hash_insertions == 2 and not memo.knows_no_hit(waiter)
+    pool.blocks[1].reset_hash()
+    pool.blocks[2].reset_hash()
+    pool.cached_block_hash_to_block = type(pool.cached_block_hash_to_block)()  # as a reset does
+    _insert(pool, _key(waiter), 1)
+    assert memo.num_hash_insertions == 3
+
+
+def test_every_waiter_with_no_hit_is_remembered_until_one_of_its_hashes_is_inserted():
+    """Rule 10 per waiter: two lookups with no hit, both known. A key of
+    neither (another prompt's) leaves both; one of a's hashes, in any group
+    and at any unit (its second of five 8-token units here), forgets a only
+    (control: a memo that forgets on every insertion, or on none)."""
+    pool = _pool()
+    memo = MissedPinLookups(pool)
+    a, b, other = _waiter("a", 1), _waiter("b", 2), _waiter("other", 3)
     memo.found_no_hit(a)
     memo.found_no_hit(b)
     assert memo.knows_no_hit(a) and memo.knows_no_hit(b)
-    pool._insert_block_hash("h")
-    assert not memo.knows_no_hit(a) and not memo.knows_no_hit(b)
+    _insert(pool, _key(other), 1)
+    assert memo.knows_no_hit(a) and memo.knows_no_hit(b)
+    _insert(pool, _key(a, unit=1, group_id=2), 2)
+    assert not memo.knows_no_hit(a) and memo.knows_no_hit(b)
+    _insert(pool, _key(b, unit=0, group_id=1), 3)
+    assert not memo.knows_no_hit(b)
 
 
 def test_a_lookup_after_an_insertion_is_remembered_at_once():
-    """A hash inserted before any check, then a lookup with no hit: that
-    lookup already saw the hash, so it is known (no second lookup); the
-    other waiter, never looked up since, is not."""
-    pool = _Pool()
-    memo = MissedPinLookups(pool)  # type: ignore[arg-type]
+    """A hash inserted before a lookup with no hit: that lookup already saw
+    it, so it is known (no second lookup); the other waiter, remembered
+    before its own hash went in, is not."""
+    pool = _pool()
+    memo = MissedPinLookups(pool)
     a, b = _waiter("a", 1), _waiter("b", 2)
     memo.found_no_hit(b)
-    pool._insert_block_hash("h")
+    _insert(pool, _key(a), 1)
+    _insert(pool, _key(b), 2)
     memo.found_no_hit(a)
     assert memo.knows_no_hit(a)
     assert not memo.knows_no_hit(b)
 
 
+def test_memos_past_the_bound_are_all_forgotten(monkeypatch):
+    """Memory stays bounded: a memo that would pass the remembered hashes'
+    bound drops every memo first (each then costs one lookup), and itself
+    is kept. Five 8-token units each: a bound of 10 holds a and b, c drops both."""
+    monkeypatch.setattr(MissedPinLookups, "MAX_REMEMBERED_HASHES", 10)
+    memo = MissedPinLookups(_pool())
+    a, b, c = _waiter("a", 1), _waiter("b", 2), _waiter("c", 3)
+    assert len(a.block_hashes) == 5
+    memo.found_no_hit(a)
+    memo.found_no_hit(b)
+    assert memo.knows_no_hit(a) and memo.knows_no_hit(b)
+    memo.found_no_hit(c)
+    assert not memo.knows_no_hit(a) and not memo.knows_no_hit(b) and memo.knows_no_hit(c)
+
+
 def test_a_pass_memo_counts_waiter_changes_from_zero():
     """An idle pass remembered before any change holds until the first."""
-    memo = MissedPinLookups(_Pool())  # type: ignore[arg-type]
+    memo = MissedPinLookups(_pool())
     waiting = deque([_waiter("a", 1)])
     memo.pass_ends(waiting, (), pinned=False)
     assert memo.knows_idle_pass(waiting, ())
@@ -278,3 +330,56 @@ def test_each_audited_pin_pass_that_pins_nothing_counts_once():
     for count in (1, 2):
         fast_path._audit_pin_pass()
         assert fast_path.audited.pin_passes == count
+
+
+# ------------------------------------------- rule 11: waiters passed over
+
+
+def test_an_idle_pass_names_its_waiters_while_hashes_tokens_and_pins_stay():
+    """The waiters a pass may pass over are the last idle pass's, by
+    identity, and none once a hash is inserted, a waiter takes tokens, the
+    pinned waiters differ or the pass pinned something."""
+    memo = MissedPinLookups(_pool())
+    a, b = _waiter("a", 1), _waiter("b", 2)
+    assert memo.idle_pass_entries(()) == frozenset()  # no pass yet
+    memo.pass_ends(deque([a, b]), (), pinned=False)
+    assert memo.idle_pass_entries(()) == {id(a), id(b)}
+    assert memo.idle_pass_entries(("a",)) == frozenset()
+    memo.num_hash_insertions += 1
+    assert memo.idle_pass_entries(()) == frozenset()
+    memo.pass_ends(deque([a, b]), (), pinned=False)
+    memo.num_waiter_changes += 1
+    assert memo.idle_pass_entries(()) == frozenset()
+    memo.pass_ends(deque([a]), (), pinned=False)
+    assert memo.idle_pass_entries(()) == {id(a)}
+    memo.pass_ends(deque([a]), (), pinned=True)
+    assert memo.idle_pass_entries(()) == frozenset()
+
+
+def test_a_pass_after_an_idle_one_examines_only_the_waiters_it_did_not_meet():
+    """A waiter that hits (its prompt cached by another request) is pinned by
+    a pass that has not met it, and passed over by one told it is unchanged:
+    no lookup, no pin (control: the same pass without it pins)."""
+    manager = pins.pinning_manager(400)
+    prompt = pins.tail_tokens(1, 340)
+    pins.run(manager, pins.request("same-prompt", prompt))
+    waiter = pins.request("waiter", [*prompt, 7])
+    passed_over = SchedulerPins(manager, NoFastPath())
+    passed_over.pin_waiters(iter([waiter]), frozenset({id(waiter)}))
+    assert manager.pinned_waiter_ids() == ()
+    passed_over.pin_waiters(iter([waiter]))
+    assert manager.pinned_waiter_ids() == ("waiter",)
+
+
+def test_the_audit_makes_a_passed_over_waiters_pin_call():
+    """Under the audit a passed-over waiter's pin call is made and must pin
+    nothing: one that hits is caught (a pass wrongly told it is unchanged)."""
+    manager = pins.pinning_manager(400)
+    prompt = pins.tail_tokens(1, 340)
+    pins.run(manager, pins.request("same-prompt", prompt))
+    waiter = pins.request("waiter", [*prompt, 7])
+    fast_path = FastPath.__new__(FastPath)  # only the audit's parts are read
+    fast_path.audit, fast_path.audited = True, AuditCounts()
+    fast_path.scheduler = type("S", (), {"kv_cache_manager": manager})()
+    with pytest.raises(AssertionError, match="waiter: a waiter passed over pins"):
+        SchedulerPins(manager, fast_path).pin_waiters(iter([waiter]), frozenset({id(waiter)}))

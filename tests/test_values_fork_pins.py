@@ -242,7 +242,7 @@ def test_upstream_has_no_pin_points():
     assert isinstance(pins, NoPins)
     assert pins.yield_for_running() is False
     assert pins.admit_head(None, None, lambda: pytest.fail("no retry upstream")) is None  # type: ignore[arg-type]
-    assert pins.pin_waiting(iter(())) is None
+    assert pins.pin_waiting(lambda skip: iter(())) is None
 
 
 @pytest.mark.parametrize("fork", [NO_GRACES, ForkPatches(waiter_pins=False, grace_pins=False)])

@@ -177,9 +177,15 @@ class AsyncScheduler(Scheduler):
             assert request.num_output_placeholders >= 0
         return count, stopped
 
+    def _free_request(self, request: Request) -> None:
+        """vLLM's ``_free_request`` adds every finished request, stopped or
+        aborted, to ``finished_req_ids``, which keeps ``has_requests`` true
+        until the next schedule reports it."""
+        super()._free_request(request)
+        self._finished_since_schedule = True
+
     def _finish_stopped(self, request: Request, was_running: bool) -> None:
         """A stale output can stop a preempted request in the waiting queue."""
-        self._finished_since_schedule = True
         if was_running:
             self._finish(request)
             return

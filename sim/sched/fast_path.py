@@ -34,7 +34,15 @@ is broken:
 
 1. A call whose positions, widened by the margin, lie strictly inside one
    block of every size the allocator divides by, after a real call in the
-   same block, changes nothing (``settled.py``).
+   same block, changes nothing (``settled.py``). The hash unit is such a
+   size only where the widened span reaches into the prompt: past it a
+   call reads the unit only through the count of block hashes, floored to
+   a block, and through the prompt's own boundaries (argued: the calls
+   the scheduler makes inside a prompt are prefill chunks, never skipped,
+   so no trace has shown the unit to matter there; kept as the safe side).
+   ``tests/test_fast_path.py::test_the_hash_unit_bounds_a_window_only_inside_the_prompt``
+   (the arithmetic); the rig's block flags among the audited cases
+   (``tests/helpers/fast_path.py``) for the decodes past the prompt.
    ``tests/test_fast_path.py::test_the_check_catches_a_call_skipped_across_a_boundary``,
    ``::test_a_fast_path_that_skips_across_boundaries_changes_the_frames``.
 2. The margin, ``4 * (1 + K) + 16`` tokens (``margin_tokens``), lies well
@@ -89,8 +97,10 @@ is broken:
    ``tests/test_async_steady.py::test_the_check_catches_an_async_lane_blind_to_the_tokens_in_flight``,
    ``::test_a_lane_that_ignores_the_stagger_fails_the_conformance_gate``.
 10. A waiter's pin lookup (``get_computed_blocks``, pin point 3) that found
-   no hit finds none again while no hash was inserted into the pool's
-   cached-hash map (``BlockPool._insert_block_hash``, counted) and the
+   no hit finds none again while no (hash, block) pair with one of its own
+   block hashes was inserted into the pool's cached-hash map (``BlockPool._insert_block_hash``, counted
+   when the map lacked the pair: a call for a pair it holds inserts
+   nothing, and a decode's caching makes one every step) and the
    request has the same tokens and block hashes: a lookup reads nothing
    else that moves, and removing cached hashes (evictions, a reset) only
    shrinks a hit. The allocator version would be safe too, but it moves
@@ -106,7 +116,12 @@ is broken:
    same waiters are pinned: each waiter meets it as before (pinned, past
    the bound, or known to find no hit, rule 10). A waiter's computed tokens
    and status change only as it enters or leaves the queue.
-   ``tests/test_fast_path.py::test_a_pin_pass_is_known_idle_only_with_the_same_queue_pins_hashes_and_tokens``.
+   When only the queue changed (an arrival, an admission), a pass passes
+   over the waiters of the last idle pass and examines only the others
+   (by identity; the audit makes each passed-over waiter's pin call and
+   asserts it pins nothing).
+   ``tests/test_fast_path.py::test_a_pin_pass_is_known_idle_only_with_the_same_queue_pins_hashes_and_tokens``,
+   ``tests/test_values_fast_path.py::test_a_pass_after_an_idle_one_examines_only_the_waiters_it_did_not_meet``.
 
 Every rule is also checked whole, in both engine modes: every gate scenario's frames are the same
 with the fast path off, and the conformance driver steps the lane against
@@ -115,7 +130,7 @@ vLLM's own ``Scheduler``. Glossary: ``docs/fast-path.md``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -143,6 +158,7 @@ class AuditCounts:
     lane_steps: int = 0
     pin_lookups: int = 0
     pin_passes: int = 0
+    unchanged_waiters: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +217,7 @@ class FastPath:
         """A real ``allocate_slots`` call succeeded."""
         span = self.scheduler.decode_span(request, num_new + num_lookahead)
         if span is not None:
-            self.allocations.record(request.request_id, *span)
+            self.allocations.record(request.request_id, *span, request.num_prompt_tokens)
 
     def skips_caching(self, request: Request, computed: int) -> bool:
         """Whether this ``cache_blocks(request, computed)`` call is settled (rule 1)."""
@@ -214,7 +230,7 @@ class FastPath:
 
     def cached(self, request: Request, computed: int) -> None:
         """A real ``cache_blocks(request, computed)`` call was made."""
-        self.caching.record(request.request_id, computed, computed)
+        self.caching.record(request.request_id, computed, computed, request.num_prompt_tokens)
 
     def blocks_freed(self, request_id: str) -> None:
         """The request's blocks are freed (preempted or finished)."""
@@ -298,6 +314,16 @@ class FastPath:
             self._audit_pin_pass()
         return True
 
+    def unchanged_waiters(self, pinned_ids: tuple[str, ...]) -> Container[int]:
+        """The waiters (by ``id``) a pin pass may pass over (rule 11): those
+        of the last pass, which pinned nothing, while the hash insertions,
+        the waiters' tokens and the pinned waiters are the same."""
+        return self.missed_pin_lookups.idle_pass_entries(pinned_ids)
+
+    def unchanged_waiter_passed_over(self, request: Request) -> None:
+        if self.audit:
+            self._audit_unchanged_waiter(request)
+
     def pin_pass_ends(self, pinned_ids: tuple[str, ...]) -> None:
         """A pin pass ended (it pinned something iff it bumped the version)."""
         pinned = self.allocator_version != self._pin_pass_version
@@ -335,6 +361,13 @@ class FastPath:
             f"{request.request_id}: a skipped pin lookup hits"
         )
         self.audited.pin_lookups += 1
+
+    def _audit_unchanged_waiter(self, request: Request) -> None:
+        """Make a passed-over waiter's pin call: it must pin nothing (it is
+        pinned already, or finds no hit)."""
+        pinned = self.scheduler.kv_cache_manager.pin_waiting_hit(request)  # type: ignore[attr-defined]
+        assert pinned == 0, f"{request.request_id}: a waiter passed over pins"
+        self.audited.unchanged_waiters += 1
 
     def _audit_pin_pass(self) -> None:
         """Run the skipped pin pass (its skipped lookups audited in turn)."""
@@ -406,6 +439,12 @@ class NoFastPath:
     def skips_pin_pass(self, pinned_ids: tuple[str, ...]) -> bool:
         return False
 
+    def unchanged_waiters(self, pinned_ids: tuple[str, ...]) -> Container[int]:
+        return frozenset()
+
+    def unchanged_waiter_passed_over(self, request: Request) -> None:
+        return None
+
     def pin_pass_ends(self, pinned_ids: tuple[str, ...]) -> None:
         return None
 
@@ -421,9 +460,13 @@ def _settled_steps(scheduler: Scheduler) -> SettledSteps:
     kv_cache_manager, config = scheduler.kv_cache_manager, scheduler.config
     rings = kv_cache_manager.ring_managers
     sizes = {m.block_size for m in kv_cache_manager.managers if m not in rings}
-    sizes.add(kv_cache_manager.block_pool.hash_block_size)
     sizes.add(config.block_size)
-    return SettledSteps(tuple(sizes), margin_tokens(config.num_speculative_tokens))
+    # The hash unit (the fork's 64-token prefix-match unit) counts only
+    # inside the prompt (``settled.py``).
+    unit = kv_cache_manager.block_pool.hash_block_size
+    return SettledSteps(
+        tuple(sizes), margin_tokens(config.num_speculative_tokens), None if unit in sizes else unit
+    )
 
 
 def margin_tokens(num_speculative_tokens: int) -> int:

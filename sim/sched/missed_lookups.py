@@ -9,18 +9,23 @@ most of an async saturated decode's time. The memo skips a lookup known to
 find no hit again (rule 10 of ``fast_path.py``):
 
 - a lookup (``get_computed_blocks``) reads the request's block hashes and
-  token count and the pool's cached-hash map, nothing else that moves;
+  token count and the pool's cached-hash map, nothing else that moves, and
+  it probes the map only with keys made of the request's own block hashes
+  (a hash and a group id; a block of several hash units is keyed by its
+  last unit's hash, which chains over the whole prefix);
 - the map grows only through ``BlockPool._insert_block_hash`` (full,
   partial and moved hashes alike), which this counts; evictions, frees and
   a prefix-cache reset only remove entries, and a lookup's hit only
   shrinks with entries removed (each group's hit is monotone in the cached
   hashes, and so is the coordinator's fixed point over them);
-- so a lookup that found no hit finds none while no hash was inserted and
-  the request has the same tokens and block hashes (a preempted request's
-  stale output, drained in async mode, adds tokens to a waiter).
+- so a lookup that found no hit finds none while none of the request's own
+  hashes was inserted and it has the same tokens and block hashes (a
+  preempted request's stale output, drained in async mode, adds tokens to
+  a waiter).
 
 A whole pass (rule 11) pins nothing again when the last one pinned nothing
-and no hash was inserted, the waiting queue holds the same requests in the
+and no hash at all was inserted (a waiter that found a hit of null blocks
+only is not remembered, and any insertion may extend it), the waiting queue holds the same requests in the
 same order, no waiter took tokens and the same waiters are pinned: each
 waiter then meets the pass as before (pinned, past the bound, or known to
 find no hit), so not even the per-waiter checks are made.
@@ -33,8 +38,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from sim.vllm_bridge import kv_cache_utils
+
 if TYPE_CHECKING:
-    from sim.vllm_bridge import BlockPool, Request
+    from sim.vllm_bridge import BlockPool, KVCacheBlock, Request
 
 # What a pin pass read: hash insertions, waiter token changes, the pinned
 # waiters, the waiting queue's entries by identity (and the entries, so no
@@ -43,42 +50,57 @@ PassKey = tuple[int, int, tuple[str, ...], tuple[int, ...], tuple[object, ...]]
 
 
 class MissedPinLookups:
-    """The waiters whose lookup found no hit since the last hash insertion,
-    and the last pin pass if it pinned nothing."""
+    """The waiters whose lookup found no hit since none of their own hashes
+    was inserted, and the last pin pass if it pinned nothing."""
+
+    # Remembered (hash, waiter) pairs past which every memo is dropped (safe:
+    # a dropped memo costs a lookup), so memory stays bounded on any trace.
+    MAX_REMEMBERED_HASHES = 1 << 18
 
     def __init__(self, block_pool: BlockPool) -> None:
-        # Hashes inserted into the pool's cached-hash map so far (or tried:
-        # an insertion of a hash already there counts too, which is safe).
+        # (hash, block) pairs inserted into the pool's cached-hash map so far
+        # (or tried: a pair the map lacks counts even where vLLM returns
+        # without inserting it, which is safe).
         self.num_hash_insertions = 0
         # request id -> (the request, its tokens, its block hashes) at a lookup
-        # that found no hit, since insertion ``_memo_insertions``.
+        # that found no hit, since which none of its hashes was inserted.
         self._missed: dict[str, tuple[Request, int, int]] = {}
-        self._memo_insertions = 0
+        # block hash -> the remembered waiters whose hashes include it.
+        self._waiters_by_hash: dict[bytes, set[str]] = {}
+        self._num_remembered_hashes = 0
         # Tokens appended to a waiting request (a stale output, async mode).
         self.num_waiter_changes = 0
         self._idle_pass: PassKey | None = None
+        self._idle_ids: frozenset[int] = frozenset()  # its entries' ids
         self._count_insertions(block_pool)
 
     def _count_insertions(self, block_pool: BlockPool) -> None:
-        """Count every call that may insert a hash (the one place vLLM's
-        pool inserts into ``cached_block_hash_to_block``); a reset replaces
-        the map, not this method, so the count survives it."""
+        """Count every hash inserted into ``cached_block_hash_to_block`` (the
+        one place vLLM's pool inserts into it) and forget the waiters it is
+        one of the hashes of. A call for a pair the map already holds is not
+        counted: vLLM returns at once, and a decode's caching makes one every
+        step (the prompt's partial tail, re-keyed). The map is read through
+        ``block_pool`` each time: a reset replaces it, not this method, so
+        the count survives it."""
         insert = block_pool._insert_block_hash
 
-        def counting(*args: Any, **kwargs: Any) -> None:
-            self.num_hash_insertions += 1
-            insert(*args, **kwargs)
+        def counting(key: bytes, block: KVCacheBlock, *args: Any, **kwargs: Any) -> None:
+            held = block_pool.cached_block_hash_to_block.contain(key, block.block_id)
+            insert(key, block, *args, **kwargs)
+            if not held:
+                self.num_hash_insertions += 1
+                self._forget_waiters_of(kv_cache_utils.get_block_hash(key))
 
         block_pool._insert_block_hash = counting  # type: ignore[method-assign]
 
-    def _forget_after_insertions(self) -> bool:
-        """Forget every remembered miss if a hash was inserted since they
-        were remembered (any waiter may hit now); whether it forgot."""
-        if self._memo_insertions == self.num_hash_insertions:
-            return False
-        self._missed.clear()
-        self._memo_insertions = self.num_hash_insertions
-        return True
+    def _forget_waiters_of(self, block_hash: bytes) -> None:
+        """A key with ``block_hash`` was inserted: the waiters whose hashes
+        include it may hit now (every key a lookup probes is one of the
+        request's own block hashes with a group id, vLLM's
+        ``make_block_hash_with_group_id``; a block of several units is keyed
+        by its last unit's hash, ``BlockHashListWithBlockSize``)."""
+        for request_id in self._waiters_by_hash.pop(block_hash, ()):
+            self._missed.pop(request_id, None)
 
     def waiter_tokens_change(self) -> None:
         """A waiting request may take tokens (a stale output lands)."""
@@ -86,8 +108,6 @@ class MissedPinLookups:
 
     def knows_no_hit(self, request: Request) -> bool:
         """Whether ``request``'s lookup is known to find no hit."""
-        if self._forget_after_insertions():
-            return False
         missed = self._missed.get(request.request_id)
         return (
             missed is not None
@@ -98,8 +118,15 @@ class MissedPinLookups:
 
     def found_no_hit(self, request: Request) -> None:
         """``request``'s lookup, just made, found no hit."""
-        self._forget_after_insertions()
-        self._missed[request.request_id] = (request, request.num_tokens, len(request.block_hashes))
+        if self._num_remembered_hashes + len(request.block_hashes) > self.MAX_REMEMBERED_HASHES:
+            self._missed.clear()
+            self._waiters_by_hash.clear()
+            self._num_remembered_hashes = 0
+        request_id = request.request_id
+        self._missed[request_id] = (request, request.num_tokens, len(request.block_hashes))
+        for block_hash in request.block_hashes:
+            self._waiters_by_hash.setdefault(block_hash, set()).add(request_id)
+        self._num_remembered_hashes += len(request.block_hashes)
 
     # ------------------------------------------------------- whole passes
     def _pass_key(self, waiting: Iterable[object], pinned_ids: tuple[str, ...]) -> PassKey:
@@ -117,9 +144,24 @@ class MissedPinLookups:
         idle = self._idle_pass
         if idle is None:
             return False
-        key = self._pass_key(waiting, pinned_ids)
-        return key[:4] == idle[:4]  # by identity: the entries themselves are not compared
+        # By identity: the entries themselves are not compared.
+        return self._reads_alike(idle, pinned_ids) and idle[3] == tuple(map(id, waiting))
+
+    def _reads_alike(self, idle: PassKey, pinned_ids: tuple[str, ...]) -> bool:
+        """The same insertions, waiter tokens and pinned waiters as ``idle``'s."""
+        return idle[:3] == (self.num_hash_insertions, self.num_waiter_changes, pinned_ids)
+
+    def idle_pass_entries(self, pinned_ids: tuple[str, ...]) -> frozenset[int]:
+        """The ids of the entries of the last pass, if it pinned nothing and
+        the hash insertions, waiter tokens and pinned waiters are the same
+        since: each meets a pass as it met that one (none of them pins);
+        else none."""
+        idle = self._idle_pass
+        if idle is None or not self._reads_alike(idle, pinned_ids):
+            return frozenset()
+        return self._idle_ids
 
     def pass_ends(self, waiting: Iterable[object], pinned_ids: tuple[str, ...], pinned: bool) -> None:
         """A pin pass ended; ``pinned``: it changed the allocator."""
         self._idle_pass = None if pinned else self._pass_key(waiting, pinned_ids)
+        self._idle_ids = frozenset() if self._idle_pass is None else frozenset(self._idle_pass[3])

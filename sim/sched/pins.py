@@ -27,7 +27,7 @@ idle waiting loop (``FastPath.allocator_changes``, rule 3).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import TYPE_CHECKING
 
 from sim.kv_cache_manager import KVCacheManager
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from sim.sched.fast_path import FastPath, NoFastPath
 
 Allocate = Callable[[], "KVCacheBlocks | None"]
+Waiters = Callable[[Container[int]], Iterator[Request]]
 _PINNABLE_STATUSES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
@@ -50,7 +51,7 @@ class NoPins:
     def admit_head(self, request: Request, hit: KVCacheBlocks, retry: Allocate) -> KVCacheBlocks | None:
         return None
 
-    def pin_waiting(self, waiting: Iterator[Request]) -> None:
+    def pin_waiting(self, waiting: Waiters) -> None:
         return None
 
 
@@ -104,23 +105,34 @@ class SchedulerPins:
         manager = self.manager
         return manager.last_alloc_shortfall <= manager.num_yieldable_blocks(keep=request_id, keep_hit=hit)
 
-    def pin_waiting(self, waiting: Iterator[Request]) -> None:
+    def pin_waiting(self, waiting: Waiters) -> None:
         """Pin the waiters' hits in arrival order up to the manager's bound,
-        unless the fast path knows the pass pins nothing (its rule 11)."""
+        unless the fast path knows the pass pins nothing (its rule 11).
+        ``waiting(skip)``: the waiting queue in order, less the entries
+        (by ``id``) in ``skip``."""
         manager = self.manager
-        if not manager.enable_waiter_pins or self.fast_path.skips_pin_pass(manager.pinned_waiter_ids()):
+        pinned_ids = manager.pinned_waiter_ids()
+        if not manager.enable_waiter_pins or self.fast_path.skips_pin_pass(pinned_ids):
             return
-        self.pin_waiters(waiting)
+        unchanged = self.fast_path.unchanged_waiters(pinned_ids)
+        # The waiters the fast path knows unchanged are not even walked, but
+        # under its audit each is met and checked to pin nothing.
+        self.pin_waiters(waiting(frozenset() if self.fast_path.audit else unchanged), unchanged)
         self.fast_path.pin_pass_ends(manager.pinned_waiter_ids())
 
-    def pin_waiters(self, waiting: Iterator[Request]) -> None:
-        """The pass itself."""
+    def pin_waiters(self, waiting: Iterator[Request], unchanged: Container[int] = frozenset()) -> None:
+        """The pass itself. ``unchanged``: the waiters (by ``id``) the fast
+        path knows meet this pass as they met the last, which pinned nothing
+        (its rule 11): passed over."""
         manager = self.manager
         for request in waiting:
             if manager.num_pinned_waiters >= manager.max_pinned_waiters:
                 return
             if request.num_computed_tokens == 0 and request.status in _PINNABLE_STATUSES:
-                self._pin_waiter(request)
+                if id(request) in unchanged:
+                    self.fast_path.unchanged_waiter_passed_over(request)
+                else:
+                    self._pin_waiter(request)
 
     def _pin_waiter(self, request: Request) -> None:
         """Pin one waiter's hit, unless the fast path knows its lookup finds

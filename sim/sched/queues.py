@@ -11,7 +11,7 @@ lists.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from sim.vllm_bridge import Request, RequestStatus, SamplingParams
@@ -71,10 +71,13 @@ class RequestQueues:
             self._params_by_output_len[output_len] = params
         return params
 
-    def _waiting_requests(self) -> Iterator[Request]:
+    def _waiting_requests(self, skip: Container[int] = frozenset()) -> Iterator[Request]:
         """The waiting queue in order, each entry built as it is reached
-        (the pin pass reads requests behind the head)."""
+        (the pin pass reads requests behind the head), less the entries (by
+        ``id``) in ``skip``."""
         for index, entry in enumerate(list(self.waiting)):
+            if id(entry) in skip:
+                continue
             if not isinstance(entry, Request):
                 entry = self.waiting[index] = self._materialize(entry)
             yield entry

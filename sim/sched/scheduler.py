@@ -207,7 +207,7 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
         if not step.preempted_ids and not self.fast_path.skips_waiting(step):
             self._schedule_waiting(step)
         if not step.preempted_ids:
-            self.pins.pin_waiting(self._waiting_requests())  # pin point 3
+            self.pins.pin_waiting(self._waiting_requests)  # pin point 3
         output = self._finish_schedule(step)
         self.observer.step_scheduled(output)
         return output

@@ -12,6 +12,16 @@ the first such call does the block's work (allocates, frees the old Mamba
 state, caches the full blocks) and leaves tables that the next calls find
 complete. Those next calls are skipped.
 
+The hash unit (the prefix-match unit, finer than every block) is such a
+size only inside the prompt: past its last token a call reads the unit
+only through the count of the request's block hashes, floored to a block
+(the unit divides the block), and through boundaries of the prompt itself
+(its partial tail, the Mamba prefill checkpoint), which lie behind the
+call. So a call whose span, widened by the margin, lies wholly past the
+prompt is windowed by the blocks alone, and its window starts past the
+prompt and the margin; without this, on the rig's 64-token unit, no window
+would fit a decode (``_settled_steps`` in ``fast_path.py``).
+
 ``margin_tokens`` widens the window a call is taken to read on both sides,
 so an offset the argument above missed (a lookahead, the re-prefill
 rollback) cannot reach a boundary unnoticed. The skip is checked, not only
@@ -25,31 +35,46 @@ from __future__ import annotations
 
 class SettledSteps:
     """Per request, the block window of its last real call of one kind; a
-    call in the same window is settled."""
+    call in the same window is settled. ``prompt_unit``: a size that bounds
+    windows only where they reach into the prompt (the hash unit)."""
 
-    def __init__(self, block_sizes: tuple[int, ...], margin_tokens: int) -> None:
-        if not block_sizes or min(block_sizes) <= 0:
-            raise ValueError(f"block sizes must be positive, got {block_sizes}")
+    def __init__(
+        self, block_sizes: tuple[int, ...], margin_tokens: int, prompt_unit: int | None = None
+    ) -> None:
+        if not block_sizes or min(block_sizes) <= 0 or (prompt_unit is not None and prompt_unit <= 0):
+            raise ValueError(f"block sizes must be positive, got {block_sizes} and unit {prompt_unit}")
         self.block_sizes = tuple(sorted(set(block_sizes)))
         self.margin_tokens = margin_tokens
+        self._with_unit = (
+            self.block_sizes if prompt_unit is None else tuple(sorted({*block_sizes, prompt_unit}))
+        )
         # request id -> (least first token, greatest last token) of a call
         # in the window of its last real call: the window, as two bounds.
         self._bounds: dict[str, tuple[int, int]] = {}
 
-    def window(self, first_token: int, last_token: int) -> tuple[int, ...] | None:
-        """The blocks (one index per block size) holding every position from
+    def window(
+        self, first_token: int, last_token: int, prompt_tokens: int | None = None
+    ) -> tuple[int, ...] | None:
+        """The blocks (one index per size) holding every position from
         ``first_token`` to ``last_token`` widened by the margin; None when
         the widened span touches or crosses a boundary (a span reaching
-        below 0 crosses the one at 0)."""
-        blocks = self._blocks(first_token, last_token)
+        below 0 crosses the one at 0). ``prompt_tokens`` None: the span is
+        taken to reach into the prompt (the unit is a size)."""
+        blocks = self._blocks(first_token, last_token, prompt_tokens)
         return None if blocks is None else tuple(index for index, _ in blocks)
 
-    def _blocks(self, first_token: int, last_token: int) -> list[tuple[int, int]] | None:
-        """``window``'s (index, block size) pairs."""
+    def _past_prompt(self, first_token: int, prompt_tokens: int | None) -> bool:
+        return prompt_tokens is not None and first_token - self.margin_tokens > prompt_tokens
+
+    def _blocks(
+        self, first_token: int, last_token: int, prompt_tokens: int | None
+    ) -> list[tuple[int, int]] | None:
+        """``window``'s (index, size) pairs."""
         low = first_token - self.margin_tokens
         high = last_token + self.margin_tokens
+        sizes = self.block_sizes if self._past_prompt(first_token, prompt_tokens) else self._with_unit
         blocks = []
-        for size in self.block_sizes:
+        for size in sizes:
             index = low // size
             if low % size == 0 or high // size != index:
                 return None
@@ -65,18 +90,22 @@ class SettledSteps:
         the next call is real)."""
         return self._bounds.get(request_id)
 
-    def record(self, request_id: str, first_token: int, last_token: int) -> None:
-        """A real call was made over these tokens."""
-        blocks = self._blocks(first_token, last_token)
+    def record(
+        self, request_id: str, first_token: int, last_token: int, prompt_tokens: int | None = None
+    ) -> None:
+        """A real call was made over these tokens, of a request with
+        ``prompt_tokens`` prompt tokens (None: the unit bounds the window)."""
+        blocks = self._blocks(first_token, last_token, prompt_tokens)
         if blocks is None:
             self._bounds.pop(request_id, None)
             return
         # Block k of size b holds positions k*b + 1 .. (k+1)*b - 1 strictly
         # inside; the margin must fit within them on both sides.
-        self._bounds[request_id] = (
-            max(k * b + 1 + self.margin_tokens for k, b in blocks),
-            min((k + 1) * b - 1 - self.margin_tokens for k, b in blocks),
-        )
+        least = max(k * b + 1 + self.margin_tokens for k, b in blocks)
+        if self._past_prompt(first_token, prompt_tokens):
+            # A settled call must lie past the prompt too, or the unit counts.
+            least = max(least, prompt_tokens + 1 + self.margin_tokens)  # type: ignore[operator]
+        self._bounds[request_id] = (least, min((k + 1) * b - 1 - self.margin_tokens for k, b in blocks))
 
     def forget(self, request_id: str) -> None:
         """The request's blocks were freed (preempted or finished)."""

@@ -115,7 +115,8 @@ def _message_text(message: Any, index: int) -> str:
 # ------------------------------------------------------------------ reading
 async def read_json(request: web.Request) -> Any:
     """The body as JSON, within ``MAX_BODY_BYTES`` and ``BODY_READ_S``,
-    refused as FastAPI refuses it under vLLM: a body that does not parse is
+    refused as FastAPI refuses it under vLLM: no body is ``None`` (a missing
+    body, refused by ``parse_request``); a body that does not parse is
     a ``json_invalid`` validation error; one that nests past the parser's
     recursion limit, holds an integer past Python's digit limit or is not
     UTF-8 is "There was an error parsing the body" (400)."""
@@ -130,6 +131,8 @@ async def read_json(request: web.Request) -> Any:
         raise ClientMistake.of(
             408, f"the body took longer than {BODY_READ_S:g} s to arrive", "Request Timeout"
         ) from None
+    if not raw:  # FastAPI parses no empty body: the body is missing
+        return None
     try:
         return json.loads(raw)
     except json.JSONDecodeError as error:
@@ -174,10 +177,14 @@ async def parse_request(body: Any, kind: Kind, model_name: str, max_model_len: i
     do: the request model, then the model name, then the prompt's length
     and the sampling parameters."""
     model = CompletionRequest if kind == "completion" else ChatCompletionRequest
+    if body is None:  # no body, or JSON null: FastAPI's missing-field error
+        missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
+        raise ClientMistake(*await validation_error_body([missing]))
     try:
-        request = model.model_validate(body)
+        # As FastAPI validates a body parameter (fastapi/_compat/v2.py).
+        request = model.model_validate(body, from_attributes=True)
     except ValidationError as error:
-        errors = [{**e, "loc": ("body", *e["loc"])} for e in error.errors()]
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in error.errors(include_url=False)]
         raise ClientMistake(*await validation_error_body(errors)) from None
     except CLIENT_ERRORS as error:
         raise ClientMistake(*error_body(error)) from None

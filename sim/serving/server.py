@@ -126,7 +126,12 @@ async def _deltas(
     request: web.Request, answer: Answer, queue: asyncio.Queue[TokenDelta]
 ) -> AsyncIterator[TokenDelta]:
     """The request's tokens as the engine makes them; a client gone (its
-    connection closing) or no tokens within ``TOKEN_WAIT_S`` aborts it."""
+    connection closing) or no tokens within ``TOKEN_WAIT_S`` aborts it.
+
+    The client is checked at each poll and each delta: aiohttp's handler
+    cancellation alone can be lost (Python 3.11's ``wait_for`` returns a
+    result that is ready when the cancellation comes), and a whole answer
+    writes nothing until its last token."""
     engine = request.app[ENGINE_KEY]
     waited_s = 0.0
     while True:
@@ -134,20 +139,25 @@ async def _deltas(
             delta = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
         except TimeoutError:
             waited_s += DISCONNECT_POLL_S
-            if request.transport is None or request.transport.is_closing():
-                engine.abort(answer.request_id, "client disconnected")
-                raise ConnectionResetError("client disconnected") from None
+            _abort_if_client_gone(request, answer)
             if waited_s >= TOKEN_WAIT_S:
                 engine.abort(answer.request_id, f"no tokens for {TOKEN_WAIT_S:g} s")
                 raise ClientMistake.of(
                     503, "the engine gave no tokens in time", "ServiceUnavailableError"
                 ) from None
             continue
+        _abort_if_client_gone(request, answer)
         waited_s = 0.0
         answer.num_tokens += len(delta.token_ids)
         yield delta
         if delta.finished:
             return
+
+
+def _abort_if_client_gone(request: web.Request, answer: Answer) -> None:
+    if request.transport is None or request.transport.is_closing():
+        request.app[ENGINE_KEY].abort(answer.request_id, "client disconnected")
+        raise ConnectionResetError("client disconnected")
 
 
 async def _whole(request: web.Request, answer: Answer, queue: asyncio.Queue[TokenDelta]) -> web.Response:
@@ -189,10 +199,10 @@ async def _send_events(
     try:
         async for delta in _deltas(request, answer, queue):
             await send(answer.envelope([answer.choice(delta.token_ids, delta.finished)], None))
+        if parsed.include_usage:  # as vLLM's: sent only by a stream the error did not end
+            await send(answer.envelope([], answer.usage()))
     except ClientMistake as mistake:  # headers are sent: the error goes as an event
         await send(mistake.body)
-    if parsed.include_usage:
-        await send(answer.envelope([], answer.usage()))
     await send("[DONE]")
 
 

@@ -73,6 +73,12 @@ DECODE_ACROSS_BOUNDARIES = {
 }
 
 
+RIG_BLOCK_FLAGS = [
+    "deployment.block_size=4096",
+    "deployment.prefix_match_unit=64",
+    "deployment.use_replayssm=true",
+]
+
 CHECKED_CASES = [
     ("decode-across-boundaries", ["deployment.max_num_seqs=16"]),
     # Pool-bound decode: the case the fast path is for.
@@ -81,6 +87,13 @@ CHECKED_CASES = [
     (str(SCENARIOS_DIR / "conformance" / "heavy-preemption.yaml"), []),
     (str(SCENARIOS_DIR / "conformance" / "prefix-hits.yaml"), ["scheduler.mtp_hash_mode=lookahead"]),
     (str(SCENARIOS_DIR / "conformance" / "long-chunked.yaml"), []),
+    # The rig: 4,096-token blocks, the 64-token hash unit
+    # (partial prefix hits), RecoverSSM; the unit bounds windows only inside
+    # the prompt (rule 1).
+    (
+        str(SCENARIOS_DIR / "conformance" / "prefix-hits.yaml"),
+        [*RIG_BLOCK_FLAGS, "scheduler.max_num_batched_tokens=1024", "scheduler.mtp_hash_mode=lookahead"],
+    ),
 ]
 
 

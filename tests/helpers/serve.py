@@ -11,17 +11,24 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from sim.scenario import Scenario
 from sim.serving.live_engine import LiveEngine
-from sim.serving.server import build_app
+from sim.serving.server import Bounds, build_app
 
 CHECK_BOUND_S = 60
 
 
 def serve_in_process(scenario: Scenario, check: Callable[[TestClient], Awaitable[Any]], speed: float) -> Any:
     """Run ``check`` against a server of ``scenario`` (layout on), stopped afterwards."""
+    return serve_engine(LiveEngine(scenario, "on", speed=speed), check)
+
+
+def serve_engine(
+    engine: LiveEngine, check: Callable[[TestClient], Awaitable[Any]], bounds: Bounds | None = None
+) -> Any:
+    """Run ``check`` against a server of ``engine`` (with ``bounds``, else
+    the server's), stopped afterwards."""
 
     async def main() -> Any:
-        engine = LiveEngine(scenario, "on", speed=speed)
-        client = TestClient(TestServer(build_app(engine), host="127.0.0.1"))
+        client = TestClient(TestServer(build_app(engine, bounds), host="127.0.0.1"))
         await client.start_server()
         try:
             return await asyncio.wait_for(check(client), CHECK_BOUND_S)
