@@ -1,0 +1,133 @@
+"""Value tests for the async steady lane (``sim/sched/async_steady.py``,
+issue 26 mutation): two decoding requests driven call by call through the
+batch-queue core (PP 2: a queue of 3 micro-batches, a decode stagger of 2),
+with the fast path and without; the ordinary path (the ``AsyncScheduler``
+twin, conformance-checked against vLLM's ``step_with_batch_queue``) gives
+the expected steps."""
+
+from __future__ import annotations
+
+from helpers.fast_path import audited, one_request
+from helpers.scheduler import tiny_spec
+
+from sim.sched.engine_core import BatchQueueEngineCore
+
+
+def _simulation(tmp_path, overrides: list[str], *, fast_path: bool, prompt: int = 40):
+    """Two ``prompt``-token prompts decoding 30 tokens each, in async mode
+    (the default scenario's PP 2), drafts never accepted."""
+    simulation = one_request(
+        tmp_path, 100, 10, "engine.mode=async", *overrides, f"simulation.fast_path={str(fast_path).lower()}"
+    )
+    assert isinstance(simulation.core, BatchQueueEngineCore)
+    for index in range(2):
+        simulation.scheduler.add_request(tiny_spec(index, prompt, output=30))
+    return simulation
+
+
+def _drive(simulation) -> list[tuple]:
+    """Call by call, without a clock: each call's scheduled step, the step
+    it applied and that step's outcome, and how many decodes the lane took."""
+    core = simulation.core
+    calls = []
+    while core.has_work() and len(calls) < 500:
+        call = core.step()
+        taken = core.steady.num_taken if core.steady is not None else 0
+        calls.append((call.scheduled, call.processed, call.outcome, taken))
+    return calls
+
+
+def _calls(tmp_path, overrides: list[str], *, fast_path: bool, prompt: int = 40) -> list[tuple]:
+    return _drive(_simulation(tmp_path, overrides, fast_path=fast_path, prompt=prompt))
+
+
+def _as_step_by_step(tmp_path, overrides: list[str], prompt: int = 40) -> list[tuple]:
+    """``_calls`` with the fast path, checked call for call (the step
+    scheduled, the step applied, its outcome) against the run without it."""
+    fast = _calls(tmp_path, overrides, fast_path=True, prompt=prompt)
+    step_by_step = _calls(tmp_path, overrides, fast_path=False, prompt=prompt)
+    assert [call[:3] for call in fast] == [call[:3] for call in step_by_step]
+    return fast
+
+
+def test_async_lane_decodes_are_scheduled_as_the_ordinary_path_schedules_them(tmp_path):
+    """Each lane decode is a plain decode of 1 + K = 4 tokens: no prompt
+    token among them (the step-time model reads ``num_prompt_tokens_left``),
+    as the ordinary path's; two requests decoding side by side, two decodes
+    of one request in flight at each of its schedules (stagger 2, 3
+    micro-batches), and every call equal to the run without the lane."""
+    fast = _as_step_by_step(tmp_path, [])
+    lane_shares = {
+        (item.num_scheduled_tokens, item.num_prompt_tokens_left)
+        for scheduled, _, _, taken in fast
+        if taken
+        for item in scheduled.scheduled
+    }
+    assert lane_shares == {(4, 0)}
+    assert sum(call[3] for call in fast) > 20  # control: the lane took decodes
+
+
+def test_a_long_prefill_threshold_below_an_async_decode_hands_it_back(tmp_path):
+    """long_prefill_token_threshold 3 clips each decode to 3 tokens (1 + 2
+    drafts): the lane offers its 1 + K = 4 and the take loop hands each
+    back; no decode is taken as it is, every call equals the run without
+    the lane (vLLM's running loop clips a decode by the threshold too)."""
+    fast = _as_step_by_step(tmp_path, ["scheduler.long_prefill_token_threshold=3"])
+    decodes = [
+        item.num_scheduled_tokens
+        for scheduled, _, _, _ in fast
+        if scheduled is not None
+        for item in scheduled.scheduled
+        if item.num_prompt_tokens_left == 0
+    ]
+    assert decodes and set(decodes) <= {1, 3}
+    assert sum(call[3] for call in fast) == 0
+
+
+def _request_states(tmp_path, *, fast_path: bool) -> list[tuple]:
+    """``_calls``' two requests, each call's running requests as a reader
+    between calls sees them (the core's lane flushed first): computed
+    tokens, tokens in flight, placeholders, the call they may decode at."""
+    simulation = _simulation(tmp_path, [], fast_path=fast_path)
+    core = simulation.core
+    states = []
+    while core.has_work() and len(states) < 500:
+        core.step()
+        core.flush()
+        states.append(
+            [
+                (
+                    r.request_id,
+                    r.num_computed_tokens,
+                    r.num_in_flight_tokens,
+                    r.num_output_placeholders,
+                    r.next_decode_eligible_step,
+                )
+                for r in simulation.scheduler.running
+            ]
+        )
+    return states
+
+
+def test_a_flushed_async_lane_hands_back_what_the_scheduler_would_hold(tmp_path):
+    """Flushed after every call (a reader between calls), the lane's
+    requests hold the counters the ordinary path's hold. With stagger 2
+    and 3 micro-batches a decode is taken while the request's previous one
+    is still in flight (8 tokens in flight at the schedule, 1 + K = 4 left
+    once the older lands): a lane that sets, not adds, the taken decode's
+    tokens in flight hands back 0."""
+    fast = _request_states(tmp_path, fast_path=True)
+    assert fast == _request_states(tmp_path, fast_path=False)
+    in_flight = {state[2] for states in fast for state in states if state[1] > 40}
+    assert in_flight == {4}  # every decode's previous one landed, this one in flight
+
+
+def test_the_audit_counts_each_schedule_whose_decodes_it_checked(tmp_path):
+    """With the audit on, ``lane_steps`` counts the schedule calls in
+    which the lane took decodes (their skipped allocations made and
+    checked): one per such call, read off the calls themselves."""
+    simulation = _simulation(tmp_path, [], fast_path=True)
+    counts = audited(simulation, lane=True)
+    calls_with_lane_decodes = sum(1 for call in _drive(simulation) if call[3])
+    assert calls_with_lane_decodes > 20
+    assert counts.lane_steps == calls_with_lane_decodes
