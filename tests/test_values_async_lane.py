@@ -131,3 +131,30 @@ def test_the_audit_counts_each_schedule_whose_decodes_it_checked(tmp_path):
     calls_with_lane_decodes = sum(1 for call in _drive(simulation) if call[3])
     assert calls_with_lane_decodes > 20
     assert counts.lane_steps == calls_with_lane_decodes
+
+
+def _placeholders_read(tmp_path, *, fast_path: bool) -> tuple[list, int]:
+    """The running requests' placeholders as the core reports them without
+    a flush (the async conformance harness's reading), each call between
+    its schedule and the oldest step's landing, and how many readings
+    differ from the ``Request``'s own field."""
+    simulation = _simulation(tmp_path, [], fast_path=fast_path)
+    core, readings, stale = simulation.core, [], 0
+    while core.has_work() and len(readings) < 500:
+        call = core.begin_step()
+        running = simulation.scheduler.running
+        readings.append([core.num_output_placeholders(r) for r in running])
+        stale += sum(core.num_output_placeholders(r) != r.num_output_placeholders for r in running)
+        if call.waits:
+            core.end_step(call)
+    return readings, stale
+
+
+def test_the_core_reads_a_kept_requests_placeholders_from_the_lane(tmp_path):
+    """While a kept request's decodes are in flight its ``Request`` holds
+    stale placeholders; the core reports the lane's, which are the
+    ordinary path's (1 + K = 4 a decode in flight)."""
+    fast, stale = _placeholders_read(tmp_path, fast_path=True)
+    step_by_step, _ = _placeholders_read(tmp_path, fast_path=False)
+    assert fast == step_by_step
+    assert stale > 0  # control: the Request's own field would differ
