@@ -7,10 +7,15 @@ the expected steps."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 from helpers.fast_path import audited, one_request
 from helpers.scheduler import tiny_spec
 
+from sim.sched.async_steady import AsyncSteadyDecode, _KeptAsync
 from sim.sched.engine_core import BatchQueueEngineCore
+from sim.sched.output import ScheduledRequest, StepTally
 
 
 def _simulation(tmp_path, overrides: list[str], *, fast_path: bool, prompt: int = 40):
@@ -158,3 +163,71 @@ def test_the_core_reads_a_kept_requests_placeholders_from_the_lane(tmp_path):
     step_by_step, _ = _placeholders_read(tmp_path, fast_path=False)
     assert fast == step_by_step
     assert stale > 0  # control: the Request's own field would differ
+
+
+# ------------------------------------------- one kept output, by hand
+def _applied(tokens: list[int], cache: tuple[int, int], item: ScheduledRequest | None = None) -> tuple:
+    """A kept decode (K = 3) with 104 computed (101 known plus 3 drafts),
+    its one decode of 4 tokens in flight (4 placeholders), its output
+    landing with ``tokens``: whether the lane applied it, the kept counters
+    and a tally that held 10 generated, 30 drafted, 5 accepted before."""
+    lane = object.__new__(AsyncSteadyDecode)
+    lane.num_spec, lane.step_tokens, lane.fast_path = 3, 4, SimpleNamespace(audit=False)
+    kept = _KeptAsync(
+        request=None, computed=104, in_flight=4, placeholders=4, eligible=0, num_tokens=101,
+        cache_low=cache[0], cache_high=cache[1], stop_at=200,
+    )  # fmt: skip
+    tally = StepTally(num_generated_tokens=10, num_draft_tokens=30, num_accepted_tokens=5)
+    applied = lane._applies(kept, item or ScheduledRequest("r", 4, 100, 3, 0), tokens, tally)
+    counters = (kept.computed, kept.in_flight, kept.placeholders, kept.num_tokens, kept.pending)
+    return applied, counters, (tally.num_generated_tokens, tally.num_draft_tokens, tally.num_accepted_tokens)
+
+
+UNCHANGED = ((104, 4, 4, 101, []), (10, 30, 5))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "cache", "expected"),
+    [
+        # Two tokens back (one draft accepted, two rejected): vLLM's
+        # apply_sampled rolls the computed tokens and placeholders back by
+        # the 2 rejected, the 2 returned resolve placeholders: computed
+        # 102, nothing in flight, processed 102, placeholders 4 - 2 - 2 = 0.
+        ([7, 8], (90, 150), (True, (102, 0, 0, 103, [7, 8]), (12, 33, 6))),
+        ([7, 8], (102, 150), (True, (102, 0, 0, 103, [7, 8]), (12, 33, 6))),  # the window holds its ends
+        ([7, 8], (90, 102), (True, (102, 0, 0, 103, [7, 8]), (12, 33, 6))),
+        ([7, 8], (103, 150), (False, *UNCHANGED)),  # processed outside the settled window
+        ([7, 8], (90, 101), (False, *UNCHANGED)),
+        # Every draft rejected: one token, computed 104 - 3 = 101.
+        ([7], (90, 150), (True, (101, 0, 0, 102, [7]), (11, 33, 5))),
+        ([], (90, 150), (False, *UNCHANGED)),  # nothing sampled: the ordinary way
+    ],
+)
+def test_a_kept_output_is_applied_as_vllms_apply_sampled_would_inside_its_window(tokens, cache, expected):
+    assert _applied(tokens, cache) == expected
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        ScheduledRequest("r", 4, 100, 0, 4),  # a 4-token recompute chunk: no drafts to roll back
+        ScheduledRequest("r", 4, 100, 3, 0, is_padded=True),  # padded drafts, never accepted
+        ScheduledRequest("r", 3, 100, 2, 0),  # a decode clipped to 1 + 2 drafts
+    ],
+)
+def test_an_item_not_the_lanes_own_goes_the_ordinary_way(item):
+    assert _applied([7], (90, 150), item) == (False, *UNCHANGED)
+
+
+def test_with_two_decodes_in_flight_the_processed_tokens_lie_behind_the_newer_one():
+    """108 computed, two decodes (8 tokens, 8 placeholders) in flight; the
+    older lands with two tokens: computed 106, 4 still in flight, so 102
+    processed (not 110): inside a window ending at 102."""
+    lane = object.__new__(AsyncSteadyDecode)
+    lane.num_spec, lane.step_tokens, lane.fast_path = 3, 4, SimpleNamespace(audit=False)
+    kept = _KeptAsync(
+        request=None, computed=108, in_flight=8, placeholders=8, eligible=0, num_tokens=101,
+        cache_low=90, cache_high=102, stop_at=200,
+    )  # fmt: skip
+    assert lane._applies(kept, ScheduledRequest("r", 4, 100, 3, 0), [7, 8], StepTally())
+    assert (kept.computed, kept.in_flight, kept.placeholders, kept.num_tokens) == (106, 4, 4, 103)
