@@ -245,7 +245,7 @@ tests/test_serve_hostile.py::test_hostile_clients_leave_the_server_responsive_an
   [pipeline_clock]="sim/pipeline_clock.py|tests/test_values_async.py tests/test_async_engine.py"
   [engine_loop]="sim/sched/engine_loop.py|tests/test_values_async.py tests/test_engine_timeline.py tests/test_async_engine.py $ASYNC_CONFORMANCE_TESTS"
   [async_scheduler]="sim/sched/async_scheduler.py|tests/test_values_async.py $ASYNC_CONFORMANCE_TESTS"
-  [async_steady]="sim/sched/async_steady.py|tests/test_values_async.py $ASYNC_STEADY_TESTS $ASYNC_CONFORMANCE_TESTS"
+  [async_steady]="sim/sched/async_steady.py|tests/test_values_async.py tests/test_values_async_lane.py $ASYNC_STEADY_TESTS $ASYNC_CONFORMANCE_TESTS"
   # The fast path's own file: its settled-call, lane and pin-lookup sets, and
   # the waiting memo's hand cases with the audit's failing control (rules 3-4).
   [fast_path]="sim/sched/fast_path.py|$FAST_PATH_TESTS $STEADY_TESTS $ASYNC_STEADY_TESTS $MISSED_LOOKUP_TESTS \

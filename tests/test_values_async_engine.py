@@ -7,13 +7,16 @@ both sides of the gate alike, so the gate cannot see it: these can."""
 
 from __future__ import annotations
 
+from collections import deque
+from types import SimpleNamespace
+
 import pytest
 from helpers.scenarios import conformance_requests, conformance_shape
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 
 from sim.conformance import async_engine
-from sim.conformance.driver import conformance_scenario, plan_for, vllm_settings
+from sim.conformance.driver import BackendUnavailable, conformance_scenario, plan_for, vllm_settings
 from sim.sched.engine_core import EngineCall
 from sim.sched.output import ScheduledRequest, SchedulerOutput
 from sim.workloads.spec import RequestSpec
@@ -246,3 +249,82 @@ def test_the_gate_hashes_in_the_mode_it_is_given():
         for mode in ("eagle-drop", "lookahead")
     }
     assert hits["eagle-drop"] != hits["lookahead"]
+
+
+# ------------------------------------- vLLM's side, read from stand-ins
+def _vllm_side(**requests) -> async_engine._VllmEngine:
+    """vLLM's side over a stand-in engine core (nothing scheduled, nothing
+    landing) and scheduler holding ``requests``."""
+    engine = object.__new__(async_engine._VllmEngine)
+    engine.core = SimpleNamespace(
+        step_with_batch_queue=lambda: (None, False), post_step=lambda executed: None
+    )
+    engine.scheduler = SimpleNamespace(
+        requests=requests,
+        current_step=5,
+        running=[],
+        kv_holding_waiting=[],
+        waiting=[],
+        kv_cache_manager=SimpleNamespace(block_pool=SimpleNamespace(get_num_free_blocks=lambda: 7)),
+    )
+    engine._in_flight, engine._scheduled, engine._samples = deque(), None, False
+    return engine
+
+
+def test_an_admitted_requests_drafts_are_padding_on_vllms_side():
+    """vLLM's async scheduler gives every request -1 placeholder drafts;
+    an admitted request's are padding (its worker has none to fill in),
+    a running request's are drafts in flight, and an admitted request
+    without drafts has nothing padded."""
+    admitted = SimpleNamespace(request_id="a", num_computed_tokens=104, num_tokens=101, num_preemptions=0)
+    running = SimpleNamespace(request_id="b", num_computed_tokens=204, num_tokens=201, num_preemptions=0)
+    plain = SimpleNamespace(request_id="c", num_computed_tokens=50, num_tokens=50, num_preemptions=0)
+    engine = _vllm_side(a=admitted, b=running, c=plain)
+    out = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="a"), SimpleNamespace(req_id="c")],
+        num_scheduled_tokens={"a": 4, "b": 4, "c": 50},
+        scheduled_spec_decode_tokens={"a": [-1, -1, -1], "b": [-1, -1, -1]},
+        preempted_req_ids=None,
+    )
+    converted = engine._convert(out)
+    assert [(i.request_id, i.num_spec_tokens, i.is_padded) for i in converted.scheduled] == [
+        ("a", 3, True),
+        ("b", 3, False),
+        ("c", 0, False),
+    ]
+    assert (converted.step_index, converted.new_request_ids) == (5, ("a", "c"))
+
+
+@pytest.mark.parametrize(("in_flight", "idle"), [((), True), ((0,), True), ((0, 1), False)])
+def test_a_vllm_call_that_schedules_and_lands_nothing_is_idle_only_with_nothing_in_flight(in_flight, idle):
+    """``step_with_batch_queue`` scheduling nothing and landing nothing:
+    idle when only empty steps (or none) are in flight, not while a step
+    with requests is; it does not wait (no output landed)."""
+    engine = _vllm_side()
+    for tokens in in_flight:
+        item = (ScheduledRequest("r", tokens, 0, 0, tokens),) if tokens else ()
+        engine._in_flight.append(SchedulerOutput(step_index=1, scheduled=item))
+    call, state = engine.step()
+    assert (call.scheduled, call.processed, call.waits, call.idle) == (None, None, False, idle)
+    assert (state.step, state.num_free_blocks) == (0, 7)
+
+
+@pytest.mark.parametrize(("unfinished", "expected"), [(2, True), (0, False)])
+def test_an_engines_calls_say_whether_requests_are_unfinished(unfinished, expected):
+    """The engine loop stalls or ends on this: the scheduler's count as a bool."""
+    engine = SimpleNamespace(scheduler=SimpleNamespace(has_unfinished_requests=lambda: unfinished))
+    assert async_engine._EngineCalls(engine).has_unfinished_requests() is expected
+
+
+def test_a_vllm_engine_core_that_cannot_be_built_is_one_line_naming_it(monkeypatch):
+    """The failure's type and first line, and what could not be built."""
+
+    def broken(*args):
+        raise RuntimeError("no engine here\nsecond line")
+
+    monkeypatch.setattr(async_engine, "vllm_engine", broken)
+    with pytest.raises(BackendUnavailable) as raised:
+        async_engine.run_async_conformance(
+            conformance_shape("long-chunked"), "off", conformance_requests("long-chunked")
+        )
+    assert str(raised.value) == "vLLM's EngineCore cannot be built (RuntimeError: no engine here)"

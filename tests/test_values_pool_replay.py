@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from sim.analysis.runs import scenario_workload
+from sim.engine import Simulation
 from sim.pool_replay import PoolCorruption, PoolReplay, replay_pool, with_pool_bytes
 from sim.pool_replay.fingerprints import UNKNOWN
+from sim.pool_replay.verify import Fence
+from sim.pool_replay.views import allocate_worker_views
 from sim.scenario import load_scenario
 
 SMALL = Path(__file__).parent / "data" / "pool-replay.yaml"
@@ -230,3 +234,49 @@ def test_a_pinned_pool_changes_the_pool_bytes_alone(small):
     assert pinned.deployment.kv_cache_memory_bytes == 5_000_000
     assert pinned.deployment.max_model_len == 512 and pinned.name == "pool-replay"
     assert scenario.deployment.kv_cache_memory_bytes == 12_000_000  # the original is kept
+
+
+def _idle_replay(small) -> PoolReplay:
+    """A replay bound to the small scenario's pool, nothing run yet."""
+    scenario, workload = small
+    sim = Simulation(scenario, "off", workload)
+    return PoolReplay(sim, allocate_worker_views(sim.plan, 0, device=torch.device("cpu")))
+
+
+def _hit_nothing(replay: PoolReplay) -> SimpleNamespace:
+    """A prefix hit of no block in any group (the pages it reads: none)."""
+    return SimpleNamespace(blocks=tuple([] for _ in replay.managers))
+
+
+def test_each_requests_prefix_hit_is_verified_once_per_lookup_of_new_blocks(small):
+    """The memo skips only the same request's same hit looked up again
+    while it waits: a hits, a again (skipped), b the same blocks: two
+    verified, counted by hand. (One memo for all requests would take b's
+    hit for a's repeat: one.)"""
+    replay = _idle_replay(small)
+    blocks = _hit_nothing(replay)
+    for request_id in ("a", "a", "b"):
+        replay.prefix_hit(SimpleNamespace(request_id=request_id), blocks, 0)
+    assert replay.counts["prefix_hits_verified"] == 2
+
+
+def test_finish_passes_the_fences_of_every_step_scheduled(small):
+    """At the end every scheduled step has completed, so a fence waiting
+    for the last scheduled step (seq 3, the workers' clock still at 1) is
+    passed and verified: one fence, none left; a fence verified at the
+    workers' clock alone would stay."""
+    replay = _idle_replay(small)
+    replay.scheduler.sched_step_seq, replay.scheduler.processed_step_seq = 3, 1
+    replay.fences.append(Fence(seq=3, request_id="a", step=2, keys=set(), cells=[]))
+    replay.finish()
+    assert (replay.counts["fences_verified"], replay.fences) == (1, [])
+
+
+def test_a_replay_stops_at_the_scenarios_horizon(small):
+    """``simulation.max_time_s`` 0.5: no step replayed past half a second
+    of simulated time (control: without it the run goes on past it)."""
+    scenario, workload = small
+    stopped = replay_pool(load_scenario(str(SMALL), ["simulation.max_time_s=0.5"]), "off", workload)
+    assert stopped.steps and max(step.time_s for step in stopped.steps) <= 0.5
+    whole = replay_pool(scenario, "off", workload)
+    assert max(step.time_s for step in whole.steps) > 0.5

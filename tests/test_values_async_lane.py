@@ -1,0 +1,233 @@
+"""Value tests for the async steady lane (``sim/sched/async_steady.py``,
+issue 26 mutation): two decoding requests driven call by call through the
+batch-queue core (PP 2: a queue of 3 micro-batches, a decode stagger of 2),
+with the fast path and without; the ordinary path (the ``AsyncScheduler``
+twin, conformance-checked against vLLM's ``step_with_batch_queue``) gives
+the expected steps."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from helpers.fast_path import audited, one_request
+from helpers.scheduler import tiny_spec
+
+from sim.sched.async_steady import AsyncSteadyDecode, _KeptAsync
+from sim.sched.engine_core import BatchQueueEngineCore
+from sim.sched.output import ScheduledRequest, StepTally
+
+
+def _simulation(tmp_path, overrides: list[str], *, fast_path: bool, prompt: int = 40):
+    """Two ``prompt``-token prompts decoding 30 tokens each, in async mode
+    (the default scenario's PP 2), drafts never accepted."""
+    simulation = one_request(
+        tmp_path, 100, 10, "engine.mode=async", *overrides, f"simulation.fast_path={str(fast_path).lower()}"
+    )
+    assert isinstance(simulation.core, BatchQueueEngineCore)
+    for index in range(2):
+        simulation.scheduler.add_request(tiny_spec(index, prompt, output=30))
+    return simulation
+
+
+def _drive(simulation) -> list[tuple]:
+    """Call by call, without a clock: each call's scheduled step, the step
+    it applied and that step's outcome, and how many decodes the lane took."""
+    core = simulation.core
+    calls = []
+    while core.has_work() and len(calls) < 500:
+        call = core.step()
+        taken = core.steady.num_taken if core.steady is not None else 0
+        calls.append((call.scheduled, call.processed, call.outcome, taken))
+    return calls
+
+
+def _calls(tmp_path, overrides: list[str], *, fast_path: bool, prompt: int = 40) -> list[tuple]:
+    return _drive(_simulation(tmp_path, overrides, fast_path=fast_path, prompt=prompt))
+
+
+def _as_step_by_step(tmp_path, overrides: list[str], prompt: int = 40) -> list[tuple]:
+    """``_calls`` with the fast path, checked call for call (the step
+    scheduled, the step applied, its outcome) against the run without it."""
+    fast = _calls(tmp_path, overrides, fast_path=True, prompt=prompt)
+    step_by_step = _calls(tmp_path, overrides, fast_path=False, prompt=prompt)
+    assert [call[:3] for call in fast] == [call[:3] for call in step_by_step]
+    return fast
+
+
+def test_async_lane_decodes_are_scheduled_as_the_ordinary_path_schedules_them(tmp_path):
+    """Each lane decode is a plain decode of 1 + K = 4 tokens: no prompt
+    token among them (the step-time model reads ``num_prompt_tokens_left``),
+    as the ordinary path's; two requests decoding side by side, two decodes
+    of one request in flight at each of its schedules (stagger 2, 3
+    micro-batches), and every call equal to the run without the lane."""
+    fast = _as_step_by_step(tmp_path, [])
+    lane_shares = {
+        (item.num_scheduled_tokens, item.num_prompt_tokens_left)
+        for scheduled, _, _, taken in fast
+        if taken
+        for item in scheduled.scheduled
+    }
+    assert lane_shares == {(4, 0)}
+    assert sum(call[3] for call in fast) > 20  # control: the lane took decodes
+
+
+def test_a_long_prefill_threshold_below_an_async_decode_hands_it_back(tmp_path):
+    """long_prefill_token_threshold 3 clips each decode to 3 tokens (1 + 2
+    drafts): the lane offers its 1 + K = 4 and the take loop hands each
+    back; no decode is taken as it is, every call equals the run without
+    the lane (vLLM's running loop clips a decode by the threshold too)."""
+    fast = _as_step_by_step(tmp_path, ["scheduler.long_prefill_token_threshold=3"])
+    decodes = [
+        item.num_scheduled_tokens
+        for scheduled, _, _, _ in fast
+        if scheduled is not None
+        for item in scheduled.scheduled
+        if item.num_prompt_tokens_left == 0
+    ]
+    assert decodes and set(decodes) <= {1, 3}
+    assert sum(call[3] for call in fast) == 0
+
+
+def _request_states(tmp_path, *, fast_path: bool) -> list[tuple]:
+    """``_calls``' two requests, each call's running requests as a reader
+    between calls sees them (the core's lane flushed first): computed
+    tokens, tokens in flight, placeholders, the call they may decode at."""
+    simulation = _simulation(tmp_path, [], fast_path=fast_path)
+    core = simulation.core
+    states = []
+    while core.has_work() and len(states) < 500:
+        core.step()
+        core.flush()
+        states.append(
+            [
+                (
+                    r.request_id,
+                    r.num_computed_tokens,
+                    r.num_in_flight_tokens,
+                    r.num_output_placeholders,
+                    r.next_decode_eligible_step,
+                )
+                for r in simulation.scheduler.running
+            ]
+        )
+    return states
+
+
+def test_a_flushed_async_lane_hands_back_what_the_scheduler_would_hold(tmp_path):
+    """Flushed after every call (a reader between calls), the lane's
+    requests hold the counters the ordinary path's hold. With stagger 2
+    and 3 micro-batches a decode is taken while the request's previous one
+    is still in flight (8 tokens in flight at the schedule, 1 + K = 4 left
+    once the older lands): a lane that sets, not adds, the taken decode's
+    tokens in flight hands back 0."""
+    fast = _request_states(tmp_path, fast_path=True)
+    assert fast == _request_states(tmp_path, fast_path=False)
+    in_flight = {state[2] for states in fast for state in states if state[1] > 40}
+    assert in_flight == {4}  # every decode's previous one landed, this one in flight
+
+
+def test_the_audit_counts_each_schedule_whose_decodes_it_checked(tmp_path):
+    """With the audit on, ``lane_steps`` counts the schedule calls in
+    which the lane took decodes (their skipped allocations made and
+    checked): one per such call, read off the calls themselves."""
+    simulation = _simulation(tmp_path, [], fast_path=True)
+    counts = audited(simulation, lane=True)
+    calls_with_lane_decodes = sum(1 for call in _drive(simulation) if call[3])
+    assert calls_with_lane_decodes > 20
+    assert counts.lane_steps == calls_with_lane_decodes
+
+
+def _placeholders_read(tmp_path, *, fast_path: bool) -> tuple[list, int]:
+    """The running requests' placeholders as the core reports them without
+    a flush (the async conformance harness's reading), each call between
+    its schedule and the oldest step's landing, and how many readings
+    differ from the ``Request``'s own field."""
+    simulation = _simulation(tmp_path, [], fast_path=fast_path)
+    core, readings, stale = simulation.core, [], 0
+    while core.has_work() and len(readings) < 500:
+        call = core.begin_step()
+        running = simulation.scheduler.running
+        readings.append([core.num_output_placeholders(r) for r in running])
+        stale += sum(core.num_output_placeholders(r) != r.num_output_placeholders for r in running)
+        if call.waits:
+            core.end_step(call)
+    return readings, stale
+
+
+def test_the_core_reads_a_kept_requests_placeholders_from_the_lane(tmp_path):
+    """While a kept request's decodes are in flight its ``Request`` holds
+    stale placeholders; the core reports the lane's, which are the
+    ordinary path's (1 + K = 4 a decode in flight)."""
+    fast, stale = _placeholders_read(tmp_path, fast_path=True)
+    step_by_step, _ = _placeholders_read(tmp_path, fast_path=False)
+    assert fast == step_by_step
+    assert stale > 0  # control: the Request's own field would differ
+
+
+# ------------------------------------------- one kept output, by hand
+def _applied(tokens: list[int], cache: tuple[int, int], item: ScheduledRequest | None = None) -> tuple:
+    """A kept decode (K = 3) with 104 computed (101 known plus 3 drafts),
+    its one decode of 4 tokens in flight (4 placeholders), its output
+    landing with ``tokens``: whether the lane applied it, the kept counters
+    and a tally that held 10 generated, 30 drafted, 5 accepted before."""
+    lane = object.__new__(AsyncSteadyDecode)
+    lane.num_spec, lane.step_tokens, lane.fast_path = 3, 4, SimpleNamespace(audit=False)
+    kept = _KeptAsync(
+        request=None, computed=104, in_flight=4, placeholders=4, eligible=0, num_tokens=101,
+        cache_low=cache[0], cache_high=cache[1], stop_at=200,
+    )  # fmt: skip
+    tally = StepTally(num_generated_tokens=10, num_draft_tokens=30, num_accepted_tokens=5)
+    applied = lane._applies(kept, item or ScheduledRequest("r", 4, 100, 3, 0), tokens, tally)
+    counters = (kept.computed, kept.in_flight, kept.placeholders, kept.num_tokens, kept.pending)
+    return applied, counters, (tally.num_generated_tokens, tally.num_draft_tokens, tally.num_accepted_tokens)
+
+
+UNCHANGED = ((104, 4, 4, 101, []), (10, 30, 5))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "cache", "expected"),
+    [
+        # Two tokens back (one draft accepted, two rejected): vLLM's
+        # apply_sampled rolls the computed tokens and placeholders back by
+        # the 2 rejected, the 2 returned resolve placeholders: computed
+        # 102, nothing in flight, processed 102, placeholders 4 - 2 - 2 = 0.
+        ([7, 8], (90, 150), (True, (102, 0, 0, 103, [7, 8]), (12, 33, 6))),
+        ([7, 8], (102, 150), (True, (102, 0, 0, 103, [7, 8]), (12, 33, 6))),  # the window holds its ends
+        ([7, 8], (90, 102), (True, (102, 0, 0, 103, [7, 8]), (12, 33, 6))),
+        ([7, 8], (103, 150), (False, *UNCHANGED)),  # processed outside the settled window
+        ([7, 8], (90, 101), (False, *UNCHANGED)),
+        # Every draft rejected: one token, computed 104 - 3 = 101.
+        ([7], (90, 150), (True, (101, 0, 0, 102, [7]), (11, 33, 5))),
+        ([], (90, 150), (False, *UNCHANGED)),  # nothing sampled: the ordinary way
+    ],
+)
+def test_a_kept_output_is_applied_as_vllms_apply_sampled_would_inside_its_window(tokens, cache, expected):
+    assert _applied(tokens, cache) == expected
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        ScheduledRequest("r", 4, 100, 0, 4),  # a 4-token recompute chunk: no drafts to roll back
+        ScheduledRequest("r", 4, 100, 3, 0, is_padded=True),  # padded drafts, never accepted
+        ScheduledRequest("r", 3, 100, 2, 0),  # a decode clipped to 1 + 2 drafts
+    ],
+)
+def test_an_item_not_the_lanes_own_goes_the_ordinary_way(item):
+    assert _applied([7], (90, 150), item) == (False, *UNCHANGED)
+
+
+def test_with_two_decodes_in_flight_the_processed_tokens_lie_behind_the_newer_one():
+    """108 computed, two decodes (8 tokens, 8 placeholders) in flight; the
+    older lands with two tokens: computed 106, 4 still in flight, so 102
+    processed (not 110): inside a window ending at 102."""
+    lane = object.__new__(AsyncSteadyDecode)
+    lane.num_spec, lane.step_tokens, lane.fast_path = 3, 4, SimpleNamespace(audit=False)
+    kept = _KeptAsync(
+        request=None, computed=108, in_flight=8, placeholders=8, eligible=0, num_tokens=101,
+        cache_low=90, cache_high=102, stop_at=200,
+    )  # fmt: skip
+    assert lane._applies(kept, ScheduledRequest("r", 4, 100, 3, 0), [7, 8], StepTally())
+    assert (kept.computed, kept.in_flight, kept.placeholders, kept.num_tokens) == (106, 4, 4, 103)
