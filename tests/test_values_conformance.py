@@ -422,3 +422,167 @@ def test_the_backends_sample_through_the_engines_own_rng_stream():
     ours, engines = model_runner((0.5,), seed=7).uniforms.rng.random(4), _runner_rng(7).random(4)
     assert list(ours) == list(engines)
     assert list(model_runner((0.5,), seed=8).uniforms.rng.random(4)) != list(engines)  # control: another seed
+
+
+# ------------------------------------- the backends on hand-built traces
+def _backends(*overrides: str, mode: str = "eagle-drop"):
+    """Both backends for the long-chunked scenario (3,200-token blocks,
+    K = 3 drafts) with ``overrides``, as the gate compares them."""
+    from sim.conformance.driver import conformance_scenario, kvsim_backend, plan_for, vllm_backend
+    from sim.paths import SCENARIOS_DIR
+    from sim.scenario import load_scenario
+
+    path = str(SCENARIOS_DIR / "conformance" / "long-chunked.yaml")
+    scenario = conformance_scenario(load_scenario(path, list(overrides)), mode)
+    plan = plan_for(scenario, "off")
+    return kvsim_backend(scenario, plan), vllm_backend(scenario, plan)
+
+
+def _prompt(request_id: str, tokens: int, output_len: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=request_id,
+        arrival_s=0.0,
+        prompt_len=tokens,
+        output_len=output_len,
+        prompt_token_ids=lambda: list(range(1000, 1000 + tokens)),
+    )
+
+
+def _step_both(kvsim, vllm) -> list[tuple]:
+    """One step on both; vLLM's records, after checking kvsim's are equal."""
+    ours, theirs = kvsim.schedule(), vllm.schedule()
+    assert ours.scheduled == theirs.scheduled
+    kvsim.execute(ours)
+    vllm.execute(theirs)
+    return [tuple(r) for r in theirs.scheduled]
+
+
+def test_a_one_token_admission_beside_a_decode_is_recorded_as_vllms_padded_uniform_decode():
+    """r0 (100 tokens) decodes with K = 3 drafts; r1's prompt is one token.
+    vLLM pads r1 to 1 + K rows with K placeholder drafts (-1, its own
+    output), so r1's record is by hand: 4 tokens, 0 computed, 3 drafts, no
+    prompt token left (computed 0 >= 1 - 1), padded; r0's real drafts are
+    not padding. Kills the padding mutants of ``_scheduled`` (the -1 test
+    mutated or dropped) and ``scheduled_request`` dropping ``is_padded``."""
+    kvsim, vllm = _backends()
+    for backend in (kvsim, vllm):
+        backend.add_request(_prompt("r0", 100, 20))
+    assert _step_both(kvsim, vllm) == [("r0", 100, 0, 0, 100, False)]
+    assert _step_both(kvsim, vllm) == [("r0", 4, 100, 3, 0, False)]
+    for backend in (kvsim, vllm):
+        backend.add_request(_prompt("r1", 1, 5))
+    ours, theirs = kvsim.schedule(), vllm.schedule()
+    assert vllm._vllm_output.scheduled_spec_decode_tokens["r1"] == [-1, -1, -1]
+    assert -1 not in vllm._vllm_output.scheduled_spec_decode_tokens["r0"]
+    assert theirs.scheduled[1] == ScheduledRequest("r1", 4, 0, 3, 0, True)
+    assert not theirs.scheduled[0].is_padded and ours.scheduled == theirs.scheduled
+
+
+def test_a_prompt_chunk_two_tokens_before_the_prompts_end_counts_both_as_prompt():
+    """Lookahead hashing, a 3,202-token prompt: vLLM prefills 3,200 (one
+    Mamba block), then a chunk of the last 2 tokens from 3,200 = 3,202 - 2,
+    both prompt tokens (only a chunk from 3,202 - 1 on is a decode), then
+    decodes with K = 3 drafts. Kills ``computed >= num_tokens - 2``."""
+    kvsim, vllm = _backends(mode="lookahead")
+    for backend in (kvsim, vllm):
+        backend.add_request(_prompt("r0", 3202, 3))
+    steps = [_step_both(kvsim, vllm) for _ in range(3)]
+    assert steps == [
+        [("r0", 3200, 0, 0, 3200, False)],
+        [("r0", 2, 3200, 0, 2, False)],
+        [("r0", 4, 3202, 3, 0, False)],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("computed_after", "num_tokens", "scheduled", "drafts", "prompt_left"),
+    [
+        (3202, 3202, 2, 0, 2),  # a chunk from num_tokens - 2: both prompt tokens
+        (3202, 3202, 1, 0, 0),  # from num_tokens - 1: the decode's token
+        (10, 12, 5, 2, 3),  # a prompt chunk carrying drafts: 5 - 2 prompt tokens
+        (106, 103, 4, 3, 0),  # a decode with 3 drafts
+    ],
+)
+def test_prompt_tokens_left_are_the_scheduled_tokens_less_the_drafts_before_the_last_token(
+    computed_after, num_tokens, scheduled, drafts, prompt_left
+):
+    """``scheduled_request`` on a hand request (vLLM has already advanced its
+    computed tokens): a chunk starting before ``num_tokens - 1`` is prompt,
+    drafts excluded. vLLM never schedules drafts with a prompt chunk; the
+    third row pins the rule by hand (kills ``num_scheduled + num_spec``)."""
+    from sim.conformance.backends import scheduled_request
+
+    request = SimpleNamespace(request_id="r", num_computed_tokens=computed_after, num_tokens=num_tokens)
+    record = scheduled_request(request, scheduled, drafts, False)
+    assert record == ScheduledRequest("r", scheduled, computed_after - scheduled, drafts, prompt_left)
+
+
+def test_vllm_hashes_a_request_on_the_prefix_match_unit_not_the_block():
+    """The rig's flags: 4,096-token blocks, prefix hits on a 64-token unit.
+    vLLM's Scheduler hashes on the unit, so a 300-token prompt gets
+    floor(300 / 64) = 4 block hashes (eagle-drop: no lookahead), not the
+    0 of a 4,096-token hash block. Kills the hasher given no hash size."""
+    _, vllm = _backends(
+        "deployment.block_size=4096", "deployment.prefix_match_unit=64", "deployment.use_replayssm=true"
+    )
+    assert vllm.scheduler.hash_block_size == 64
+    assert vllm.add_request(_prompt("r0", 300, 3))
+    assert len(vllm.scheduler.requests["r0"].block_hashes) == 4
+
+
+def test_kvsims_manager_takes_prefix_caching_off_as_vllms_does():
+    """``allocator.enable_prefix_caching: false``: vLLM's own KVCacheManager
+    (built from its CacheConfig) caches nothing, and kvsim's, built as a
+    simulation builds it, neither (control: the default, on, on both).
+    Kills building kvsim's manager without the allocator options."""
+    kvsim, vllm = _backends("allocator.enable_prefix_caching=false")
+    assert vllm.scheduler.kv_cache_manager.enable_caching is False
+    assert kvsim.kv_cache_manager.enable_caching is False
+    kvsim, vllm = _backends()
+    assert vllm.scheduler.kv_cache_manager.enable_caching and kvsim.kv_cache_manager.enable_caching
+
+
+def test_vllm_without_a_connector_frees_at_once_so_no_step_is_in_flight():
+    """vLLM (no KV connector) frees a finished request's blocks inside
+    ``update_from_output``: after r0's last step its free blocks are back to
+    the start's, and there is no step in flight to complete (the driver asks
+    after an empty step). Kills ``complete_in_flight_steps`` returning True."""
+    _, vllm = _backends()
+    free_at_start = vllm.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    vllm.add_request(_prompt("r0", 100, 1))
+    state = vllm.execute(vllm.schedule())
+    assert state.finished == ("r0",) and state.num_free_blocks == free_at_start
+    assert not vllm.has_unfinished_requests() and vllm.complete_in_flight_steps() is False
+
+
+def test_a_model_without_drafts_gives_vllms_hashing_without_a_prefill_lookahead(monkeypatch):
+    """The fork's deployment minus --speculative-config (no drafter): vLLM's
+    config derives no prefill lookahead (``num_prefill_lookahead_tokens``
+    is 0 without a speculative config), no hash lookahead, and the Scheduler
+    turns the eagle drop off; kvsim's hashing is the same and both schedule
+    plain decodes. Kills ``mtp_hashing`` dropping the prefill lookahead
+    (``MTPHashing``'s default, 1). Failed before vLLM's config was built
+    without a SpeculativeConfig for K = 0 (vLLM refuses zero tokens)."""
+    from sim.kv_cache_manager import MTPHashing
+    from sim.paths import SCENARIOS_DIR
+    from sim.scenario import Scenario, load_scenario
+
+    model = load_scenario(str(SCENARIOS_DIR / "conformance" / "long-chunked.yaml")).load_model()
+    without = model.model_copy(
+        update={"mtp": model.mtp.model_copy(update={"num_layers": 0, "num_speculative_tokens": 0})}
+    )
+    monkeypatch.setattr(Scenario, "load_model", lambda self: without)
+    kvsim, vllm = _backends()
+    assert vllm.vllm_config.num_prefill_lookahead_tokens == 0
+    expected = MTPHashing(
+        use_eagle_block_drop=False, num_hash_lookahead_tokens=0, num_prefill_lookahead_tokens=0
+    )
+    assert vllm.mtp_hashing() == expected == kvsim.scheduler.config.mtp_hashing
+    for backend in (kvsim, vllm):
+        backend.add_request(_prompt("r0", 100, 3))
+    steps = [_step_both(kvsim, vllm) for _ in range(3)]
+    assert steps == [
+        [("r0", 100, 0, 0, 100, False)],
+        [("r0", 1, 100, 0, 0, False)],
+        [("r0", 1, 101, 0, 0, False)],
+    ]

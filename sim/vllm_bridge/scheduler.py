@@ -153,12 +153,18 @@ def _build_vllm_config(settings: VllmSchedulerSettings) -> VllmConfig:
         tensor_parallel_size=settings.tensor_parallel_size,
         pipeline_parallel_size=settings.pipeline_parallel_size,
     )
-    speculative = SpeculativeConfig(
-        method="mtp",
-        num_speculative_tokens=settings.num_speculative_tokens,
-        target_model_config=model,
-        target_parallel_config=parallel,
-        disable_lookahead_block_hashes=settings.mtp_hash_mode == "eagle-drop",
+    # A model without drafts is started without --speculative-config
+    # (vLLM's SpeculativeConfig refuses zero speculative tokens).
+    speculative = (
+        SpeculativeConfig(
+            method="mtp",
+            num_speculative_tokens=settings.num_speculative_tokens,
+            target_model_config=model,
+            target_parallel_config=parallel,
+            disable_lookahead_block_hashes=settings.mtp_hash_mode == "eagle-drop",
+        )
+        if settings.num_speculative_tokens
+        else None
     )
     return VllmConfig(
         model_config=model,
