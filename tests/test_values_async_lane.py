@@ -231,3 +231,106 @@ def test_with_two_decodes_in_flight_the_processed_tokens_lie_behind_the_newer_on
     )  # fmt: skip
     assert lane._applies(kept, ScheduledRequest("r", 4, 100, 3, 0), [7, 8], StepTally())
     assert (kept.computed, kept.in_flight, kept.placeholders, kept.num_tokens) == (106, 4, 4, 103)
+
+
+# ------------------------------------------- entry and hand-over, by hand
+def _lane_with_limits(limits: dict[str, tuple[int, int, int] | None]) -> AsyncSteadyDecode:
+    """A stand-in lane (K = 3): ``_limit`` read off ``limits`` by request
+    id, the stop room 12 tokens for every request."""
+    lane = object.__new__(AsyncSteadyDecode)
+    lane.num_spec, lane.step_tokens, lane._kept = 3, 4, {}
+    lane.scheduler = SimpleNamespace(stop_room=lambda request: {"r": 12}[request.request_id])
+    lane._limit = lambda request: limits[request.request_id]
+    return lane
+
+
+def _decoding(**changes) -> SimpleNamespace:
+    """A request decoding with K = 3: a 40-token prompt, 21 outputs (61
+    known), one decode of 4 in flight (4 placeholders, 4 tokens in flight),
+    so 61 + 4 - 1 = 64 computed; 3 drafts queued; max_tokens 50."""
+    request = SimpleNamespace(
+        request_id="r", is_prefill_chunk=False, num_output_tokens=21, num_stale_output_tokens=0,
+        num_tokens=61, num_output_placeholders=4, num_computed_tokens=64, spec_token_ids=[0, 0, 0],
+        num_in_flight_tokens=4, next_decode_eligible_step=9, num_prompt_tokens=40, max_tokens=50,
+    )  # fmt: skip
+    for name, value in changes.items():
+        setattr(request, name, value)
+    return request
+
+
+def test_a_decoding_request_enters_the_lane_with_what_the_scheduler_holds_on_it():
+    """Kept as the scheduler holds it: computed 64, 4 in flight, 4
+    placeholders, eligible at call 9, 61 tokens; its limit and caching
+    window as ``_limit`` gives them (120; 90 to 110); a length stop at 61 +
+    12 = 73 tokens; the running loop's skip at 40 + 50 = 90."""
+    lane = _lane_with_limits({"r": (120, 90, 110)})
+    request = _decoding()
+    kept = lane._enter(request)
+    assert kept is not None and lane._kept == {"r": kept}
+    assert kept.request is request
+    assert (kept.computed, kept.in_flight, kept.placeholders, kept.eligible, kept.num_tokens) == (
+        64,
+        4,
+        4,
+        9,
+        61,
+    )
+    assert (kept.limit, kept.cache_low, kept.cache_high) == (120, 90, 110)
+    assert (kept.stop_at, kept.max_tokens_end, kept.pending) == (73, 90, [])
+
+
+def test_a_request_with_one_output_enters_the_lane():
+    """One output (prompt 40, 41 known, 44 computed with the decode of 4 in
+    flight): a decode like any other."""
+    lane = _lane_with_limits({"r": (120, 90, 110)})
+    assert lane._enter(_decoding(num_output_tokens=1, num_tokens=41, num_computed_tokens=44)) is not None
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"is_prefill_chunk": True},  # a prompt chunk, its outputs notwithstanding
+        {"num_output_tokens": 0},  # no output yet (nothing stale either)
+        {"num_stale_output_tokens": 1},  # a stale output to drain (known tokens as a decode's)
+        {"num_computed_tokens": 63},  # 61 + 4 - 63 = 2 tokens to compute, K drafts queued
+        {"num_computed_tokens": 65},  # 61 + 4 - 65 = 0: nothing left to compute
+        {"spec_token_ids": [0, 0]},  # two drafts queued, not K
+        {"request_id": "s"},  # outside a settled window (``_limit`` None)
+    ],
+)
+def test_a_request_not_a_steady_decode_stays_out_of_the_lane(changes):
+    """Each condition alone keeps the request out (the rest as a decode's)."""
+    lane = _lane_with_limits({"r": (120, 90, 110), "s": None})
+    assert lane._enter(_decoding(**changes)) is None
+    assert lane._kept == {}
+
+
+def test_a_handed_over_request_takes_the_lanes_counters_and_ids():
+    """The request takes computed 106, 4 in flight, 4 placeholders,
+    eligible 12 and the pending ids [7, 8] appended once; the lane's list
+    is emptied (an audit hands a kept request over and keeps it)."""
+    appended: list[list[int]] = []
+    request = SimpleNamespace(append_output_token_ids=lambda ids: appended.append(list(ids)))
+    kept = _KeptAsync(request=request, computed=106, in_flight=4, placeholders=4, eligible=12, num_tokens=103)
+    kept.pending = [7, 8]
+    AsyncSteadyDecode._hand_over(kept)
+    assert (
+        request.num_computed_tokens,
+        request.num_in_flight_tokens,
+        request.num_output_placeholders,
+        request.next_decode_eligible_step,
+    ) == (106, 4, 4, 12)
+    assert appended == [[7, 8]] and kept.pending == []
+    AsyncSteadyDecode._hand_over(kept)
+    assert appended == [[7, 8]]  # nothing pending: nothing appended again
+
+
+def test_a_new_lane_reads_k_and_the_stagger_off_its_scheduler():
+    """K = 3 drafts: a decode of 1 + 3 = 4 tokens; stagger 2; nothing kept
+    or taken yet."""
+    scheduler = SimpleNamespace(config=SimpleNamespace(num_speculative_tokens=3), decode_stagger=2)
+    fast_path = SimpleNamespace(audit=False)
+    lane = AsyncSteadyDecode(scheduler, fast_path)
+    assert lane.scheduler is scheduler and lane.fast_path is fast_path
+    assert (lane.num_spec, lane.step_tokens, lane.decode_stagger) == (3, 4, 2)
+    assert (lane._kept, lane.num_taken) == ({}, 0)
