@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 import vllm
 from aiohttp.test_utils import TestClient
-from helpers.fault_server import GOOD_METRICS, FaultOptions, FaultServer, app_in_thread
+from helpers.fault_server import GOOD_METRICS, GOOD_PAGE_VALUES, FaultOptions, FaultServer, app_in_thread
 from helpers.scenarios import scenario as make_scenario
 from helpers.scenarios import write_scenario
 from helpers.serve import serve_in_process
@@ -35,19 +35,6 @@ from sim.serving.recording import requests_frame
 from sim.serving.server_metrics import SCRAPED, ServerMetrics, parse_metrics
 
 VLLM = Path(vllm.__file__).parent
-# The fault server's page, read by hand: column -> value.
-GOOD_PAGE_VALUES = {
-    "num_requests_running": 1.0,
-    "num_requests_waiting": 0.0,
-    "kv_cache_usage_perc": 0.25,
-    "num_preemptions_total": 2.0,
-    "prefix_cache_queries_total_tokens": 100.0,
-    "prefix_cache_hits_total_tokens": 40.0,
-    "num_draft_total_tokens": 30.0,
-    "num_accepted_total_tokens": 20.0,
-    "num_prompt_total_tokens": 500.0,
-    "num_generation_total_tokens": 50.0,
-}
 # Four requests of distinct output lengths, 1 s apart (0.1 s at --speed 10).
 DISTINCT_OUTPUTS = {
     "trace": "synthetic",

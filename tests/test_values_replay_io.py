@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from helpers.fault_server import GOOD_METRICS, MISSING_METRICS, app_in_thread, free_port
+from helpers.fault_server import GOOD_METRICS, GOOD_PAGE_VALUES, MISSING_METRICS, app_in_thread, free_port
 from helpers.scenarios import NO_WORKLOAD
 from helpers.scenarios import scenario as make_scenario
 
@@ -48,20 +48,6 @@ from sim.serving.launch import free_port as free_port_launch
 from sim.serving.recording import replay_frames, requests_frame, samples_frame
 from sim.serving.server_metrics import SCRAPED
 from sim.workloads import RequestSpec
-
-# The fault server's page (helpers.fault_server.GOOD_METRICS), read by hand.
-GOOD_PAGE_VALUES = {
-    "num_requests_running": 1.0,
-    "num_requests_waiting": 0.0,
-    "kv_cache_usage_perc": 0.25,
-    "num_preemptions_total": 2.0,
-    "prefix_cache_queries_total_tokens": 100.0,
-    "prefix_cache_hits_total_tokens": 40.0,
-    "num_draft_total_tokens": 30.0,
-    "num_accepted_total_tokens": 20.0,
-    "num_prompt_total_tokens": 500.0,
-    "num_generation_total_tokens": 50.0,
-}
 
 # SplitMix64 (Steele, Lea, Flood 2014; Vigna's reference splitmix64.c)
 # seeded with 0: its first outputs, the finaliser applied to 1, 2, 3, 4

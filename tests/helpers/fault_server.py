@@ -45,6 +45,20 @@ vllm:prompt_tokens_total{engine="0",model_name="fault"} 500.0
 vllm:generation_tokens_total{engine="0",model_name="fault"} 50.0
 """
 
+# GOOD_METRICS read by hand: the replay column each family fills, and its value.
+GOOD_PAGE_VALUES = {
+    "num_requests_running": 1.0,
+    "num_requests_waiting": 0.0,
+    "kv_cache_usage_perc": 0.25,
+    "num_preemptions_total": 2.0,
+    "prefix_cache_queries_total_tokens": 100.0,
+    "prefix_cache_hits_total_tokens": 40.0,
+    "num_draft_total_tokens": 30.0,
+    "num_accepted_total_tokens": 20.0,
+    "num_prompt_total_tokens": 500.0,
+    "num_generation_total_tokens": 50.0,
+}
+
 # No preemption counter and no spec-decode counters (as a server without MTP).
 MISSING_METRICS = "\n".join(
     line for line in GOOD_METRICS.splitlines() if "preemptions" not in line and "spec_decode" not in line
