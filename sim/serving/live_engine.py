@@ -76,6 +76,12 @@ def log_to_stderr(line: str) -> None:
     print(f"INFO kvsim serve: {line}", file=sys.stderr, flush=True)
 
 
+# Requests come over HTTP, not from a workload: the simulation's is empty
+# (only ``Simulation.start`` and ``run`` read it, and a live engine calls
+# neither).
+LIVE_REQUESTS = Workload(name="live", source="live requests over HTTP", requests=())
+
+
 class LiveEngine:
     def __init__(
         self,
@@ -88,8 +94,7 @@ class LiveEngine:
     ) -> None:
         if speed <= 0:
             raise ValueError(f"speed: expected > 0, got {speed}")
-        empty = Workload(name=scenario.name, source="live requests over HTTP", requests=())
-        self.sim = Simulation(scenario, layout, empty, steady_lane=False)
+        self.sim = Simulation(scenario, layout, LIVE_REQUESTS, steady_lane=False)
         self.scheduler = self.sim.scheduler
         self.model_name = scenario.load_model().name
         self.metrics = ServerMetrics(self.model_name, self.sim.plan)
