@@ -563,3 +563,24 @@ def test_a_write_that_finds_the_client_gone_aborts_the_stream(monkeypatch):
     answer = _answer(stream=True)
     response = asyncio.run(server._stream(request, answer, ScriptedQueue([_delta([1], finished=True)])))  # type: ignore[arg-type]
     assert response.status == 200 and aborts == [("cmpl-7", "client disconnected")]
+
+
+def test_a_stop_gives_requests_still_running_five_seconds(tmp_path, monkeypatch):
+    """``docs/serving.md``: at a stop, requests still running get 5 s to end
+    before their connections close (aiohttp's own default is 60 s): the
+    shutdown aiohttp makes when the runner is cleaned up is asked for 5 s."""
+    asked: list[float] = []
+    shutdown = web.Server.shutdown
+
+    async def recording(self, timeout: float | None = None) -> None:
+        asked.append(timeout)  # type: ignore[arg-type]
+        await shutdown(self, timeout)
+
+    monkeypatch.setattr(web.Server, "shutdown", recording)
+
+    async def main() -> None:
+        runner, _ = await server.start_server(build_app(_engine(tmp_path)), "127.0.0.1", 0)
+        await runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    assert asked == [5.0]
