@@ -83,7 +83,7 @@ tests/test_async_conformance.py::test_every_engine_step_is_identical_with_fenced
 # call made anyway), its failing controls and its conformance runs; the
 # long shapes (decode across boundaries, saturated decode) are left out.
 ASYNC_STEADY_TESTS="tests/test_async_steady.py::test_every_call_the_async_lane_skips_changes_nothing[heavy-preemption--off] \
-tests/test_async_steady.py::test_every_call_the_async_lane_skips_changes_nothing[prefix-hits--on] \
+tests/test_async_steady.py::test_every_call_the_async_lane_skips_changes_nothing[prefix-hits-0-on] \
 tests/test_async_steady.py::test_the_check_catches_an_async_lane_across_a_boundary \
 tests/test_async_steady.py::test_the_check_catches_an_async_lane_blind_to_the_tokens_in_flight \
 tests/test_async_steady.py::test_the_conformance_gate_runs_through_the_lane \

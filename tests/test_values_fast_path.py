@@ -127,6 +127,20 @@ def test_memos_past_the_bound_are_all_forgotten(monkeypatch):
     assert not memo.knows_no_hit(a) and not memo.knows_no_hit(b) and memo.knows_no_hit(c)
 
 
+def test_after_a_drop_the_bound_counts_the_kept_memo_alone(monkeypatch):
+    """The drop starts the count again from the memo it keeps: with a bound
+    of 10, c (5 hashes) is kept after the drop and d (5 more, 10 in all,
+    not past it) joins it (control: a count restarted at 1, 11 with d,
+    drops c again)."""
+    monkeypatch.setattr(MissedPinLookups, "MAX_REMEMBERED_HASHES", 10)
+    memo = MissedPinLookups(_pool())
+    for name, seed in (("a", 1), ("b", 2), ("c", 3)):
+        memo.found_no_hit(_waiter(name, seed))
+    c, d = memo._missed["c"][0], _waiter("d", 4)
+    memo.found_no_hit(d)
+    assert memo.knows_no_hit(c) and memo.knows_no_hit(d)
+
+
 def test_a_pass_memo_counts_waiter_changes_from_zero():
     """An idle pass remembered before any change holds until the first."""
     memo = MissedPinLookups(_pool())
@@ -607,3 +621,38 @@ def test_under_the_audit_a_pass_walks_every_waiter_and_checks_the_passed_over():
     scheduler, skips = _grace_rig_with_a_fast_path(audit=True)
     assert skips == [frozenset(), frozenset()]
     assert scheduler.fast_path.audited.unchanged_waiters == 2
+
+
+def test_a_pass_like_the_last_idle_one_walks_no_waiter():
+    """Rule 11 whole: a second pass with the same queue, pins, hashes and
+    tokens is skipped before the queue is asked for a waiter; with waiter
+    pins off no pass asks for one (control: a pass never skipped, or
+    checked against other pinned waiters, walks the queue again)."""
+    scheduler, skips = _grace_rig_with_a_fast_path(audit=False)
+    scheduler.pins.pin_waiting(lambda skip=frozenset(): skips.append(skip) or iter(()))
+    assert len(skips) == 2
+    scheduler.kv_cache_manager.enable_waiter_pins = False
+    scheduler.add_request(pins.Spec("w4", tuple(pins.tail_tokens(8, 65)), 2))  # not idle now
+    scheduler.pins.pin_waiting(lambda skip=frozenset(): skips.append(skip) or iter(()))
+    assert len(skips) == 2
+
+
+def test_a_pass_stops_at_the_first_waiter_it_meets_with_the_bound_reached():
+    """The pin bound at 1: w1 (the cached prompt and one token) is pinned,
+    and the pass ends at the next waiter it draws, w2: w3 is never drawn
+    (control: a pass that goes on at the bound draws w3 and looks it up)."""
+    scheduler, prompt = _grace_rig_with_a_cached_prompt()
+    scheduler.kv_cache_manager.max_pinned_waiters = 1
+    scheduler.add_request(pins.Spec("w1", (*prompt, 9), 2))
+    for index, name in enumerate(("w2", "w3")):
+        scheduler.add_request(pins.Spec(name, tuple(pins.tail_tokens(5 + index, 65)), 2))
+    drawn = []
+
+    def waiting():
+        for request in scheduler._waiting_requests():
+            drawn.append(request.request_id)
+            yield request
+
+    scheduler.pins.pin_waiters(waiting())
+    assert scheduler.kv_cache_manager.pinned_waiter_ids() == ("w1",)
+    assert drawn == ["w1", "w2"]
