@@ -41,6 +41,7 @@ tests/test_fast_path.py::test_a_window_needs_every_block_size \
 tests/test_fast_path.py::test_only_a_second_call_in_the_same_window_is_settled \
 tests/test_fast_path.py::test_a_settled_window_ends_exactly_at_its_bounds \
 tests/test_fast_path.py::test_block_sizes_must_be_positive \
+tests/test_fast_path.py::test_the_hash_unit_bounds_a_window_only_inside_the_prompt \
 tests/test_fast_path.py::test_forgetting_a_request_never_recorded_is_harmless \
 tests/test_fast_path.py::test_the_calls_skipped_across_a_block_boundary \
 tests/test_fast_path.py::test_prefill_chunks_are_never_skipped \
@@ -126,7 +127,7 @@ declare -A MODULES=(
   # mutmut runs the fastest tests first.
   [kv_cache_manager]="sim/kv_cache_manager.py|tests/test_mtp_hashing.py tests/test_allocator.py tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_conformance.py::test_every_step_is_identical"
   [scheduler]="sim/sched/scheduler.py sim/sched/queues.py sim/sched/freeing.py sim/sched/fast_path.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_engine_timeline.py tests/test_steady.py tests/test_conformance.py::test_every_step_is_identical tests/test_aborts.py $FAST_PATH_TESTS"
-  [settled]="sim/sched/settled.py|$FAST_PATH_TESTS"
+  [settled]="sim/sched/settled.py|$FAST_PATH_TESTS tests/test_values_fast_path.py"
   # The steady lane: its hand counts, its checks that make every skipped
   # call (three shapes), the frames against step by step, the horizon and
   # conformance: about 5 s, not the 13 s of the whole file.
@@ -236,7 +237,7 @@ tests/test_serve_hostile.py::test_hostile_clients_leave_the_server_responsive_an
   # retention it extends, restricted by a third field (default mutant
   # globs, overridden by KVSIM_MUTANTS) to those two classes of their file.
   [kv_cache_pins]="sim/kv_cache_pins.py|tests/test_fork_pins.py tests/test_values_fork_pins.py"
-  [sched_pins]="sim/sched/pins.py|tests/test_fork_pins.py tests/test_values_fork_pins.py"
+  [sched_pins]="sim/sched/pins.py|tests/test_fork_pins.py tests/test_values_fork_pins.py tests/test_values_fast_path.py"
   [partial_tail]="sim/single_type_kv_cache_manager.py|tests/test_fork_partial_tail.py tests/test_fork_retention.py tests/test_fork_draft_group.py tests/test_fork_prompt_tail.py tests/test_allocator.py tests/test_allocator_invariant_rules.py tests/test_values_fork_mamba.py|*ǁPartialTailHoldingMambaManagerǁ* *ǁRetainingMambaManagerǁ*"
   # The async engine (issue 26 item 3): the pipeline clock, the one engine
   # loop, the AsyncScheduler twin, its steady lane, the batch-queue core.

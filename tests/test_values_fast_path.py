@@ -8,13 +8,14 @@ docstring (rules 10-11), each with its control.
 from __future__ import annotations
 
 from collections import deque
+from types import SimpleNamespace
 
 import pytest
 from helpers import pins
 from helpers.fast_path import audited, one_request
 from helpers.scheduler import CheckedEngine, tiny_scheduler, tiny_spec
 
-from sim.sched.fast_path import AuditCounts, FastPath, NoFastPath
+from sim.sched.fast_path import AuditCounts, FastPath, FastPathScheduling, NoFastPath, _settled_steps
 from sim.sched.missed_lookups import MissedPinLookups
 from sim.sched.pins import SchedulerPins
 from sim.sched.scheduler import Scheduler, _StepState
@@ -124,6 +125,20 @@ def test_memos_past_the_bound_are_all_forgotten(monkeypatch):
     assert memo.knows_no_hit(a) and memo.knows_no_hit(b)
     memo.found_no_hit(c)
     assert not memo.knows_no_hit(a) and not memo.knows_no_hit(b) and memo.knows_no_hit(c)
+
+
+def test_after_a_drop_the_bound_counts_the_kept_memo_alone(monkeypatch):
+    """The drop starts the count again from the memo it keeps: with a bound
+    of 10, c (5 hashes) is kept after the drop and d (5 more, 10 in all,
+    not past it) joins it (control: a count restarted at 1, 11 with d,
+    drops c again)."""
+    monkeypatch.setattr(MissedPinLookups, "MAX_REMEMBERED_HASHES", 10)
+    memo = MissedPinLookups(_pool())
+    for name, seed in (("a", 1), ("b", 2), ("c", 3)):
+        memo.found_no_hit(_waiter(name, seed))
+    c, d = memo._missed["c"][0], _waiter("d", 4)
+    memo.found_no_hit(d)
+    assert memo.knows_no_hit(c) and memo.knows_no_hit(d)
 
 
 def test_a_pass_memo_counts_waiter_changes_from_zero():
@@ -383,3 +398,261 @@ def test_the_audit_makes_a_passed_over_waiters_pin_call():
     fast_path.scheduler = type("S", (), {"kv_cache_manager": manager})()
     with pytest.raises(AssertionError, match="waiter: a waiter passed over pins"):
         SchedulerPins(manager, fast_path).pin_waiters(iter([waiter]), frozenset({id(waiter)}))
+
+
+# ------------------------------- rule 1: the hash unit, only inside the prompt
+
+
+def test_the_prompt_unit_bounds_a_window_only_where_the_span_reaches_the_prompt():
+    """4,096-token blocks, a 64-token unit, margin 8. 80..90 widens to
+    72..98: inside unit 1 (64..127) and block 0, so (1, 0) (sizes in
+    order). It starts past a 71-token prompt (72 > 71): the block alone,
+    (0,); not past a 72-token one (72 > 72 fails) nor an unknown one. 100..107
+    widens to 92..115, inside unit 1 too; 60..70 (52..78) crosses 64: no
+    window unless past a 51-token prompt (control: the unit everywhere, or
+    nowhere, or past from the prompt's last token on)."""
+    settled = SettledSteps((4096,), margin_tokens=8, prompt_unit=64)
+    assert settled.window(80, 90) == (1, 0)
+    assert settled.window(80, 90, prompt_tokens=72) == (1, 0)
+    assert settled.window(80, 90, prompt_tokens=71) == (0,)
+    assert settled.window(60, 70) is None
+    assert settled.window(60, 70, prompt_tokens=52) is None
+    assert settled.window(60, 70, prompt_tokens=51) == (0,)
+
+
+def test_a_call_past_the_prompt_settles_from_past_the_prompt_and_margin():
+    """Same sizes. A real call over 80..90 past a 71-token prompt: block 0
+    less the margin is 9..4,087; past the prompt and the margin it starts
+    at 71 + 1 + 8 = 80. Reaching into a 100-token prompt, or with the
+    prompt unknown, unit 1 bounds it too: max(9, 64 + 1 + 8) = 73 up to
+    min(4,087, 127 - 8) = 119."""
+    settled = SettledSteps((4096,), margin_tokens=8, prompt_unit=64)
+    settled.record("past", 80, 90, 71)
+    assert settled.bounds("past") == (80, 4087)
+    assert settled.is_settled("past", 80, 4087) and not settled.is_settled("past", 79, 90)
+    settled.record("into", 80, 90, 100)
+    settled.record("unknown", 80, 90)
+    assert settled.bounds("into") == settled.bounds("unknown") == (73, 119)
+    settled.record("into", 60, 70, 100)  # crosses the unit boundary at 64
+    assert settled.bounds("into") is None
+
+
+def test_a_prompt_unit_must_be_positive_and_one_of_the_sizes_changes_nothing():
+    """Unit 0 or -1 is refused with both values named; a 1-token unit is a
+    size (no interior: no window inside the prompt). A unit equal to a
+    block size bounds windows as that size does anyway."""
+    for unit in (0, -1):
+        with pytest.raises(
+            ValueError, match=rf"^block sizes must be positive, got \(4096,\) and unit {unit}$"
+        ):
+            SettledSteps((4096,), margin_tokens=8, prompt_unit=unit)
+    assert SettledSteps((4096,), 0, prompt_unit=1).window(80, 90) is None
+    assert SettledSteps((4096,), 0, prompt_unit=1).window(80, 90, prompt_tokens=10) == (0,)
+    same = SettledSteps((64, 4096), margin_tokens=8, prompt_unit=64)
+    assert same.block_sizes == (64, 4096)
+    assert same.window(80, 90) == same.window(80, 90, prompt_tokens=71) == (1, 0)
+
+
+def _manager(block_sizes: list[int], rings: list[int], hash_block_size: int) -> SimpleNamespace:
+    managers = [SimpleNamespace(block_size=size) for size in block_sizes + rings]
+    return SimpleNamespace(
+        managers=managers,
+        ring_managers=managers[len(block_sizes) :],
+        block_pool=SimpleNamespace(hash_block_size=hash_block_size),
+    )
+
+
+def _scheduler(manager: SimpleNamespace, block_size: int, num_speculative_tokens: int) -> SimpleNamespace:
+    config = SimpleNamespace(block_size=block_size, num_speculative_tokens=num_speculative_tokens)
+    return SimpleNamespace(kv_cache_manager=manager, config=config)
+
+
+def test_the_fast_paths_windows_take_the_hash_unit_only_inside_the_prompt():
+    """The rig: attention and Mamba at 4,096, a ring of 8-token blocks
+    (never a size), the 64-token unit, K = 3: margin 4 x 4 + 16 = 32.
+    5,000..5,007 widened is 4,968..5,039, across unit boundary 4,992:
+    no window into the prompt; past a 4,500-token prompt, block 1."""
+    steps = _settled_steps(_scheduler(_manager([4096, 4096], [8], 64), 4096, 3))
+    assert (steps.block_sizes, steps.margin_tokens) == ((4096,), 32)
+    assert steps.window(5000, 5007) is None
+    assert steps.window(5000, 5007, prompt_tokens=4500) == (1,)
+    # The unit a block size already (64-token blocks hashed every 64, the
+    # scheduler's 128), K = 0, margin 20: the same windows either side of
+    # the prompt; 100..107 widened is 80..127, in block 1 of 64 and 0 of 128.
+    plain = _settled_steps(_scheduler(_manager([64], [], 64), 128, 0))
+    assert (plain.block_sizes, plain.margin_tokens) == ((64, 128), 20)
+    assert plain.window(100, 107) == plain.window(100, 107, prompt_tokens=1) == (1, 0)
+
+
+def _decoding(computed: int, prompt: int, in_flight: int = 0) -> SimpleNamespace:
+    """A request decoding past its prompt: its last token left to compute."""
+    return SimpleNamespace(
+        request_id="r",
+        num_computed_tokens=computed,
+        num_tokens=computed + 1,
+        num_in_flight_tokens=in_flight,
+        num_prompt_tokens=prompt,
+    )
+
+
+def _rig_fast_path() -> FastPath:
+    fast_path = FastPath.__new__(FastPath)  # only the windows are read
+    scheduler = SimpleNamespace()
+    scheduler.decode_span = lambda request, num: FastPathScheduling.decode_span(scheduler, request, num)
+    fast_path.scheduler = scheduler
+    fast_path.allocations = SettledSteps((4096,), margin_tokens=32, prompt_unit=64)
+    fast_path.caching = SettledSteps((4096,), margin_tokens=32, prompt_unit=64)
+    return fast_path
+
+
+def test_real_calls_past_the_prompt_record_windows_of_the_block_alone():
+    """The rig's windows (4,096-token blocks, 64-token unit, margin 32), a
+    4,500-token prompt. An allocation at 5,000 computed for 1 new token and
+    3 lookahead spans 5,000..5,004: settled from 4,500 + 1 + 32 = 4,533 to
+    8,191 - 32 = 8,159 (the unit would give no window: control). At 8,156
+    it spans 8,156..8,160, widened past 8,191: no window (1 + 3 slots; 1 x
+    3 or 1 - 3 would fit). Caching at 5,000: the same window."""
+    fast_path = _rig_fast_path()
+    fast_path.allocated(_decoding(5000, 4500), 1, 3)
+    assert fast_path.allocations.bounds("r") == (4533, 8159)
+    fast_path.allocated(_decoding(8156, 4500), 1, 3)
+    assert fast_path.allocations.bounds("r") is None
+    fast_path.cached(_decoding(5000, 4500), 5000)
+    assert fast_path.caching.bounds("r") == (4533, 8159)
+    fast_path.cached(_decoding(8159, 4500), 8160)
+    assert fast_path.caching.bounds("r") is None
+
+
+def test_a_prefill_allocation_records_no_window():
+    """A request with prompt tokens still to compute is not decoding: its
+    allocation records nothing, and the window of its last decode stays."""
+    fast_path = _rig_fast_path()
+    fast_path.allocated(_decoding(5000, 4500), 1, 3)
+    prefilling = _decoding(5000, 4500)
+    prefilling.num_tokens = 5002
+    fast_path.allocated(prefilling, 1, 3)
+    assert fast_path.allocations.bounds("r") == (4533, 8159)
+
+
+# -------------------------------- rule 11: which waiters a pass walks
+
+
+def test_the_fast_path_names_the_last_idle_passs_waiters_for_the_same_pins():
+    """``FastPath.unchanged_waiters``: the entries of the last idle pass
+    while the pinned waiters are the same, none for other pinned waiters."""
+    fast_path = tiny_scheduler().fast_path
+    a, b = _waiter("a", 1), _waiter("b", 2)
+    fast_path.missed_pin_lookups.pass_ends(deque([a, b]), ("p",), pinned=False)
+    assert fast_path.unchanged_waiters(("p",)) == {id(a), id(b)}
+    assert fast_path.unchanged_waiters(()) == frozenset()
+
+
+def _pass_over_fast_path(manager, audit: bool) -> FastPath:
+    fast_path = FastPath.__new__(FastPath)  # only the audit's parts are read
+    fast_path.audit, fast_path.audited = audit, AuditCounts()
+    fast_path.scheduler = type("S", (), {"kv_cache_manager": manager})()
+    return fast_path
+
+
+def test_without_the_audit_a_passed_over_waiter_is_not_looked_up():
+    """The waiter would hit (its prompt cached), but passed over with the
+    audit off nothing is called: no pin, no error, nothing audited
+    (control: the audit's pin call, which would pin and fail)."""
+    manager = pins.pinning_manager(400)
+    prompt = pins.tail_tokens(1, 340)
+    pins.run(manager, pins.request("same-prompt", prompt))
+    waiter = pins.request("waiter", [*prompt, 7])
+    fast_path = _pass_over_fast_path(manager, audit=False)
+    SchedulerPins(manager, fast_path).pin_waiters(iter([waiter]), frozenset({id(waiter)}))
+    assert manager.pinned_waiter_ids() == () and fast_path.audited.unchanged_waiters == 0
+
+
+def test_each_audited_passed_over_waiter_that_pins_nothing_counts_once():
+    """A passed-over waiter with its own tokens finds no hit: the audit's
+    pin call pins nothing, and each counts one."""
+    manager = pins.pinning_manager(400)
+    pins.run(manager, pins.request("other-prompt", pins.tail_tokens(1, 340)))
+    waiter = pins.request("waiter", pins.tail_tokens(2, 341))
+    fast_path = _pass_over_fast_path(manager, audit=True)
+    for count in (1, 2):
+        SchedulerPins(manager, fast_path).pin_waiters(iter([waiter]), frozenset({id(waiter)}))
+        assert fast_path.audited.unchanged_waiters == count
+    assert manager.pinned_waiter_ids() == ()
+
+
+def _grace_rig_with_a_fast_path(audit: bool) -> tuple[Scheduler, list[frozenset]]:
+    """The grace rig (a cached 64-token prompt) with its fast path on, two
+    waiters of their own tokens; records what each pass asks the waiting
+    queue to skip."""
+    scheduler, _ = _grace_rig_with_a_cached_prompt()
+    fast_path = FastPath(scheduler)
+    fast_path.audit = audit
+    scheduler.fast_path, scheduler.pins = fast_path, SchedulerPins(scheduler.kv_cache_manager, fast_path)
+    for index, name in enumerate(("w1", "w2")):
+        scheduler.add_request(pins.Spec(name, tuple(pins.tail_tokens(5 + index, 65)), 2))
+    skips: list[frozenset] = []
+
+    def waiting(skip=frozenset()):
+        skips.append(skip)
+        return scheduler._waiting_requests(skip)
+
+    scheduler.pins.pin_waiting(waiting)  # the first pass: nothing known, pins nothing
+    scheduler.add_request(pins.Spec("w3", tuple(pins.tail_tokens(7, 65)), 2))  # an arrival
+    scheduler.pins.pin_waiting(waiting)
+    return scheduler, skips
+
+
+def test_a_pass_after_an_arrival_skips_the_idle_passs_waiters_by_identity():
+    """Rule 11: the first pass meets w1 and w2 and pins nothing; after w3
+    arrives the queue differs, so a pass runs, told to skip w1's and w2's
+    entries (not walked: w3 alone is looked up, and found no hit). The
+    second pass is idle too and names all three."""
+    scheduler, skips = _grace_rig_with_a_fast_path(audit=False)
+    w1, w2, w3 = scheduler.waiting
+    assert skips == [frozenset(), {id(w1), id(w2)}]
+    assert scheduler.fast_path.missed_pin_lookups.knows_no_hit(w3)
+    assert scheduler.fast_path.unchanged_waiters(()) == {id(w1), id(w2), id(w3)}
+    assert scheduler.kv_cache_manager.pinned_waiter_ids() == ()
+
+
+def test_under_the_audit_a_pass_walks_every_waiter_and_checks_the_passed_over():
+    """The same passes under the audit: the queue is walked whole (nothing
+    skipped) and w1 and w2, passed over, each make their pin call once."""
+    scheduler, skips = _grace_rig_with_a_fast_path(audit=True)
+    assert skips == [frozenset(), frozenset()]
+    assert scheduler.fast_path.audited.unchanged_waiters == 2
+
+
+def test_a_pass_like_the_last_idle_one_walks_no_waiter():
+    """Rule 11 whole: a second pass with the same queue, pins, hashes and
+    tokens is skipped before the queue is asked for a waiter; with waiter
+    pins off no pass asks for one (control: a pass never skipped, or
+    checked against other pinned waiters, walks the queue again)."""
+    scheduler, skips = _grace_rig_with_a_fast_path(audit=False)
+    scheduler.pins.pin_waiting(lambda skip=frozenset(): skips.append(skip) or iter(()))
+    assert len(skips) == 2
+    scheduler.kv_cache_manager.enable_waiter_pins = False
+    scheduler.add_request(pins.Spec("w4", tuple(pins.tail_tokens(8, 65)), 2))  # not idle now
+    scheduler.pins.pin_waiting(lambda skip=frozenset(): skips.append(skip) or iter(()))
+    assert len(skips) == 2
+
+
+def test_a_pass_stops_at_the_first_waiter_it_meets_with_the_bound_reached():
+    """The pin bound at 1: w1 (the cached prompt and one token) is pinned,
+    and the pass ends at the next waiter it draws, w2: w3 is never drawn
+    (control: a pass that goes on at the bound draws w3 and looks it up)."""
+    scheduler, prompt = _grace_rig_with_a_cached_prompt()
+    scheduler.kv_cache_manager.max_pinned_waiters = 1
+    scheduler.add_request(pins.Spec("w1", (*prompt, 9), 2))
+    for index, name in enumerate(("w2", "w3")):
+        scheduler.add_request(pins.Spec(name, tuple(pins.tail_tokens(5 + index, 65)), 2))
+    drawn = []
+
+    def waiting():
+        for request in scheduler._waiting_requests():
+            drawn.append(request.request_id)
+            yield request
+
+    scheduler.pins.pin_waiters(waiting())
+    assert scheduler.kv_cache_manager.pinned_waiter_ids() == ("w1",)
+    assert drawn == ["w1", "w2"]
