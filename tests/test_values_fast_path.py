@@ -656,3 +656,28 @@ def test_a_pass_stops_at_the_first_waiter_it_meets_with_the_bound_reached():
     scheduler.pins.pin_waiters(waiting())
     assert scheduler.kv_cache_manager.pinned_waiter_ids() == ("w1",)
     assert drawn == ["w1", "w2"]
+
+
+def test_the_audit_makes_a_skipped_caching_call_and_names_it(tmp_path):
+    """A caching call the fast path skips is made anyway under the audit,
+    and a change it makes is reported as the caching call's. The allocator
+    here is broken on purpose: each ``cache_blocks`` call leaves a new entry
+    in a manager's table, so the first skipped one is caught (control: the
+    audit off, the run ends)."""
+    for audit in (False, True):
+        simulation = one_request(tmp_path, 3120, 150)
+        manager = simulation.kv_cache_manager
+        real = manager.cache_blocks
+        calls = iter(range(10**6))
+
+        def leaving_a_trace(request, num_computed_tokens, _real=real, _manager=manager, _calls=calls):
+            _real(request, num_computed_tokens)
+            _manager.managers[0].num_cached_block[f"trace-{next(_calls)}"] = 0
+
+        manager.cache_blocks = leaving_a_trace
+        if not audit:
+            simulation.run()
+            continue
+        audited(simulation, lane=False)
+        with pytest.raises(AssertionError, match="^a skipped caching call changed the allocator$"):
+            simulation.run()
