@@ -681,3 +681,21 @@ def test_the_audit_makes_a_skipped_caching_call_and_names_it(tmp_path):
         audited(simulation, lane=False)
         with pytest.raises(AssertionError, match="^a skipped caching call changed the allocator$"):
             simulation.run()
+
+
+def test_the_audit_of_a_skipped_pin_lookup_wants_a_lookup_that_found_no_hit():
+    """A skipped pin lookup is made under the audit and must have looked up
+    and found nothing: one that pins nothing without finding "no hit" (its
+    waiter pinned already, so vLLM's lookup is not even made) is caught
+    too, not only one that pins."""
+    manager = pins.pinning_manager(400)
+    prompt = pins.tail_tokens(1, 340)
+    pins.run(manager, pins.request("same-prompt", prompt))
+    waiter = pins.request("waiter", [*prompt, 7])
+    assert manager.pin_waiting_hit(waiter) > 0  # pinned now
+    fast_path = FastPath.__new__(FastPath)  # only the audit's parts are read
+    fast_path.audit, fast_path.audited = True, AuditCounts()
+    fast_path.scheduler = type("S", (), {"kv_cache_manager": manager})()
+    with pytest.raises(AssertionError, match="^waiter: a skipped pin lookup hits$"):
+        fast_path._audit_pin_lookup(waiter)
+    assert manager.pinned_waiter_ids() == ("waiter",) and fast_path.audited.pin_lookups == 0
