@@ -334,3 +334,26 @@ def test_a_new_lane_reads_k_and_the_stagger_off_its_scheduler():
     assert lane.scheduler is scheduler and lane.fast_path is fast_path
     assert (lane.num_spec, lane.step_tokens, lane.decode_stagger) == (3, 4, 2)
     assert (lane._kept, lane.num_taken) == ({}, 0)
+
+
+def test_the_audit_makes_a_taken_decodes_allocation_as_the_running_loop_would(tmp_path):
+    """Under the audit each decode the lane took has its skipped allocation
+    made as the scheduler's running loop makes it (``_allocate_or_preempt``):
+    1 + K new tokens and the K = 3 lookahead slots, none of them allocating
+    (control: the audit's calls are among those seen, and each is the same
+    call the ordinary path makes)."""
+    simulation = _simulation(tmp_path, [], fast_path=True)
+    audited(simulation, lane=True)
+    manager = simulation.kv_cache_manager
+    real, seen = manager.allocate_slots, []
+
+    def recording(request, num_new_tokens, *args, **kwargs):
+        seen.append((num_new_tokens, args, kwargs))
+        return real(request, num_new_tokens, *args, **kwargs)
+
+    manager.allocate_slots = recording
+    calls = _drive(simulation)
+    assert sum(call[3] for call in calls) > 20
+    decodes = [entry for entry in seen if entry[0] == 4]
+    assert len(decodes) >= sum(call[3] for call in calls)
+    assert all(entry == (4, (), {"num_lookahead_tokens": 3}) for entry in decodes)
