@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import re
 import signal
 import socket
@@ -657,6 +658,27 @@ def test_a_launched_server_runs_in_its_own_group_with_its_env_and_stops_at_sigin
     assert status == -signal.SIGINT and wall_s < 0.5 and server.exited()
     assert server.stop() == -signal.SIGINT  # idempotent
     assert server.log_path == tmp_path / "logs" / "run" / "server.log" and server.log_path.exists()
+
+
+def test_a_launched_server_reads_nothing_from_the_launchers_stdin(tmp_path):
+    """The server's stdin is ``/dev/null`` whatever the launcher's is (a
+    server that prompted would otherwise wait on a terminal or steal a
+    pipe's input): with this process's stdin a pipe for the launch, the
+    child's fd 0 is still ``/dev/null`` (control: a child that inherits
+    it reads ``pipe:[...]``)."""
+    code = "import os, time; print(os.readlink('/proc/self/fd/0'), 'ready', flush=True); time.sleep(60)"
+    saved, (read_end, write_end) = os.dup(0), os.pipe()
+    try:
+        os.dup2(read_end, 0)
+        server = _python(tmp_path, code)
+    finally:
+        os.dup2(saved, 0)
+        for fd in (saved, read_end, write_end):
+            os.close(fd)
+    try:
+        assert _ready(server).splitlines()[-1] == "/dev/null ready"
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize(
