@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from helpers.fault_server import GOOD_METRICS, GOOD_PAGE_VALUES, MISSING_METRICS, app_in_thread, free_port
@@ -262,6 +263,25 @@ def test_each_request_goes_out_as_vllm_bench_serve_sends_it():
     given = Scripted([(200, lines)], models=(200, "{}"))
     _replay(given, [_spec("r0", 0.0)], model="mine", vocab_size=1000)
     assert given.bodies[0]["model"] == "mine" and given.bodies[0]["prompt"] == [535]
+
+
+def test_a_completion_is_bounded_by_the_request_timeout_and_its_connect_by_the_connect_timeout(monkeypatch):
+    """``ClientConfig``: a completion may take ``request_timeout_s`` in all,
+    its connection ``connect_timeout_s`` of that (a server that stops
+    accepting is not waited on for the whole request timeout): the timeout
+    each completion is posted with, read where aiohttp receives it."""
+    posted: list[aiohttp.ClientTimeout] = []
+    post = aiohttp.ClientSession.post
+
+    def recording(self, url, **kwargs):
+        if str(url).endswith("/v1/completions"):
+            posted.append(kwargs["timeout"])
+        return post(self, url, **kwargs)
+
+    monkeypatch.setattr(aiohttp.ClientSession, "post", recording)
+    lines = [_chunk(ids=[7], finish="length"), DONE_LINE]
+    _replay(Scripted([(200, lines)] * 2), [_spec("r0", 0.0), _spec("r1", 0.0)], connect_timeout_s=3.0)
+    assert [(t.total, t.connect) for t in posted] == [(10.0, 3.0), (10.0, 3.0)]
 
 
 def test_a_stream_is_recorded_token_by_token_and_the_servers_usage_wins():
