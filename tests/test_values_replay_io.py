@@ -284,6 +284,36 @@ def test_a_completion_is_bounded_by_the_request_timeout_and_its_connect_by_the_c
     assert [(t.total, t.connect) for t in posted] == [(10.0, 3.0), (10.0, 3.0)]
 
 
+@pytest.mark.parametrize(
+    ("method", "error"),
+    [("post", aiohttp.ClientError), ("post", aiohttp.ClientConnectionError), ("get", aiohttp.ClientError)],
+)
+def test_an_errors_cause_is_cut_to_120_characters_on_one_line(monkeypatch, method, error):
+    """A completion's error (any client error, a lost connection) and a
+    failed ``/v1/models`` say the cause's type and its message cut to 117
+    characters and "..." on one line, whatever aiohttp put in it (here 300
+    characters over two lines)."""
+    message = "x" * 150 + "\n" + "y" * 150
+    real = getattr(aiohttp.ClientSession, method)
+
+    def failing(self, url, **kwargs):
+        if str(url).endswith("/v1/completions" if method == "post" else "/v1/models"):
+            raise error(message)
+        return real(self, url, **kwargs)
+
+    monkeypatch.setattr(aiohttp.ClientSession, method, failing)
+    lines = [_chunk(ids=[7], finish="length"), DONE_LINE]
+    if method == "get":
+        with pytest.raises(ServerUnreachable) as raised:
+            _replay(Scripted([(200, lines)]), [_spec("r0", 0.0)])
+        said = str(raised.value)
+        cause = said[said.index("(ClientError: ") + len("(ClientError: ") : -1]
+    else:
+        record = _replay(Scripted([(200, lines)]), [_spec("r0", 0.0)]).records[0]
+        cause = record.error.split(f"{error.__name__}: ", 1)[1]
+    assert cause == "x" * 117 + "..."
+
+
 def test_a_stream_is_recorded_token_by_token_and_the_servers_usage_wins():
     """Tokens counted from ``token_ids`` (2, then 1 after a choice that is
     no mapping, then 1), then from ``text`` alone (1) when a chunk has no
