@@ -559,6 +559,28 @@ def test_a_page_that_never_comes_is_given_up_after_the_connect_timeout():
     )
 
 
+def test_the_last_scrape_in_flight_when_the_requests_end_is_waited_for():
+    """A scrape still in flight when the last request ends is waited for
+    (the wait is bounded at the connect timeout plus 5 s, not cut at once):
+    the first scrape, at the start, takes 0.4 s and the one request 0.1 s,
+    so the run ends with that sample, read from the page, and no other."""
+
+    class Unhurried(Scripted):
+        async def get_metrics(self, request: web.Request) -> web.Response:
+            await asyncio.sleep(0.4)
+            return web.Response(text=GOOD_METRICS)
+
+    lines = [_chunk(ids=[1], finish="length"), DONE_LINE]
+    outcome = _replay(
+        Unhurried([(200, lines)], pause_s=0.1),
+        [_spec("r0", 0.0)],
+        sample_interval_s=10.0,
+        connect_timeout_s=2.0,
+    )
+    assert [sample["kv_cache_usage_perc"] for sample in outcome.samples] == [0.25]
+    assert outcome.records[0].error is None
+
+
 def test_a_stop_drains_for_the_drain_timeout_then_cancels():
     """A stop 0.2 s in: the request in flight (its tokens 5 s away) gets the
     0.3 s drain, then is cancelled; the one not yet due is not sent. The
@@ -839,6 +861,30 @@ def test_a_health_check_that_never_answers_gives_up_after_its_two_second_poll(tm
             assert 2.0 <= time.monotonic() - started < 4.0
     finally:
         server.stop()
+
+
+def test_each_health_poll_is_cut_at_two_seconds(tmp_path, monkeypatch):
+    """The session ``wait_healthy`` polls ``/health`` with is cut at 2 s a
+    request, read where aiohttp receives it (the test above bounds the
+    same cut by the wall clock, loosely)."""
+    timeouts: list[aiohttp.ClientTimeout] = []
+    session_init = aiohttp.ClientSession.__init__
+
+    def recording(self, *args, **kwargs):
+        timeouts.append(kwargs.get("timeout"))
+        session_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(aiohttp.ClientSession, "__init__", recording)
+    port = free_port_launch()
+    fault = Path(__file__).parent / "helpers" / "fault_server.py"
+    server = LaunchedServer(
+        [sys.executable, str(fault), "--port", str(port)], {}, tmp_path / "server.log", grace_s=0.5
+    )
+    try:
+        _healthy(server, f"http://127.0.0.1:{port}", 20.0)
+    finally:
+        server.stop()
+    assert [(t.total, t.connect) for t in timeouts] == [(2.0, None)]
 
 
 def test_the_log_is_read_with_bytes_that_are_not_utf8_replaced(tmp_path):
