@@ -460,3 +460,19 @@ def test_the_rms_of_nothing_is_nan_without_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert math.isnan(c.rms(np.array([])))
+
+
+def test_the_fit_passes_scipy_only_options_it_knows():
+    """``_fit_free``'s Nelder-Mead options are all scipy's own: a misspelt
+    one (``maxfev`` lost, so the simplex would stop silently at scipy's 200
+    evaluations per coefficient) makes scipy warn, which fails here."""
+
+    class Quadratic:
+        names = ("a", "b")
+
+        def __call__(self, x: np.ndarray) -> np.ndarray:
+            return x - np.array([0.1, 0.0])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert c._fit_free(Quadratic(), [0], [(-1.0, 1.0), (-1.0, 1.0)]) is False
