@@ -219,6 +219,25 @@ def test_a_waiting_request_taking_tokens_counts_one_change():
         assert fast_path.missed_pin_lookups.num_waiter_changes == count
 
 
+def test_a_drained_stale_output_voids_the_waiting_memo_for_good():
+    """Rule 9: a waiting request's stale output drained voids a remembered
+    idle waiting loop, and no later allocator change brings it back (each
+    moves the version to one it never had: control, a version set or
+    stepped back would repeat the remembered one)."""
+    scheduler = _one_token_waiter()
+    fast_path = scheduler.fast_path
+    budget, flags = 2, (True, False)
+    for void in (fast_path.allocator_changes, fast_path.waiting_request_changes):
+        void()
+        fast_path.waiting_ends(fast_path._waiting_inputs(budget, *flags), admitted=False)
+        assert fast_path.waiting_known_idle(budget, *flags)
+        fast_path.waiting_request_changes()
+        assert not fast_path.waiting_known_idle(budget, *flags)
+        for _ in range(3):
+            fast_path.allocator_changes()
+            assert not fast_path.waiting_known_idle(budget, *flags)
+
+
 # ------------------------------------------- the allocation call's audit
 
 
