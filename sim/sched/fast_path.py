@@ -98,9 +98,10 @@ is broken:
    ``::test_a_lane_that_ignores_the_stagger_fails_the_conformance_gate``.
 10. A waiter's pin lookup (``get_computed_blocks``, pin point 3) that found
    no hit finds none again while no (hash, block) pair with one of its own
-   block hashes was inserted into the pool's cached-hash map (``BlockPool._insert_block_hash``, counted
-   when the map lacked the pair: a call for a pair it holds inserts
-   nothing, and a decode's caching makes one every step) and the
+   block hashes was inserted into the pool's cached-hash map
+   (``BlockPool._insert_block_hash``, counted when the map lacked the
+   pair: a call for a pair it holds inserts nothing, and a decode's
+   caching makes one every step) and the
    request has the same tokens and block hashes: a lookup reads nothing
    else that moves, and removing cached hashes (evictions, a reset) only
    shrinks a hit. The allocator version would be safe too, but it moves
@@ -454,9 +455,10 @@ class NoFastPath:
 
 def _settled_steps(scheduler: Scheduler) -> SettledSteps:
     """Windows over every block size a call divides by (the groups', the
-    hash block), widened by a margin past the lookahead and re-prefill
-    offsets a call adds (rule 2). The rings' block size is left out: a ring
-    is claimed once per request and never reads a position."""
+    scheduler's; the hash unit only inside the prompt), widened by a margin
+    past the lookahead and re-prefill offsets a call adds (rule 2). The
+    rings' block size is left out: a ring is claimed once per request and
+    never reads a position."""
     kv_cache_manager, config = scheduler.kv_cache_manager, scheduler.config
     rings = kv_cache_manager.ring_managers
     sizes = {m.block_size for m in kv_cache_manager.managers if m not in rings}

@@ -25,10 +25,12 @@ find no hit again (rule 10 of ``fast_path.py``):
 
 A whole pass (rule 11) pins nothing again when the last one pinned nothing
 and no hash at all was inserted (a waiter that found a hit of null blocks
-only is not remembered, and any insertion may extend it), the waiting queue holds the same requests in the
-same order, no waiter took tokens and the same waiters are pinned: each
-waiter then meets the pass as before (pinned, past the bound, or known to
-find no hit), so not even the per-waiter checks are made.
+only is not remembered, and any insertion may extend it), the waiting
+queue holds the same requests in the same order, no waiter took tokens
+and the same waiters are pinned: each waiter then meets the pass as before
+(pinned, past the bound, or known to find no hit), so not even the
+per-waiter checks are made. With only the queue changed, the waiters of
+that pass are passed over and the others examined.
 
 ``FastPath.audit`` makes every skipped lookup anyway.
 """
