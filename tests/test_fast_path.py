@@ -225,8 +225,9 @@ def test_every_skipped_call_changes_nothing(name, overrides, layout, mode, tmp_p
     assert counts.allocations > 0 and counts.cachings > 0
     if name == "saturated-decode":
         # No shared prefixes: the waiters' pin lookups (rule 10), then whole
-        # pin passes (rule 11), are skipped, and audited.
-        assert counts.pin_lookups > 0 and counts.pin_passes > 0
+        # pin passes and, in passes after a changed queue, the waiters of the
+        # last idle one (rule 11), are skipped, and audited.
+        assert counts.pin_lookups > 0 and counts.pin_passes > 0 and counts.unchanged_waiters > 0
 
 
 def settle_every_call_after_the_first(monkeypatch) -> None:
