@@ -27,6 +27,7 @@ from sim.scenario import load_scenario
 from sim.sched.engine_core import EngineCore
 from sim.sched.fast_path import FastPath
 from sim.sched.model_runner import AcceptanceModel, ModelRunner, UniformStream, accepted_drafts
+from sim.sched.scheduler import _StepState
 from sim.sched.steady import SteadyDecode
 
 # ------------------------------------------------------------ the draws
@@ -303,6 +304,32 @@ def test_the_waiting_memo_holds_only_for_the_same_inputs_and_allocator():
     assert not scheduler.fast_path.waiting_known_idle(504, True, True)
     engine.complete(step)  # caches the decodes' blocks (32-token blocks never settle)
     assert not scheduler.fast_path.waiting_known_idle(504, True, False)
+
+
+def test_the_waiting_memo_keeps_idle_loops_of_other_inputs_while_the_allocator_stays():
+    """The same scene: the third prompt (14 blocks, 2 free) is refused at
+    any budget. A loop with 400 tokens left, run after step 2's (504 left),
+    is remembered beside it, as async scheduling's stagger alternates two
+    budgets; at most ``MAX_INPUTS`` are kept (the oldest goes), and an
+    allocator change voids them all."""
+    scheduler = tiny_scheduler(num_blocks=34, budget=512)
+    engine = EngineCore(scheduler, _runner())
+    for index in range(3):
+        scheduler.add_request(tiny_spec(index, 60))
+    engine.complete(engine.schedule())
+    step = engine.schedule()
+    known = scheduler.fast_path.waiting_known_idle
+    scheduler._schedule_waiting(_StepState(token_budget=400, running_scheduled=True, prefill_scheduled=False))
+    assert known(400, True, False) and known(504, True, False)
+    assert not known(401, True, False)
+    for budget in (300, 200, 100):
+        scheduler._schedule_waiting(
+            _StepState(token_budget=budget, running_scheduled=True, prefill_scheduled=False)
+        )
+    assert not known(504, True, False)  # the oldest of five
+    assert all(known(budget, True, False) for budget in (400, 300, 200, 100))
+    engine.complete(step)
+    assert not any(known(budget, True, False) for budget in (400, 300, 200, 100))
 
 
 def test_an_arrival_voids_the_waiting_memo():

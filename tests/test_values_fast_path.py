@@ -18,6 +18,7 @@ from helpers.scheduler import CheckedEngine, tiny_scheduler, tiny_spec
 from sim.sched.fast_path import AuditCounts, FastPath, FastPathScheduling, NoFastPath, _settled_steps
 from sim.sched.missed_lookups import MissedPinLookups
 from sim.sched.pins import SchedulerPins
+from sim.sched.queues import WaitingQueue
 from sim.sched.scheduler import Scheduler, _StepState
 from sim.sched.settled import SettledSteps
 from sim.vllm_bridge import BlockPool, init_none_hash, kv_cache_utils, sha256
@@ -718,3 +719,85 @@ def test_the_audit_of_a_skipped_pin_lookup_wants_a_lookup_that_found_no_hit():
     with pytest.raises(AssertionError, match="^waiter: a skipped pin lookup hits$"):
         fast_path._audit_pin_lookup(waiter)
     assert manager.pinned_waiter_ids() == ("waiter",) and fast_path.audited.pin_lookups == 0
+
+
+# What ``deque`` offers that leaves the queue as it is (read from the
+# ``collections.deque`` documentation, not from ``WaitingQueue``).
+_DEQUE_READS = {
+    "__add__",
+    "__class_getitem__",
+    "__contains__",
+    "__copy__",
+    "__getitem__",
+    "__iter__",
+    "__len__",
+    "__mul__",
+    "__reversed__",
+    "__rmul__",
+    "copy",
+    "count",
+    "index",
+    "maxlen",
+}
+
+# Each of deque's changing calls, with arguments: what it leaves in [a, b].
+_DEQUE_CHANGES = {
+    "append": (("c",), ["a", "b", "c"]),
+    "appendleft": (("c",), ["c", "a", "b"]),
+    "clear": ((), []),
+    "extend": ((["c"],), ["a", "b", "c"]),
+    "extendleft": ((["c"],), ["c", "a", "b"]),
+    "insert": ((1, "c"), ["a", "c", "b"]),
+    "pop": ((), ["a"]),
+    "popleft": ((), ["b"]),
+    "remove": (("a",), ["b"]),
+    "reverse": ((), ["b", "a"]),
+    "rotate": ((1,), ["b", "a"]),
+    "__setitem__": ((0, "c"), ["c", "b"]),
+    "__delitem__": ((0,), ["b"]),
+    "__iadd__": ((["c"],), ["a", "b", "c"]),
+    "__imul__": ((2,), ["a", "b", "a", "b"]),
+}
+
+
+def test_the_waiting_queue_counts_every_call_of_deque_that_changes_it():
+    """Rule 11's one-number check is sound only if no change escapes the
+    count: every method of ``deque`` is either a read or counted, and each
+    counted call moves the version by one and acts as ``deque``'s own."""
+    assert set(dir(deque)) - set(dir(object)) - _DEQUE_READS == set(_DEQUE_CHANGES)
+    assert set(WaitingQueue.MUTATORS) == set(_DEQUE_CHANGES)
+    for name, (args, left) in _DEQUE_CHANGES.items():
+        queue = WaitingQueue(["a", "b"])
+        before = queue.version
+        getattr(queue, name)(*args)
+        assert (list(queue), queue.version) == (left, before + 1), name
+    queue = WaitingQueue(["a"])
+    queue.__init__(["a"])  # a refill counts as well
+    assert queue.version == 1
+
+
+def test_a_waiting_queue_without_calls_since_an_idle_pass_is_known_idle_unread():
+    """With the scheduler's queue the pass memo compares a version; the
+    entries are read again only after a call (and a queue changed back to
+    the same entries is still known by them, then by its new version)."""
+
+    class CountedReads(WaitingQueue):
+        reads = 0
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            self.reads += 1
+            return super().__iter__()
+
+    memo = MissedPinLookups(_pool())
+    a, b, c = _waiter("a", 1), _waiter("b", 2), _waiter("c", 3)
+    queue = CountedReads([a, b])
+    memo.pass_ends(queue, (), pinned=False)
+    reads = queue.reads
+    assert memo.knows_idle_pass(queue, ()) and memo.knows_idle_pass(queue, ())
+    assert queue.reads == reads  # not read
+    queue[1] = c
+    assert not memo.knows_idle_pass(queue, ())
+    queue[1] = b
+    assert memo.knows_idle_pass(queue, ())  # by identity, read once
+    reads = queue.reads
+    assert memo.knows_idle_pass(queue, ()) and queue.reads == reads

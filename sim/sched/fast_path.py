@@ -164,12 +164,17 @@ class AuditCounts:
 
 @dataclass(frozen=True, slots=True)
 class _IdleWaiting:
-    """A waiting loop that admitted nobody: its head, inputs and the
-    allocator's version then."""
+    """Waiting loops that admitted nobody with the same head and allocator
+    version: their inputs (the latest last), the head and the version."""
 
     head: object
-    inputs: tuple
+    inputs: tuple[tuple, ...]
     allocator_version: int
+
+    # Inputs kept per head and version. Async scheduling's decode stagger
+    # alternates two budgets (each half of the running set leaves its own),
+    # so one would be forgotten at every other micro-batch.
+    MAX_INPUTS = 4
 
 
 class FastPath:
@@ -263,11 +268,17 @@ class FastPath:
     def waiting_ends(self, inputs: tuple, admitted: bool) -> None:
         """A loop that admitted nobody changed nothing (a failed admission
         allocates nothing): with the same inputs, head and allocator state,
-        it admits nobody again."""
-        waiting = self.scheduler.waiting
+        it admits nobody again. Idle loops with other inputs are kept while
+        the head and the allocator's version stay: the state each read is
+        the same."""
+        waiting, idle = self.scheduler.waiting, self._idle_waiting
         self._idle_waiting = None
-        if not admitted and waiting:
-            self._idle_waiting = _IdleWaiting(waiting[0], inputs, self.allocator_version)
+        if admitted or not waiting:
+            return
+        head, kept = waiting[0], (inputs,)
+        if idle is not None and idle.head is head and idle.allocator_version == self.allocator_version:
+            kept = (*idle.inputs, inputs)[-_IdleWaiting.MAX_INPUTS :]
+        self._idle_waiting = _IdleWaiting(head, kept, self.allocator_version)
 
     def waiting_known_idle(self, token_budget: int, running_scheduled: bool, prefill_scheduled: bool) -> bool:
         """Whether a waiting loop with these inputs is the one remembered to
@@ -278,7 +289,7 @@ class FastPath:
             and bool(waiting)
             and idle.head is waiting[0]
             and idle.allocator_version == self.allocator_version
-            and idle.inputs == self._waiting_inputs(token_budget, running_scheduled, prefill_scheduled)
+            and self._waiting_inputs(token_budget, running_scheduled, prefill_scheduled) in idle.inputs
         )
 
     def _waiting_inputs(self, token_budget: int, running_scheduled: bool, prefill_scheduled: bool) -> tuple:

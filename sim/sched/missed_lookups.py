@@ -74,6 +74,8 @@ class MissedPinLookups:
         self.num_waiter_changes = 0
         self._idle_pass: PassKey | None = None
         self._idle_ids: frozenset[int] = frozenset()  # its entries' ids
+        # Its queue and the queue's version then (None for a queue without one).
+        self._idle_queue: tuple[object, int] | None = None
         self._count_insertions(block_pool)
 
     def _count_insertions(self, block_pool: BlockPool) -> None:
@@ -144,10 +146,21 @@ class MissedPinLookups:
     def knows_idle_pass(self, waiting: Iterable[object], pinned_ids: tuple[str, ...]) -> bool:
         """Whether a pin pass over ``waiting`` is known to pin nothing."""
         idle = self._idle_pass
-        if idle is None:
+        if idle is None or not self._reads_alike(idle, pinned_ids):
             return False
+        if self._is_idle_queue(waiting):
+            return True  # not changed since: no entry need be compared
         # By identity: the entries themselves are not compared.
-        return self._reads_alike(idle, pinned_ids) and idle[3] == tuple(map(id, waiting))
+        if idle[3] != tuple(map(id, waiting)):
+            return False
+        self._idle_queue = _queue_version(waiting)  # changed back: the next check is one number
+        return True
+
+    def _is_idle_queue(self, waiting: Iterable[object]) -> bool:
+        """Whether ``waiting`` is the idle pass's queue object with no call
+        that may change it since (``queues.WaitingQueue.version``)."""
+        idle_queue = self._idle_queue
+        return idle_queue is not None and idle_queue[0] is waiting and idle_queue[1] == _version(waiting)
 
     def _reads_alike(self, idle: PassKey, pinned_ids: tuple[str, ...]) -> bool:
         """The same insertions, waiter tokens and pinned waiters as ``idle``'s."""
@@ -166,4 +179,18 @@ class MissedPinLookups:
     def pass_ends(self, waiting: Iterable[object], pinned_ids: tuple[str, ...], pinned: bool) -> None:
         """A pin pass ended; ``pinned``: it changed the allocator."""
         self._idle_pass = None if pinned else self._pass_key(waiting, pinned_ids)
+        self._idle_queue = None if pinned else _queue_version(waiting)
         self._idle_ids = frozenset() if self._idle_pass is None else frozenset(self._idle_pass[3])
+
+
+def _version(waiting: Iterable[object]) -> int | None:
+    """The queue's count of changing calls, where it keeps one (the
+    scheduler's ``WaitingQueue``)."""
+    return getattr(waiting, "version", None)
+
+
+def _queue_version(waiting: Iterable[object]) -> tuple[object, int] | None:
+    """The queue (held, so its identity is not reused while remembered) and
+    its version; None for a queue without one."""
+    version = _version(waiting)
+    return None if version is None else (waiting, version)

@@ -27,7 +27,7 @@ from sim.sched.freeing import BlockFreeing
 from sim.sched.model_runner import OUTPUT_TOKEN_BASE
 from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepOutcome, StepTally
 from sim.sched.pins import NoPins, SchedulerPins, scheduler_pins
-from sim.sched.queues import RequestQueues
+from sim.sched.queues import RequestQueues, WaitingQueue
 from sim.sched.stats import StatsReporting
 from sim.sched.steady import NO_STEADY, SteadyItems
 from sim.vllm_bridge import (
@@ -175,7 +175,7 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
         # their copy-on-write blocks are released once copied.
         self._partial_hash_hits = kv_cache_manager.coordinator.enable_partial_hash_hits
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request | RequestSpec] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         # (fence step, blocks, is a copy-on-write retention), in free order.
         self.deferred_frees: deque[tuple[int, list[KVCacheBlock], bool]] = deque()
@@ -298,8 +298,10 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
     def _admit_waiting(self, step: _StepState) -> bool:
         skipped: list[Request] = []
         admitted = self._admit_waiting_requests(step, skipped)
-        # Skipped requests go back to the front, in their order (vLLM's prepend).
-        self.waiting.extendleft(reversed(skipped))
+        # Skipped requests go back to the front, in their order (vLLM's
+        # prepend); none, no call: the queue's version would count it.
+        if skipped:
+            self.waiting.extendleft(reversed(skipped))
         return admitted
 
     def _admit_waiting_requests(self, step: _StepState, skipped: list[Request]) -> bool:
