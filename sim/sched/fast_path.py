@@ -61,7 +61,10 @@ is broken:
    head and the allocator: the budget left, the running and waiting counts,
    whether a running request or a prefill was scheduled. A read added to
    ``Scheduler._admit_waiting`` or ``_pads_to_uniform_decode`` must be
-   added there.
+   added there. The memo keeps up to ``MAX_INPUTS`` idle loops' inputs
+   while the head and the allocator's version stay (async scheduling's
+   stagger alternates two budgets): each was idle on the same state.
+   ``tests/test_steady.py::test_the_waiting_memo_keeps_idle_loops_of_other_inputs_while_the_allocator_stays``.
    ``tests/test_steady.py::test_the_check_catches_a_waiting_loop_wrongly_skipped``,
    ``::test_a_lane_skipping_every_waiting_loop_changes_the_frames``.
 5. A request in the lane has a stale ``Request`` (computed tokens, output
@@ -120,9 +123,12 @@ is broken:
    When only the queue changed (an arrival, an admission), a pass passes
    over the waiters of the last idle pass and examines only the others
    (by identity; the audit makes each passed-over waiter's pin call and
-   asserts it pins nothing).
+   asserts it pins nothing). The scheduler's queue (``queues.WaitingQueue``)
+   counts every call of ``deque`` that may change it, so a queue with no
+   call since the idle pass is known unchanged without reading its entries.
    ``tests/test_fast_path.py::test_a_pin_pass_is_known_idle_only_with_the_same_queue_pins_hashes_and_tokens``,
-   ``tests/test_values_fast_path.py::test_a_pass_after_an_idle_one_examines_only_the_waiters_it_did_not_meet``.
+   ``tests/test_values_fast_path.py::test_a_pass_after_an_idle_one_examines_only_the_waiters_it_did_not_meet``,
+   ``::test_the_waiting_queue_counts_every_call_of_deque_that_changes_it``.
 
 Every rule is also checked whole, in both engine modes: every gate scenario's frames are the same
 with the fast path off, and the conformance driver steps the lane against

@@ -30,7 +30,9 @@ queue holds the same requests in the same order, no waiter took tokens
 and the same waiters are pinned: each waiter then meets the pass as before
 (pinned, past the bound, or known to find no hit), so not even the
 per-waiter checks are made. With only the queue changed, the waiters of
-that pass are passed over and the others examined.
+that pass are passed over and the others examined. The scheduler's queue
+counts its changing calls (``queues.WaitingQueue.version``): with no call
+since, the entries are not compared at all.
 
 ``FastPath.audit`` makes every skipped lookup anyway.
 """
