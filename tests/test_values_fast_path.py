@@ -372,11 +372,14 @@ def test_each_audited_pin_pass_that_pins_nothing_counts_once():
 
 def test_an_idle_pass_names_its_waiters_while_hashes_tokens_and_pins_stay():
     """The waiters a pass may pass over are the last idle pass's, by
-    identity, and none once a hash is inserted, a waiter takes tokens, the
-    pinned waiters differ or the pass pinned something."""
+    identity, and none once a waiter takes tokens, the pinned waiters differ
+    or the pass pinned something; nor once a hash is inserted, after a pass
+    that met a waiter rule 10 does not remember (the next test has the
+    other case)."""
     memo = MissedPinLookups(_pool())
     a, b = _waiter("a", 1), _waiter("b", 2)
     assert memo.idle_pass_entries(()) == frozenset()  # no pass yet
+    memo.pass_meets_unremembered_waiter()
     memo.pass_ends(deque([a, b]), (), pinned=False)
     assert memo.idle_pass_entries(()) == {id(a), id(b)}
     assert memo.idle_pass_entries(("a",)) == frozenset()
@@ -388,6 +391,54 @@ def test_an_idle_pass_names_its_waiters_while_hashes_tokens_and_pins_stay():
     memo.pass_ends(deque([a]), (), pinned=False)
     assert memo.idle_pass_entries(()) == {id(a)}
     memo.pass_ends(deque([a]), (), pinned=True)
+    assert memo.idle_pass_entries(()) == frozenset()
+
+
+def test_after_insertions_a_pass_passes_over_the_remembered_waiters_not_forgotten(monkeypatch):
+    """Rule 11 with hashes inserted since an idle pass: if that pass met only
+    waiters rule 10 remembers, an insertion changes a waiter only by
+    forgetting it (one of its own hashes), so the others are passed over. An
+    admitted waiter (it may come back preempted: the same object, more
+    tokens) is examined again. A pass that met a waiter rule 10 does not
+    remember (a hit of null blocks only, a pinned waiter), or passed over
+    one met so, passes over nobody after an insertion; nor does one whose
+    memos were dropped at the bound."""
+    pool = _pool()
+    memo = MissedPinLookups(pool)
+    a, b, c = _waiter("a", 1), _waiter("b", 2), _waiter("c", 3)
+    queue = deque([a, b, c])
+
+    def idle_pass(meets_unremembered: bool = False) -> frozenset[int]:
+        passed_over = memo.idle_pass_entries(())  # the pass starts
+        for waiter in queue:
+            if id(waiter) not in passed_over:
+                memo.found_no_hit(waiter)
+        if meets_unremembered:
+            memo.pass_meets_unremembered_waiter()
+        memo.pass_ends(queue, (), pinned=False)
+        return passed_over
+
+    assert idle_pass() == frozenset()
+    _insert(pool, _key(a), 1)  # one of a's own hashes
+    _insert(pool, bytes([9]) * 36, 2)  # nobody's
+    assert memo.num_hash_insertions == 2 and not memo.knows_idle_pass(queue, ())
+    assert idle_pass() == {id(b), id(c)}
+    memo.waiter_admitted(b)
+    assert not memo.knows_idle_pass(queue, ())
+    assert idle_pass() == {id(a), id(c)}
+    assert idle_pass(meets_unremembered=True) == {id(a), id(b), id(c)}
+    _insert(pool, bytes([8]) * 36, 3)
+    assert memo.idle_pass_entries(()) == frozenset()
+    idle_pass(meets_unremembered=True)
+    assert idle_pass() == {id(a), id(b), id(c)}  # passes over the unremembered waiter
+    _insert(pool, bytes([7]) * 36, 4)
+    assert memo.idle_pass_entries(()) == frozenset()
+    assert idle_pass() == frozenset() and idle_pass() == {id(a), id(b), id(c)}
+    monkeypatch.setattr(MissedPinLookups, "MAX_REMEMBERED_HASHES", 0)
+    memo.idle_pass_entries(())
+    memo.found_no_hit(a)  # past the bound: every memo dropped
+    memo.pass_ends(queue, (), pinned=False)
+    _insert(pool, bytes([6]) * 36, 5)
     assert memo.idle_pass_entries(()) == frozenset()
 
 
@@ -404,6 +455,50 @@ def test_a_pass_after_an_idle_one_examines_only_the_waiters_it_did_not_meet():
     assert manager.pinned_waiter_ids() == ()
     passed_over.pin_waiters(iter([waiter]))
     assert manager.pinned_waiter_ids() == ("waiter",)
+
+
+def test_the_scheduler_reports_each_admitted_waiter_to_rule_11():
+    """A preempted request comes back to the queue as the same object with
+    more tokens: rule 11 must hear of each admission (the memo's side is
+    checked above). The first 60-token prompt takes the step, the second
+    waits for the next."""
+    scheduler = tiny_scheduler()
+    for index in range(2):
+        scheduler.add_request(tiny_spec(index, 60))
+    first, second = scheduler._waiting_requests()
+    admitted: list[object] = []
+    fast_path = scheduler.fast_path
+    report = fast_path.waiter_admitted
+    fast_path.waiter_admitted = lambda request: (admitted.append(request), report(request))  # type: ignore[method-assign]
+    engine = CheckedEngine(scheduler)
+    engine.step()
+    assert admitted == [first]
+    engine.step()
+    assert admitted == [first, second]
+
+
+def test_a_pin_call_that_pins_nothing_and_finds_a_hit_is_not_remembered():
+    """Rule 11's cover: a waiter whose lookup finds no hit is remembered
+    (rule 10); one that pins nothing otherwise (here: pinned already) is
+    reported as not remembered, so hashes inserted later void the pass."""
+    manager = pins.pinning_manager(400)
+    prompt = pins.tail_tokens(1, 340)
+    pins.run(manager, pins.request("same-prompt", prompt))
+    waiter, stranger = pins.request("waiter", [*prompt, 7]), pins.request("stranger", pins.tail_tokens(2, 40))
+    calls: list[str] = []
+    fast_path = SimpleNamespace(
+        audit=False,
+        skips_pin_lookup=lambda request: False,
+        allocator_changes=lambda: calls.append("changes"),
+        pin_lookup_found_no_hit=lambda request: calls.append(f"no hit {request.request_id}"),
+        pin_lookup_not_remembered=lambda: calls.append("not remembered"),
+    )
+    scheduler_pins = SchedulerPins(manager, fast_path)  # type: ignore[arg-type]
+    scheduler_pins.pin_waiters(iter([waiter, stranger]))
+    assert calls == ["changes", "no hit stranger"]
+    calls.clear()
+    scheduler_pins.pin_waiters(iter([waiter, stranger]))
+    assert calls == ["not remembered", "no hit stranger"]
 
 
 def test_the_audit_makes_a_passed_over_waiters_pin_call():

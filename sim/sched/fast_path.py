@@ -126,9 +126,18 @@ is broken:
    asserts it pins nothing). The scheduler's queue (``queues.WaitingQueue``)
    counts every call of ``deque`` that may change it, so a queue with no
    call since the idle pass is known unchanged without reading its entries.
+   With hashes inserted since, a pass still passes over the idle pass's
+   waiters if that pass met only waiters rule 10 remembers (each reported
+   otherwise, ``pin_lookup_not_remembered``): an insertion changes such a
+   waiter only by forgetting it, and the forgotten ones are examined. An
+   admitted waiter is examined again too (``waiter_admitted``: preempted,
+   it comes back as the same object with more tokens).
    ``tests/test_fast_path.py::test_a_pin_pass_is_known_idle_only_with_the_same_queue_pins_hashes_and_tokens``,
    ``tests/test_values_fast_path.py::test_a_pass_after_an_idle_one_examines_only_the_waiters_it_did_not_meet``,
-   ``::test_the_waiting_queue_counts_every_call_of_deque_that_changes_it``.
+   ``::test_the_waiting_queue_counts_every_call_of_deque_that_changes_it``,
+   ``::test_after_insertions_a_pass_passes_over_the_remembered_waiters_not_forgotten``,
+   ``::test_a_pin_call_that_pins_nothing_and_finds_a_hit_is_not_remembered``,
+   ``::test_the_scheduler_reports_each_admitted_waiter_to_rule_11``.
 
 Every rule is also checked whole, in both engine modes: every gate scenario's frames are the same
 with the fast path off, and the conformance driver steps the lane against
@@ -342,6 +351,14 @@ class FastPath:
         if self.audit:
             self._audit_unchanged_waiter(request)
 
+    def pin_lookup_not_remembered(self) -> None:
+        """A waiter's pin lookup pinned nothing and is not remembered (rule 11)."""
+        self.missed_pin_lookups.pass_meets_unremembered_waiter()
+
+    def waiter_admitted(self, request: Request) -> None:
+        """A waiter was admitted (rule 11: it may come back preempted)."""
+        self.missed_pin_lookups.waiter_admitted(request)
+
     def pin_pass_ends(self, pinned_ids: tuple[str, ...]) -> None:
         """A pin pass ended (it pinned something iff it bumped the version)."""
         pinned = self.allocator_version != self._pin_pass_version
@@ -461,6 +478,12 @@ class NoFastPath:
         return frozenset()
 
     def unchanged_waiter_passed_over(self, request: Request) -> None:
+        return None
+
+    def pin_lookup_not_remembered(self) -> None:
+        return None
+
+    def waiter_admitted(self, request: Request) -> None:
         return None
 
     def pin_pass_ends(self, pinned_ids: tuple[str, ...]) -> None:

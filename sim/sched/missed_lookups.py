@@ -32,7 +32,11 @@ and the same waiters are pinned: each waiter then meets the pass as before
 per-waiter checks are made. With only the queue changed, the waiters of
 that pass are passed over and the others examined. The scheduler's queue
 counts its changing calls (``queues.WaitingQueue.version``): with no call
-since, the entries are not compared at all.
+since, the entries are not compared at all. With hashes inserted since,
+the waiters of that pass are still passed over if it met only remembered
+waiters, less those an insertion forgot (a remembered waiter meets a pass
+differently only once forgotten); admitted waiters are examined again (a
+preempted request returns to the queue as the same object).
 
 ``FastPath.audit`` makes every skipped lookup anyway.
 """
@@ -78,6 +82,14 @@ class MissedPinLookups:
         self._idle_ids: frozenset[int] = frozenset()  # its entries' ids
         # Its queue and the queue's version then (None for a queue without one).
         self._idle_queue: tuple[object, int] | None = None
+        # Whether every waiter it met is remembered by rule 10 (a remembered
+        # waiter meets a pass differently only once forgotten), and the ids
+        # of the waiters that may meet a pass differently since it ended:
+        # forgotten by a hash insertion, or admitted (a preempted request
+        # comes back to the queue as the same object, with more tokens).
+        self._idle_covered = False
+        self._changed_ids: set[int] = set()
+        self._pass_covered = False  # the same for the pass under way
         self._count_insertions(block_pool)
 
     def _count_insertions(self, block_pool: BlockPool) -> None:
@@ -106,7 +118,9 @@ class MissedPinLookups:
         ``make_block_hash_with_group_id``; a block of several units is keyed
         by its last unit's hash, ``BlockHashListWithBlockSize``)."""
         for request_id in self._waiters_by_hash.pop(block_hash, ()):
-            self._missed.pop(request_id, None)
+            missed = self._missed.pop(request_id, None)
+            if missed is not None:
+                self._changed_ids.add(id(missed[0]))
 
     def waiter_tokens_change(self) -> None:
         """A waiting request may take tokens (a stale output lands)."""
@@ -125,6 +139,8 @@ class MissedPinLookups:
     def found_no_hit(self, request: Request) -> None:
         """``request``'s lookup, just made, found no hit."""
         if self._num_remembered_hashes + len(request.block_hashes) > self.MAX_REMEMBERED_HASHES:
+            # Its waiters' memos go: none is known forgotten.
+            self._idle_covered = self._pass_covered = False
             self._missed.clear()
             self._waiters_by_hash.clear()
             self._num_remembered_hashes = 0
@@ -148,7 +164,7 @@ class MissedPinLookups:
     def knows_idle_pass(self, waiting: Iterable[object], pinned_ids: tuple[str, ...]) -> bool:
         """Whether a pin pass over ``waiting`` is known to pin nothing."""
         idle = self._idle_pass
-        if idle is None or not self._reads_alike(idle, pinned_ids):
+        if idle is None or not self._reads_alike(idle, pinned_ids) or self._changed_ids:
             return False
         if self._is_idle_queue(waiting):
             return True  # not changed since: no entry need be compared
@@ -169,19 +185,40 @@ class MissedPinLookups:
         return idle[:3] == (self.num_hash_insertions, self.num_waiter_changes, pinned_ids)
 
     def idle_pass_entries(self, pinned_ids: tuple[str, ...]) -> frozenset[int]:
-        """The ids of the entries of the last pass, if it pinned nothing and
-        the hash insertions, waiter tokens and pinned waiters are the same
-        since: each meets a pass as it met that one (none of them pins);
-        else none."""
+        """A pass starts: the ids of the entries of the last pass that meet
+        it as they met that one (none pins), if that pass pinned nothing and
+        the waiter tokens and pinned waiters are the same since: all of
+        them with the same hash insertions; with hashes inserted since, those
+        the insertions did not forget, if that pass met only remembered
+        waiters (a remembered waiter is changed by an insertion only by
+        being forgotten, rule 10); else none."""
+        passed_over = self._passed_over(pinned_ids)
+        # The waiters passed over carry that pass's cover into this one.
+        self._pass_covered = self._idle_covered or not passed_over
+        return passed_over
+
+    def _passed_over(self, pinned_ids: tuple[str, ...]) -> frozenset[int]:
         idle = self._idle_pass
-        if idle is None or not self._reads_alike(idle, pinned_ids):
+        if idle is None or idle[1:3] != (self.num_waiter_changes, pinned_ids):
             return frozenset()
-        return self._idle_ids
+        if idle[0] != self.num_hash_insertions and not self._idle_covered:
+            return frozenset()
+        return self._idle_ids.difference(self._changed_ids) if self._changed_ids else self._idle_ids
+
+    def waiter_admitted(self, request: Request) -> None:
+        """``request`` left the waiting queue for the running one."""
+        self._changed_ids.add(id(request))
+
+    def pass_meets_unremembered_waiter(self) -> None:
+        """The pass under way met a waiter rule 10 does not remember."""
+        self._pass_covered = False
 
     def pass_ends(self, waiting: Iterable[object], pinned_ids: tuple[str, ...], pinned: bool) -> None:
         """A pin pass ended; ``pinned``: it changed the allocator."""
         self._idle_pass = None if pinned else self._pass_key(waiting, pinned_ids)
         self._idle_queue = None if pinned else _queue_version(waiting)
+        self._idle_covered = not pinned and self._pass_covered
+        self._changed_ids = set()
         self._idle_ids = frozenset() if self._idle_pass is None else frozenset(self._idle_pass[3])
 
 

@@ -139,9 +139,13 @@ class SchedulerPins:
         none (fast-path rule 10); a lookup that found none is remembered."""
         if self.fast_path.skips_pin_lookup(request):
             return
-        self._changed(self.manager.pin_waiting_hit(request))
+        pinned = self._changed(self.manager.pin_waiting_hit(request))
         if self.manager.pin_lookup_found_no_hit:
             self.fast_path.pin_lookup_found_no_hit(request)
+        elif not pinned:
+            # Pinned already, or a hit of null blocks only: not remembered,
+            # so any hash inserted may change what this waiter meets.
+            self.fast_path.pin_lookup_not_remembered()
 
 
 def scheduler_pins(manager: KVCacheManager, fast_path: FastPath | NoFastPath) -> NoPins | SchedulerPins:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Container, Iterable, Iterator
+from itertools import compress
+from operator import not_
 from typing import TYPE_CHECKING, Any
 
 from sim.vllm_bridge import Request, RequestStatus, SamplingParams
@@ -122,9 +124,12 @@ class RequestQueues:
         """The waiting queue in order, each entry built as it is reached
         (the pin pass reads requests behind the head), less the entries (by
         ``id``) in ``skip``."""
-        for index, entry in enumerate(list(self.waiting)):
-            if id(entry) in skip:
-                continue
+        entries = list(self.waiting)
+        # The kept indices found without a Python step per entry: a pass
+        # after an idle one skips nearly all of ~1,000 waiters.
+        kept = compress(range(len(entries)), map(not_, map(skip.__contains__, map(id, entries))))
+        for index in kept:
+            entry = entries[index]
             if not isinstance(entry, Request):
                 entry = self.waiting[index] = self._materialize(entry)
             yield entry

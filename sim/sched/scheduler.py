@@ -367,6 +367,7 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
 
     def _admit(self, request: Request, num_hit: int, num_new: int, step: _StepState) -> None:
         self.waiting.popleft()
+        self.fast_path.waiter_admitted(request)
         self.running.append(request)
         ids = step.resumed_ids if request.status == RequestStatus.PREEMPTED else step.new_ids
         ids.append(request.request_id)
