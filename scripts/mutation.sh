@@ -251,11 +251,15 @@ tests/test_serve_hostile.py::test_hostile_clients_leave_the_server_responsive_an
   # the waiting memo's hand cases with the audit's failing control (rules 3-4).
   [fast_path]="sim/sched/fast_path.py|$FAST_PATH_TESTS $STEADY_TESTS $ASYNC_STEADY_TESTS $MISSED_LOOKUP_TESTS \
 tests/test_steady.py::test_the_waiting_memo_holds_only_for_the_same_inputs_and_allocator \
+tests/test_steady.py::test_the_waiting_memo_keeps_idle_loops_of_other_inputs_while_the_allocator_stays \
 tests/test_steady.py::test_an_arrival_voids_the_waiting_memo \
 tests/test_steady.py::test_the_check_catches_a_waiting_loop_wrongly_skipped"
   [missed_lookups]="sim/sched/missed_lookups.py|$MISSED_LOOKUP_TESTS"
+  # The waiting queue's change count (rule 11) and the pin pass's walk of
+  # it, apart from the scheduler's whole set; restricted by default to them.
+  [waiting_queue]="sim/sched/queues.py|$MISSED_LOOKUP_TESTS tests/test_aborts.py tests/test_scheduler.py|*WaitingQueue* *__counted__* *ǁ_waiting_requests__*"
 )
-ORDER=(engine scheduler settled steady engine_core pipeline_clock engine_loop async_scheduler async_steady fast_path missed_lookups output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving server_metrics live_engine server openai_requests recording client launch loaders config async_engine pool_replay kv_cache_pins sched_pins partial_tail)
+ORDER=(engine scheduler settled steady engine_core pipeline_clock engine_loop async_scheduler async_steady fast_path missed_lookups output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving server_metrics live_engine server openai_requests recording client launch loaders config async_engine pool_replay kv_cache_pins sched_pins partial_tail waiting_queue)
 
 toml_list() { printf '"%s", ' "$@" | sed 's/, $//'; }
 
