@@ -283,6 +283,16 @@ def _limit_without_allocation_window(self: SteadyDecode, request) -> int | None:
 # ----------------------------------------------------- the waiting memo
 
 
+def _third_prompt_refused():
+    """The waiting memo's scene (below): after step 2's schedule."""
+    scheduler = tiny_scheduler(num_blocks=34, budget=512)
+    engine = EngineCore(scheduler, _runner())
+    for index in range(3):
+        scheduler.add_request(tiny_spec(index, 60))
+    engine.complete(engine.schedule())
+    return scheduler, engine, engine.schedule()
+
+
 def test_the_waiting_memo_holds_only_for_the_same_inputs_and_allocator():
     """Tiny model (32-token blocks): two 60-token prompts take 14 blocks
     each of a 34-block pool in step 1 (with the shared ring page and the
@@ -292,12 +302,7 @@ def test_the_waiting_memo_holds_only_for_the_same_inputs_and_allocator():
     changes, a waiting loop with the same inputs (504 tokens left, decodes
     scheduled, no prefill) would refuse it again; other inputs or an
     allocator change (step 2's caching) void that."""
-    scheduler = tiny_scheduler(num_blocks=34, budget=512)
-    engine = EngineCore(scheduler, _runner())
-    for index in range(3):
-        scheduler.add_request(tiny_spec(index, 60))
-    engine.complete(engine.schedule())
-    step = engine.schedule()
+    scheduler, engine, step = _third_prompt_refused()
     assert [item.request_id for item in step.output.scheduled] == ["r000", "r001"]
     assert scheduler.fast_path.waiting_known_idle(504, True, False)
     assert not scheduler.fast_path.waiting_known_idle(503, True, False)
@@ -312,12 +317,7 @@ def test_the_waiting_memo_keeps_idle_loops_of_other_inputs_while_the_allocator_s
     is remembered beside it, as async scheduling's stagger alternates two
     budgets; at most ``MAX_INPUTS`` are kept (the oldest goes), and an
     allocator change voids them all."""
-    scheduler = tiny_scheduler(num_blocks=34, budget=512)
-    engine = EngineCore(scheduler, _runner())
-    for index in range(3):
-        scheduler.add_request(tiny_spec(index, 60))
-    engine.complete(engine.schedule())
-    step = engine.schedule()
+    scheduler, engine, step = _third_prompt_refused()
     known = scheduler.fast_path.waiting_known_idle
     scheduler._schedule_waiting(_StepState(token_budget=400, running_scheduled=True, prefill_scheduled=False))
     assert known(400, True, False) and known(504, True, False)
@@ -333,12 +333,7 @@ def test_the_waiting_memo_keeps_idle_loops_of_other_inputs_while_the_allocator_s
 
 
 def test_an_arrival_voids_the_waiting_memo():
-    scheduler = tiny_scheduler(num_blocks=34, budget=512)
-    engine = EngineCore(scheduler, _runner())
-    for index in range(3):
-        scheduler.add_request(tiny_spec(index, 60))
-    engine.complete(engine.schedule())
-    engine.schedule()
+    scheduler, _, _ = _third_prompt_refused()
     scheduler.add_request(tiny_spec(3, 60))
     assert not scheduler.fast_path.waiting_known_idle(504, True, False)
 
