@@ -394,6 +394,30 @@ def test_an_idle_pass_names_its_waiters_while_hashes_tokens_and_pins_stay():
     assert memo.idle_pass_entries(()) == frozenset()
 
 
+def test_a_pass_that_ends_unstarted_is_taken_as_meeting_unremembered_waiters():
+    """A pass ended without a start (``idle_pass_entries``) reported no
+    waiter: the safe side is to pass over nobody after an insertion."""
+    pool = _pool()
+    memo = MissedPinLookups(pool)
+    a = _waiter("a", 1)
+    memo.pass_ends(deque([a]), (), pinned=False)
+    _insert(pool, bytes([9]) * 36, 1)
+    assert memo.idle_pass_entries(()) == frozenset()
+
+
+def test_a_queue_without_a_version_is_compared_entry_by_entry():
+    """A plain ``deque`` counts nothing: the same object changed in place is
+    not known idle (only the scheduler's ``WaitingQueue`` is trusted by
+    its count)."""
+    memo = MissedPinLookups(_pool())
+    a, b = _waiter("a", 1), _waiter("b", 2)
+    queue = deque([a])
+    memo.pass_ends(queue, (), pinned=False)
+    assert memo.knows_idle_pass(queue, ())
+    queue.append(b)
+    assert not memo.knows_idle_pass(queue, ())
+
+
 def test_after_insertions_a_pass_passes_over_the_remembered_waiters_not_forgotten(monkeypatch):
     """Rule 11 with hashes inserted since an idle pass: if that pass met only
     waiters rule 10 remembers, an insertion changes a waiter only by
