@@ -886,13 +886,15 @@ def test_the_waiting_queue_counts_every_call_of_deque_that_changes_it():
     assert set(dir(deque)) - set(dir(object)) - _DEQUE_READS == set(_DEQUE_CHANGES)
     assert set(WaitingQueue.MUTATORS) == set(_DEQUE_CHANGES)
     for name, (args, left) in _DEQUE_CHANGES.items():
-        queue = WaitingQueue(["a", "b"])
-        before = queue.version
-        getattr(queue, name)(*args)
-        assert (list(queue), queue.version) == (left, before + 1), name
+        queue, plain = WaitingQueue(["a", "b"]), deque(["a", "b"])
+        queue.rotate(0)  # a call that moves nothing counts: the count is 1
+        returned, expected = getattr(queue, name)(*args), getattr(plain, name)(*args)
+        assert (list(queue), queue.version) == (left, 2), name
+        assert returned is queue if expected is plain else returned == expected, name
     queue = WaitingQueue(["a"])
     queue.__init__(["a"])  # a refill counts as well
     assert queue.version == 1
+    assert WaitingQueue("ab", maxlen=1) == deque("b") and WaitingQueue().maxlen is None
 
 
 def test_a_waiting_queue_without_calls_since_an_idle_pass_is_known_idle_unread():
