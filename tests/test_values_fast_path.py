@@ -491,9 +491,9 @@ def test_the_scheduler_reports_each_admitted_waiter_to_rule_11():
         scheduler.add_request(tiny_spec(index, 60))
     first, second = scheduler._waiting_requests()
     admitted: list[object] = []
-    fast_path = scheduler.fast_path
-    report = fast_path.waiter_admitted
-    fast_path.waiter_admitted = lambda request: (admitted.append(request), report(request))  # type: ignore[method-assign]
+    memo = scheduler.fast_path.missed_pin_lookups
+    report = memo.waiter_admitted
+    memo.waiter_admitted = lambda request: (admitted.append(request), report(request))  # type: ignore[method-assign]
     engine = CheckedEngine(scheduler)
     engine.step()
     assert admitted == [first]
