@@ -1,6 +1,9 @@
-"""Shared fixtures: the shipped Flash-Next model and the reference deployment."""
+"""Shared fixtures: the shipped Flash-Next model, the reference deployment,
+and Python's own Ctrl-C handling for tests that start children."""
 
 from __future__ import annotations
+
+import signal
 
 import pytest
 
@@ -29,3 +32,16 @@ def default_run_checked():
     from sim.scenario import load_scenario
 
     return run_scenario(load_scenario("default", ["simulation.check_invariants=true"]))
+
+
+@pytest.fixture
+def python_ctrl_c():
+    """Python's own Ctrl-C handling (its handler, SIGINT unblocked), whatever
+    earlier tests in this process left; restored afterwards. A child started
+    meanwhile inherits SIGINT unblocked and not ignored (a blocked mask and
+    an ignored signal both survive ``exec``), as from a terminal's shell."""
+    previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    yield
+    signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+    signal.signal(signal.SIGINT, previous_handler)

@@ -471,9 +471,11 @@ def _wait_for_pool_workers(pid: int, count: int, timeout_s: float = 120.0) -> No
         time.sleep(0.05)
 
 
-def test_gate_ctrl_c_with_workers_is_one_line(tmp_path: Path) -> None:
+def test_gate_ctrl_c_with_workers_is_one_line(tmp_path: Path, python_ctrl_c) -> None:
     """Ctrl-C (SIGINT to the foreground process group, as a terminal sends
-    it) during ``gate --workers 2``: one line, exit 130, no child traceback."""
+    it) during ``gate --workers 2``: one line, exit 130, no child traceback.
+    The gate inherits this process's SIGINT mask: unblocked here
+    (``python_ctrl_c``), as a terminal's shell leaves it."""
     scenario = write_scenario(
         tmp_path,
         "slow",
@@ -531,17 +533,6 @@ def test_sweep_resume_reruns_a_run_file_without_summary_and_says_so(
     assert "not finished runs" in capsys.readouterr().out
     assert json.loads(run_file.read_text())["summary"] == json.loads(json.dumps(whole["summary"]))
     assert len(pd.read_parquet(out / "sweep.parquet")) == 1
-
-
-@pytest.fixture
-def python_ctrl_c():
-    """Python's own Ctrl-C handling (its handler, SIGINT unblocked), whatever
-    earlier tests in this process left; restored afterwards."""
-    previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
-    previous_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    yield
-    signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
-    signal.signal(signal.SIGINT, previous_handler)
 
 
 def test_ctrl_c_during_a_pool_start_is_raised_after_it(python_ctrl_c) -> None:
