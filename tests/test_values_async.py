@@ -316,16 +316,20 @@ def test_a_stopped_caller_gets_no_further_call(stop_after):
 
 
 # ------------------------------------------------- the AsyncScheduler twin
-def _async_scheduler(*, fast_path: bool | None = None) -> AsyncScheduler:
-    """The tiny plan's scheduler (32-token blocks, K drafts), pp 2."""
-    manager = build_kv_cache_manager(tiny_plan(True), num_gpu_blocks=400)
+def _async_scheduler(
+    *, fast_path: bool | None = None, num_blocks: int = 400, num_spec: int = K, defer_block_free: bool = True
+) -> AsyncScheduler:
+    """The tiny plan's scheduler (budget 64, 32-token blocks, ``num_spec``
+    drafts), pp 2: depth 3."""
+    manager = build_kv_cache_manager(tiny_plan(True), num_gpu_blocks=num_blocks)
     config = SchedulerConfig(
         max_num_seqs=8,
         max_num_batched_tokens=64,
         max_model_len=MAX_LEN,
         block_size=32,
-        num_speculative_tokens=K,
+        num_speculative_tokens=num_spec,
         max_concurrent_batches=3,
+        defer_block_free=defer_block_free,
     )
     if fast_path is None:
         return AsyncScheduler(config, manager, decode_stagger=2)
@@ -561,17 +565,10 @@ def _batch_queue(num_blocks: int = 400, num_spec: int = K) -> tuple[BatchQueueEn
     lane (budget 64, 32-token blocks, pp 2: depth 3), fenced frees off (vLLM
     without a KV-consumer connector), every draft accepted; the returned
     list records each ``cache_blocks`` call as (request id, tokens)."""
-    manager = build_kv_cache_manager(tiny_plan(True), num_gpu_blocks=num_blocks)
-    config = SchedulerConfig(
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        max_model_len=MAX_LEN,
-        block_size=32,
-        num_speculative_tokens=num_spec,
-        max_concurrent_batches=3,
-        defer_block_free=False,
+    scheduler = _async_scheduler(
+        fast_path=False, num_blocks=num_blocks, num_spec=num_spec, defer_block_free=False
     )
-    scheduler = AsyncScheduler(config, manager, decode_stagger=2, fast_path=False)
+    manager = scheduler.kv_cache_manager
     runner = ModelRunner(AcceptanceModel(conditional_rates=(1.0,) * num_spec), np.random.default_rng(0))
     cached: list[tuple[str, int]] = []
     cache_blocks = manager.cache_blocks

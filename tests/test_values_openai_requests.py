@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 from helpers.scenarios import NO_WORKLOAD, scenario
-from helpers.serve import serve_in_process
+from helpers.serve import parsed_request, serve_in_process
 
 import sim.serving.openai_requests as openai_requests
 import sim.vllm_bridge  # noqa: F401  (sets VLLM_TARGET_DEVICE before vLLM's modules load)
@@ -265,14 +265,7 @@ def test_the_served_model_may_be_named_or_left_out_and_any_other_is_404():
 
 # ---------------------------------------------------------------- the answer
 def _answer(kind: str, stream: bool, return_token_ids: bool = False) -> Answer:
-    parsed = ParsedRequest(
-        kind=kind,  # type: ignore[arg-type]
-        prompt_ids=[1, 2, 3],
-        max_tokens=5,
-        stream=stream,
-        include_usage=False,
-        return_token_ids=return_token_ids,
-    )
+    parsed = parsed_request(kind, stream, return_token_ids)
     return Answer(parsed, "cmpl-4", "flash-next", created=1_700_000_000, num_tokens=2)
 
 

@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -813,6 +814,17 @@ def test_a_server_that_exits_before_health_answers_is_a_launch_error(tmp_path):
     )
 
 
+def _health_app(health: Callable[[web.Request], Awaitable[web.Response]]) -> Callable[[], web.Application]:
+    """An app factory for ``app_in_thread`` answering ``/health`` with ``health``."""
+
+    def app() -> web.Application:
+        application = web.Application()
+        application.router.add_get("/health", health)
+        return application
+
+    return app
+
+
 def test_a_server_never_healthy_is_given_up_at_the_deadline(tmp_path):
     """Nothing listens and then /health answers 503: both give up at the
     deadline (0.6 s), polling every 0.25 s."""
@@ -820,11 +832,7 @@ def test_a_server_never_healthy_is_given_up_at_the_deadline(tmp_path):
     async def unhealthy(request: web.Request) -> web.Response:
         return web.Response(status=503)
 
-    def app() -> web.Application:
-        application = web.Application()
-        application.router.add_get("/health", unhealthy)
-        return application
-
+    app = _health_app(unhealthy)
     server = _python(tmp_path, WAITER)
     try:
         for url_context in (contextlib.nullcontext(f"http://127.0.0.1:{free_port_launch()}"),
@@ -850,11 +858,7 @@ def test_a_health_check_that_never_answers_gives_up_after_its_two_second_poll(tm
         await asyncio.sleep(60)
         return web.Response(status=200)
 
-    def app() -> web.Application:
-        application = web.Application()
-        application.router.add_get("/health", hung)
-        return application
-
+    app = _health_app(hung)
     server = _python(tmp_path, WAITER)
     try:
         with app_in_thread(app, start_timeout_s=10) as url:

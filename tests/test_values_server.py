@@ -24,14 +24,14 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 from helpers.scenarios import NO_WORKLOAD, scenario
-from helpers.serve import serve_engine
+from helpers.serve import parsed_request, serve_engine
 from prometheus_client.exposition import choose_encoder
 
 import sim.serving.openai_requests as openai_requests
 import sim.serving.server as server
 import sim.vllm_bridge  # noqa: F401  (sets VLLM_TARGET_DEVICE before vLLM's modules load)
 from sim.serving.live_engine import LiveEngine, PromptTooLong, TokenDelta
-from sim.serving.openai_requests import Answer, ClientMistake, ParsedRequest
+from sim.serving.openai_requests import Answer, ClientMistake
 from sim.serving.server import ENGINE_KEY, Bounds, build_app
 
 MIB = 1 << 20
@@ -92,15 +92,7 @@ def _request(transport: Transport | None) -> tuple[Any, list[tuple[str, str]]]:
 
 
 def _answer(kind: str = "completion", stream: bool = False) -> Answer:
-    parsed = ParsedRequest(
-        kind=kind,  # type: ignore[arg-type]
-        prompt_ids=[1, 2, 3],
-        max_tokens=5,
-        stream=stream,
-        include_usage=False,
-        return_token_ids=False,
-    )
-    return Answer(parsed, "cmpl-7", "flash-next")
+    return Answer(parsed_request(kind, stream), "cmpl-7", "flash-next")
 
 
 def _delta(token_ids: list[int], finished: bool = False) -> TokenDelta:
@@ -315,28 +307,14 @@ def test_a_client_that_leaves_a_whole_answer_is_aborted_while_tokens_still_come(
     log: list[str] = []
     engine = _engine(tmp_path, speed=1e4, log=log.append)
 
-    async def with_runner() -> None:
-        app = build_app(engine)
-        runner, port = await server.start_server(app, "127.0.0.1", 0)
-        try:
-            async with aiohttp.ClientSession() as session:
-                started = time.monotonic()
-                with pytest.raises(TimeoutError):
-                    async with session.post(
-                        f"http://127.0.0.1:{port}/v1/completions",
-                        json={"prompt": [1, 2, 3], "max_tokens": 200_000},
-                        timeout=aiohttp.ClientTimeout(total=0.5),
-                    ) as response:
-                        await response.read()
-                assert engine.num_unfinished == 1 and time.monotonic() - started < 5
-            deadline = time.monotonic() + 10
-            while engine.num_unfinished:
-                assert time.monotonic() < deadline, "the request still runs 10 s after its client left"
-                await asyncio.sleep(0.05)
-        finally:
-            await runner.cleanup()
+    async def body(port: int) -> None:
+        async with aiohttp.ClientSession() as session:
+            started = time.monotonic()
+            await _leave_a_whole_answer_after_half_a_second(session, port, max_tokens=200_000)
+            assert engine.num_unfinished == 1 and time.monotonic() - started < 5
+        await _until_finished(engine, within_s=10)
 
-    asyncio.run(with_runner())
+    _run_server(engine, body)
     assert log == ["Request cmpl-0 aborted (client disconnected)."]
 
 
@@ -350,20 +328,32 @@ def test_a_client_that_leaves_while_no_token_comes_is_aborted_by_the_handlers_ca
 
     async def body(port: int) -> None:
         async with aiohttp.ClientSession() as session:
-            with pytest.raises(TimeoutError):
-                async with session.post(
-                    f"http://127.0.0.1:{port}/v1/completions",
-                    json={"prompt": [1, 2, 3], "max_tokens": 2},
-                    timeout=aiohttp.ClientTimeout(total=0.5),
-                ) as response:
-                    await response.read()
-        deadline = time.monotonic() + 5
-        while engine.num_unfinished:
-            assert time.monotonic() < deadline, "the request still runs 5 s after its client left"
-            await asyncio.sleep(0.01)
+            await _leave_a_whole_answer_after_half_a_second(session, port, max_tokens=2)
+        await _until_finished(engine, within_s=5)
 
     _run_server(engine, body)
     assert log == ["Request cmpl-0 aborted (client disconnected)."]
+
+
+async def _leave_a_whole_answer_after_half_a_second(
+    session: aiohttp.ClientSession, port: int, max_tokens: int
+) -> None:
+    """A non-streamed completion whose client gives up after 0.5 s."""
+    with pytest.raises(TimeoutError):
+        async with session.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"prompt": [1, 2, 3], "max_tokens": max_tokens},
+            timeout=aiohttp.ClientTimeout(total=0.5),
+        ) as response:
+            await response.read()
+
+
+async def _until_finished(engine: LiveEngine, within_s: float) -> None:
+    """Until the engine has no unfinished request, bounded by ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while engine.num_unfinished:
+        assert time.monotonic() < deadline, f"the request still runs {within_s:g} s after its client left"
+        await asyncio.sleep(0.01)
 
 
 def test_models_is_vllms_model_list_with_the_scenarios_length(tmp_path):

@@ -11,6 +11,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from sim.scenario import Scenario
 from sim.serving.live_engine import LiveEngine
+from sim.serving.openai_requests import ParsedRequest
 from sim.serving.server import Bounds, build_app
 
 CHECK_BOUND_S = 60
@@ -36,3 +37,17 @@ def serve_engine(
             await client.close()
 
     return asyncio.run(main())
+
+
+def parsed_request(
+    kind: str = "completion", stream: bool = False, return_token_ids: bool = False
+) -> ParsedRequest:
+    """A parsed request for prompt ids [1, 2, 3] and 5 output tokens, no usage chunk."""
+    return ParsedRequest(
+        kind=kind,  # type: ignore[arg-type]
+        prompt_ids=[1, 2, 3],
+        max_tokens=5,
+        stream=stream,
+        include_usage=False,
+        return_token_ids=return_token_ids,
+    )
