@@ -67,7 +67,12 @@ tests/test_steady.py::test_every_call_a_steady_step_skips_changes_nothing[heavy-
 tests/test_steady.py::test_every_call_a_steady_step_skips_changes_nothing[saturated-decode-['workload.max_requests=60']-off] \
 tests/test_steady.py::test_pool_bound_decode_gives_the_same_frames_in_the_lane[off-eagle-drop] \
 tests/test_steady.py::test_requests_stopped_by_the_horizon_hold_every_token_they_sampled \
-tests/test_steady.py::test_the_conformance_driver_compares_the_lanes_steps"
+tests/test_steady.py::test_the_conformance_driver_compares_the_lanes_steps \
+tests/test_steady.py::test_a_head_that_found_nothing_stays_refused_while_running_requests_only_take_blocks \
+tests/test_steady.py::test_a_head_whose_own_hash_is_inserted_is_looked_up_again \
+tests/test_steady.py::test_a_refused_head_that_found_nothing_is_neither_looked_up_nor_allocated_again \
+tests/test_steady.py::test_a_lookup_found_nothing_only_with_no_block_no_token_and_no_boundary \
+tests/test_steady.py::test_the_check_catches_a_head_taken_as_refused_after_blocks_came_free"
 
 # The async conformance gate (vLLM's own step_with_batch_queue over its
 # AsyncScheduler, step for step): the two preempting shapes, both hashing
@@ -132,7 +137,7 @@ declare -A MODULES=(
   # call (three shapes), the frames against step by step, the horizon and
   # conformance: about 5 s, not the 13 s of the whole file.
   [steady]="sim/sched/steady.py|$STEADY_TESTS"
-  [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_steady.py::test_the_stream_gives_the_generators_own_draws_across_blocks tests/test_steady.py::test_the_streams_acceptance_draws_are_the_rules tests/test_steady.py::test_a_runners_acceptance_draws_are_its_per_request_draws"
+  [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_steady.py::test_the_stream_gives_the_generators_own_draws_across_blocks tests/test_steady.py::test_the_streams_acceptance_draws_are_the_rules tests/test_steady.py::test_a_steps_acceptance_draws_in_one_call_are_the_rules tests/test_steady.py::test_a_runners_acceptance_draws_are_its_per_request_draws"
   # The rest of sim/sched/: the engine core's step, the scheduler's output
   # records (what the step-time model reads), the stats records and columns.
   [engine_core]="sim/sched/engine_core.py|tests/test_values_async.py tests/test_scheduler.py tests/test_engine_timeline.py $STEADY_TESTS $ASYNC_STEADY_TESTS $ASYNC_CONFORMANCE_TESTS"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Sequence
+from operator import itemgetter
 from typing import Any
 
 from sim.kv_cache_interface import (
@@ -204,7 +205,7 @@ class RetainingMambaManager(MambaManager):
     def num_retained_checkpoints(self) -> int:
         """Blocks held as checkpoints. Two requests can hold one block (a
         sibling that resumed at another's tail, patch 0093): counted once."""
-        return len({id(block) for _, block in self._retained_checkpoints.values()})
+        return len(set(map(id, map(itemgetter(1), self._retained_checkpoints.values()))))
 
     # ------------------------------------------------------------ retention
     def remove_skipped_blocks(

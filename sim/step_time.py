@@ -94,6 +94,19 @@ class _Batch:
     query_topk: float  # sum over query tokens of the keys each attends to
 
 
+@dataclass(frozen=True, slots=True)
+class _BatchCosts:
+    """A micro-batch's figures that every stage reads, worked out once per
+    micro-batch (each the same expression a per-stage call would evaluate,
+    so the same float)."""
+
+    batch: _Batch
+    experts_bytes: float  # the distinct routed experts' bytes, per layer
+    kv_bytes: float  # one QSA layer's KV read
+    attention_flops: float  # one QSA layer's indexer and attention
+    layer_fixed_s: float  # one layer's kernel gaps and all-reduces
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Stage:
     """Per TP rank: the weights a stage owns and what a token multiplies."""
@@ -105,6 +118,7 @@ class _Stage:
     dense_params: float  # active per token, experts excluded
     is_first: bool
     is_last: bool
+    token_params: float  # per token: dense params and the active experts'
 
 
 class StepTimeModel:
@@ -130,10 +144,14 @@ class StepTimeModel:
             {"lm_head": head["lm_head"], "final_mixer": head["final_mixer"]}
         )
         self._lm_head_params = head["lm_head"] / tp
-        # The last micro-batch's batch figures: every stage of the pipeline
-        # reads the same ones (a reference to the scheduled tuple is kept,
-        # so its identity cannot be reused by another tuple).
-        self._last_batch: tuple[tuple[ScheduledRequest, ...], _Batch] | None = None
+        # Constants of every micro-batch, worked out once.
+        self._gdn_state_bytes_per_request = self._gdn_state_bytes()
+        self._gdn_flops_per_token_rank = self._gdn_flops_per_token()
+        self._draft_params = self._mtp_params + a.num_experts_per_tok * self._expert_params / tp
+        # The last micro-batch's figures: every stage of the pipeline reads
+        # the same ones (a reference to the scheduled tuple is kept, so its
+        # identity cannot be reused by another tuple).
+        self._last_batch: tuple[tuple[ScheduledRequest, ...], _BatchCosts] | None = None
 
     # ---------------------------------------------------------- interface
     def stage_s(self, output: SchedulerOutput, stage: int) -> float:
@@ -144,13 +162,13 @@ class StepTimeModel:
         if c.seconds_per_token is not None:
             work = output.total_num_scheduled_tokens * c.seconds_per_token / c.pipeline_parallel_size
             return work + (c.step_overhead_s if stage == c.pipeline_parallel_size - 1 else 0.0)
-        batch = self._batch_of(output.scheduled)
+        costs = self._costs_of(output.scheduled)
         st = self._stages[stage]
-        seconds = self._layers_s(st, batch) + st.num_layers * self._layer_fixed_s(batch.tokens)
+        seconds = self._layers_s(st, costs) + st.num_layers * costs.layer_fixed_s
         if st.is_first:
-            seconds += self._host_gather_s(batch)
+            seconds += self._host_gather_s(costs.batch)
         if st.is_last:
-            seconds += self._last_stage_extra_s(batch, output)
+            seconds += self._last_stage_extra_s(costs)
         return seconds
 
     def handoff_s(self, output: SchedulerOutput) -> float:
@@ -184,14 +202,22 @@ class StepTimeModel:
         return free_at[-1]
 
     # ------------------------------------------------------------- pieces
-    def _batch_of(self, scheduled: tuple[ScheduledRequest, ...]) -> _Batch:
-        """``_batch`` of ``scheduled``, once per micro-batch, not once per stage."""
+    def _costs_of(self, scheduled: tuple[ScheduledRequest, ...]) -> _BatchCosts:
+        """``_batch`` of ``scheduled`` and what every stage reads of it,
+        once per micro-batch, not once per stage."""
         last = self._last_batch
         if last is not None and last[0] is scheduled:
             return last[1]
         batch = _batch(scheduled, self.arch)
-        self._last_batch = (scheduled, batch)
-        return batch
+        costs = _BatchCosts(
+            batch,
+            experts_bytes=self._distinct_experts(batch.tokens) * self._expert_bytes,
+            kv_bytes=self._kv_bytes(batch),
+            attention_flops=self._attention_flops(batch),
+            layer_fixed_s=self._layer_fixed_s(batch.tokens),
+        )
+        self._last_batch = (scheduled, costs)
+        return costs
 
     def _bytes(self, group: str, params: float) -> float:
         return params * self.quant.bytes_per_param(group)
@@ -218,15 +244,12 @@ class StepTimeModel:
     def _roofline_s(self, bytes_read: float, flops: float) -> float:
         return max(bytes_read / self._bandwidth, flops / self._flops)
 
-    def _layers_s(self, st: _Stage, b: _Batch) -> float:
-        a, c = self.arch, self.config
-        tp = c.tensor_parallel_size
-        experts = self._distinct_experts(b.tokens) * self._expert_bytes
-        bytes_read = st.dense_bytes + st.num_layers * experts + st.num_qsa * self._kv_bytes(b)
-        bytes_read += st.num_gdn * b.requests * 2 * self._gdn_state_bytes()
-        token_params = st.dense_params + st.num_layers * a.num_experts_per_tok * self._expert_params / tp
-        flops = 2 * b.tokens * token_params + st.num_qsa * self._attention_flops(b)
-        flops += st.num_gdn * b.tokens * self._gdn_flops_per_token()
+    def _layers_s(self, st: _Stage, costs: _BatchCosts) -> float:
+        b = costs.batch
+        bytes_read = st.dense_bytes + st.num_layers * costs.experts_bytes + st.num_qsa * costs.kv_bytes
+        bytes_read += st.num_gdn * b.requests * 2 * self._gdn_state_bytes_per_request
+        flops = 2 * b.tokens * st.token_params + st.num_qsa * costs.attention_flops
+        flops += st.num_gdn * b.tokens * self._gdn_flops_per_token_rank
         return self._roofline_s(bytes_read, flops)
 
     def _kv_bytes(self, b: _Batch) -> float:
@@ -288,30 +311,40 @@ class StepTimeModel:
         bandwidth = self.gpu.pcie_bandwidth_bytes_per_s * c.host_read_efficiency
         return c.host_gather_latency_s + bytes_read / bandwidth
 
-    def _last_stage_extra_s(self, b: _Batch, output: SchedulerOutput) -> float:
+    def _last_stage_extra_s(self, costs: _BatchCosts) -> float:
         """LM head and sampling of the step's rows, then the K MTP draft
         passes (the first over every token, the others one per request),
         each with the draft LM head and sampling; then the step overhead."""
-        c = self.config
+        c, b = self.config, costs.batch
         seconds = self._head_s(b.logit_rows) + c.sampling_s + c.step_overhead_s
-        k = c.num_speculative_tokens
-        for draft in range(k if self.arch.mtp_num_hidden_layers else 0):
-            tokens = b.tokens if draft == 0 else b.requests
-            seconds += self._draft_pass_s(tokens, b)
+        k = c.num_speculative_tokens if self.arch.mtp_num_hidden_layers else 0
+        if k:
+            seconds += self._draft_pass_s(b.tokens, costs, costs.experts_bytes, costs.layer_fixed_s)
+        if k > 1:
+            # The later passes are alike (one token per request): priced once.
+            later = self._draft_pass_s(
+                b.requests,
+                costs,
+                self._distinct_experts(b.requests) * self._expert_bytes,
+                self._layer_fixed_s(b.requests),
+            )
+            for _ in range(k - 1):
+                seconds += later
         return seconds
 
     def _head_s(self, rows: float) -> float:
         return self._roofline_s(self._lm_head_bytes, 2 * rows * self._lm_head_params)
 
-    def _draft_pass_s(self, tokens: float, b: _Batch) -> float:
-        """One MTP pass: its QSA layer over ``tokens`` (reading the
-        requests' draft KV like any QSA layer), the LM head for one row per
-        request, draft sampling."""
-        a, tp = self.arch, self.config.tensor_parallel_size
-        bytes_read = self._mtp_bytes + self._distinct_experts(tokens) * self._expert_bytes + self._kv_bytes(b)
-        params = self._mtp_params + a.num_experts_per_tok * self._expert_params / tp
-        layer = self._roofline_s(bytes_read, 2 * tokens * params) + self._layer_fixed_s(tokens)
-        return layer + self._head_s(b.requests) + self.config.sampling_s
+    def _draft_pass_s(
+        self, tokens: float, costs: _BatchCosts, experts_bytes: float, layer_fixed_s: float
+    ) -> float:
+        """One MTP pass over ``tokens``: its QSA layer (reading the
+        requests' draft KV like any QSA layer; ``experts_bytes`` and
+        ``layer_fixed_s`` are those of ``tokens``), the LM head for one row
+        per request, draft sampling."""
+        bytes_read = self._mtp_bytes + experts_bytes + costs.kv_bytes
+        layer = self._roofline_s(bytes_read, 2 * tokens * self._draft_params) + layer_fixed_s
+        return layer + self._head_s(costs.batch.requests) + self.config.sampling_s
 
 
 def partition(c: StepTimeConfig, num_layers: int) -> tuple[int, ...]:
@@ -335,15 +368,20 @@ def _stages(model: StepTimeModel, layers_per_stage: tuple[int, ...]) -> list[_St
                 groups[group] = groups.get(group, 0) + n
             if a.is_ple_layer(layer):
                 groups["ple_module"] = groups.get("ple_module", 0) + model_arch.ple_params(a)["ple_module"]
+        num_layers = len(layers)
+        experts_params = (
+            num_layers * a.num_experts_per_tok * model._expert_params / model.config.tensor_parallel_size
+        )
         stages.append(
             _Stage(
-                num_layers=len(layers),
+                num_layers=num_layers,
                 num_qsa=sum(a.is_qsa_layer(i) for i in layers),
                 num_gdn=sum(not a.is_qsa_layer(i) for i in layers),
                 dense_bytes=model._dense_bytes(groups),  # type: ignore[arg-type]
                 dense_params=model._dense_params(groups),  # type: ignore[arg-type]
                 is_first=index == 0,
                 is_last=index == len(layers_per_stage) - 1,
+                token_params=model._dense_params(groups) + experts_params,  # type: ignore[arg-type]
             )
         )
         first += count
@@ -353,17 +391,19 @@ def _stages(model: StepTimeModel, layers_per_stage: tuple[int, ...]) -> list[_St
 def _batch(scheduled: tuple[ScheduledRequest, ...], a: model_arch.Architecture) -> _Batch:
     tokens = rows = decode_keys = decode_topk = query_keys = query_topk = 0.0
     ratio, budget = a.indexer_compress_ratio, a.indexer_budget
-    for item in scheduled:
-        n, context = item.num_scheduled_tokens, item.num_computed_tokens
+    # Unpacked, not read by name, and ``min`` written out (``budget if budget
+    # < x else x`` is ``min(x, budget)``): it runs for every request of every step.
+    for _, n, context, _, prompt_tokens_left, _ in scheduled:
         tokens += n
         # Query tokens see on average the context plus half the new tokens.
         keys = context + (n + 1) / 2
         query_keys += n * keys / ratio
-        query_topk += n * min(keys, budget)
-        if item.is_decode:
+        query_topk += n * (budget if budget < keys else keys)
+        if prompt_tokens_left == 0:  # a decode (``ScheduledRequest.is_decode``)
             rows += n
             decode_keys += (context + n) / ratio  # read once for the request's tokens
-            decode_topk += min(context + n, budget)
+            seen = context + n
+            decode_topk += budget if budget < seen else seen
         else:
             rows += 1
             decode_keys += (context + n) / ratio  # a prefill chunk reads its context's keys once too

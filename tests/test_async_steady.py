@@ -44,6 +44,19 @@ def test_every_call_the_async_lane_skips_changes_nothing(name, overrides, layout
     assert counts.lane_steps > 0
 
 
+@pytest.mark.parametrize("layout", ["off", "on"])
+def test_every_waiting_call_a_pool_bound_async_decode_skips_changes_nothing(layout, tmp_path):
+    """The audit in the case rule 12 is for: a pool-bound decode in async
+    mode, whose refused heads found no prefix hit while running requests
+    took blocks. Each known-idle waiting loop, skipped lookup and skipped
+    admission is made anyway (and must admit nobody, change nothing)."""
+    simulation = checked_simulation("saturated-decode", ["workload.max_requests=60", ASYNC], layout, tmp_path)
+    counts = audited(simulation, lane=True)
+    simulation.run()
+    # Control: each kind of skip happened here, so the check had work.
+    assert counts.waiting_loops > 0 and counts.lookups > 0 and counts.refused_admissions > 0
+
+
 def _limit_without_windows_ends(self, request):
     """A lane blind to where its allocation and caching windows end."""
     caching = self.fast_path.caching.bounds(request.request_id)
@@ -125,8 +138,8 @@ def test_a_lane_that_never_rolls_back_a_draft_fails_the_conformance_gate(monkeyp
     and a later decode's computed tokens differ from vLLM's."""
     applies = AsyncSteadyDecode._applies
 
-    def all_accepted(self, kept, item, tokens, tally):
-        return applies(self, kept, item, tokens[:1] * self.step_tokens if tokens else tokens, tally)
+    def all_accepted(self, kept, item, tokens):
+        return applies(self, kept, item, tokens[:1] * self.step_tokens if tokens else tokens)
 
     monkeypatch.setattr(AsyncSteadyDecode, "_applies", all_accepted)
     comparison = _conform("prefix-hits")

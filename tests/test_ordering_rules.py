@@ -191,6 +191,32 @@ def test_the_runner_samples_one_token_plus_the_accepted_drafts():
     assert out.sampled_token_ids == {"d": [OUTPUT_TOKEN_BASE + 101 + i for i in range(3)]}
 
 
+def test_the_async_runner_samples_each_request_judged_to_sample_from_where_its_step_reaches():
+    """Async scheduling judges sampling when it schedules (``samples``). A
+    decode at context 100 with 3 drafts reaches 101 and its draws (0.5,
+    0.69, 0.61 against 0.8, 0.7, 0.6) accept 2: ids base + 101..103. A
+    padded one-token resume at context 40 (its 3 drafts placeholders)
+    reaches 41 and accepts none, drawing nothing: id base + 41 alone. A
+    chunk judged not to sample gets nothing and draws nothing. The next
+    decode takes the next draws (0.9: rejected at once): id base + 201."""
+    items = (
+        ScheduledRequest("p", 64, 0, 0, 64),
+        ScheduledRequest("d", 4, 100, 3, 0),
+        ScheduledRequest("r", 4, 40, 3, 0, is_padded=True),
+        ScheduledRequest("e", 4, 200, 3, 0),
+    )
+    runner = ModelRunner(AcceptanceModel(conditional_rates=(0.8, 0.7, 0.6)), np.random.default_rng(0))
+    runner.uniforms = FixedDraws(0.5, 0.69, 0.61, 0.9, 0.0)  # type: ignore[assignment]
+    output = SchedulerOutput(step_index=1, scheduled=items)
+    out = runner.execute_sampling(output, {"p": False, "d": True, "r": True, "e": True})
+    assert out.sampled_token_ids == {
+        "d": [OUTPUT_TOKEN_BASE + 101 + i for i in range(3)],
+        "r": [OUTPUT_TOKEN_BASE + 41],
+        "e": [OUTPUT_TOKEN_BASE + 201],
+    }
+    assert runner.uniforms.draws == [0.0]  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("rates", [(1.5,), (0.5, -0.1)])
 def test_acceptance_rates_outside_zero_one_are_refused(rates):
     with pytest.raises(ValueError, match=r"conditional_rates must lie in \[0, 1\]"):

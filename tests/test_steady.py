@@ -13,6 +13,8 @@ driver. Each has a failing control.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from helpers import scenarios
@@ -29,6 +31,7 @@ from sim.sched.fast_path import FastPath
 from sim.sched.model_runner import AcceptanceModel, ModelRunner, UniformStream, accepted_drafts
 from sim.sched.scheduler import _StepState
 from sim.sched.steady import SteadyDecode
+from sim.vllm_bridge import RequestStatus, kv_cache_utils
 
 # ------------------------------------------------------------ the draws
 
@@ -53,6 +56,19 @@ def test_the_streams_acceptance_draws_are_the_rules(rates):
     for _ in range(UniformStream.BLOCK):
         assert fast.accepted_drafts(rates) == accepted_drafts(rates, rule)
     assert fast.random() == rule.random()
+
+
+def test_a_steps_acceptance_draws_in_one_call_are_the_rules():
+    """``UniformStream.accepted_drafts_each`` (the async runner's draws for a
+    step's requests) accepts what ``accepted_drafts`` does request by
+    request, rates of mixed lengths, across block ends, leaving the stream
+    at the same place."""
+    each = UniformStream(np.random.default_rng(4))
+    rule = UniformStream(np.random.default_rng(4))
+    steps = [[(0.8, 0.7, 0.6), (0.5,), (), (1.0, 0.9)]] * (UniformStream.BLOCK // 3)
+    for rates_each in steps:
+        assert each.accepted_drafts_each(rates_each) == [accepted_drafts(rates, rule) for rates in rates_each]
+    assert each.random() == rule.random()
 
 
 def test_a_runners_acceptance_draws_are_its_per_request_draws():
@@ -301,14 +317,112 @@ def test_the_waiting_memo_holds_only_for_the_same_inputs_and_allocator():
     the third prompt (14 blocks) is refused with 2 free. Until the allocator
     changes, a waiting loop with the same inputs (504 tokens left, decodes
     scheduled, no prefill) would refuse it again; other inputs or an
-    allocator change (step 2's caching) void that."""
+    allocator change void that (one that may free blocks: rule 12 keeps it
+    through a running request's allocation or caching, tested below)."""
     scheduler, engine, step = _third_prompt_refused()
     assert [item.request_id for item in step.output.scheduled] == ["r000", "r001"]
     assert scheduler.fast_path.waiting_known_idle(504, True, False)
     assert not scheduler.fast_path.waiting_known_idle(503, True, False)
     assert not scheduler.fast_path.waiting_known_idle(504, True, True)
-    engine.complete(step)  # caches the decodes' blocks (32-token blocks never settle)
+    scheduler.fast_path.allocator_changes()  # a call that may free blocks (rule 12 aside)
     assert not scheduler.fast_path.waiting_known_idle(504, True, False)
+
+
+def test_a_head_that_found_nothing_stays_refused_while_running_requests_only_take_blocks():
+    """Rule 12, the same scene: the third prompt's lookup found nothing in
+    any group, and it needs 14 blocks with 2 free. Completing step 2 caches
+    the decodes' blocks (their own hashes: rule 3 alone would void the
+    memo); nothing else changed and no block came free, so the loop is
+    still known idle. Controls, each voiding it: a memo that saw fewer
+    free blocks than now, one whose head's lookup found something, one of
+    the head's own hashes inserted, a request's blocks freed."""
+    scheduler, engine, step = _third_prompt_refused()
+    fast_path = scheduler.fast_path
+    idle = fast_path._idle_waiting
+    assert idle is not None and idle.head_missed and idle.num_free_blocks == 2
+
+    def known(memo=idle) -> bool:
+        fast_path._idle_waiting = memo
+        return fast_path.waiting_known_idle(504, True, False)
+
+    engine.complete(step)
+    assert fast_path.allocator_version != idle.allocator_version
+    assert known()
+    assert not known(replace(idle, num_free_blocks=1))
+    assert not known(replace(idle, head_missed=False))
+    scheduler.finish_requests("r000", RequestStatus.FINISHED_ABORTED)
+    assert not known()
+
+
+def test_a_head_whose_own_hash_is_inserted_is_looked_up_again():
+    """Rule 12's control through rule 10: after a call that only takes
+    blocks the memo holds, but a hash of the refused head's prompt inserted
+    into the pool's map voids it (the lookup may hit now)."""
+    scheduler, _, _ = _third_prompt_refused()
+    head = scheduler.waiting[0]
+    pool = scheduler.kv_cache_manager.block_pool
+    scheduler.fast_path.allocator_takes_blocks()  # a running request's caching, say
+    assert scheduler.fast_path.waiting_known_idle(504, True, False)
+    key = kv_cache_utils.make_block_hash_with_group_id(head.block_hashes[0], 0)
+    pool._insert_block_hash(key, pool.blocks[1], num_tokens=16)
+    assert not scheduler.fast_path.waiting_known_idle(504, True, False)
+
+
+def test_a_refused_head_that_found_nothing_is_neither_looked_up_nor_allocated_again():
+    """Rule 12 inside the loop, the same scene after step 2's caching: a
+    loop at another budget (400 tokens left: not remembered whole) still
+    clips the head to its 60 tokens, but neither looks it up (vLLM would
+    answer its empty blocks) nor tries its allocation (refused with the
+    same 60 tokens and running requests, only caching since). Controls:
+    with a request's blocks freed the allocation is tried (the lookup is
+    still known: none of the head's hashes was inserted); with one of the
+    head's hashes inserted, the lookup is made (and finds nothing here)."""
+    scheduler, engine, step = _third_prompt_refused()
+    engine.complete(step)
+    kv = scheduler.kv_cache_manager
+    calls: list[str] = []
+    look_up, allocate = kv.get_computed_blocks, kv.allocate_slots
+    kv.get_computed_blocks = lambda *a, **k: (calls.append("lookup"), look_up(*a, **k))[1]  # type: ignore[method-assign]
+    kv.allocate_slots = lambda *a, **k: (calls.append("allocate"), allocate(*a, **k))[1]  # type: ignore[method-assign]
+
+    def waiting_loop() -> list[str]:
+        calls.clear()
+        scheduler._schedule_waiting(
+            _StepState(token_budget=400, running_scheduled=True, prefill_scheduled=False)
+        )
+        return list(calls)
+
+    assert waiting_loop() == []
+    scheduler.fast_path.allocator_changes()  # a free, say: the pool may have room now
+    assert waiting_loop() == ["allocate"]
+    head = scheduler.waiting[0]
+    # One of the head's hashes under a group id no lookup probes: the head is
+    # forgotten, looked up again, found to hit nothing, and its allocation is
+    # known refused again (nothing came free since the last try).
+    key = kv_cache_utils.make_block_hash_with_group_id(head.block_hashes[0], 99)
+    kv.block_pool._insert_block_hash(key, kv.block_pool.blocks[1], num_tokens=16)
+    assert waiting_loop() == ["lookup"]
+
+
+@pytest.mark.parametrize(
+    ("hit", "num_hit", "boundary", "missed"),
+    [
+        (([], []), 0, 0, True),
+        (([], [object()]), 0, 0, False),
+        (([], []), 0, 32, False),
+        (([], []), 16, 0, False),
+    ],
+)
+def test_a_lookup_found_nothing_only_with_no_block_no_token_and_no_boundary(hit, num_hit, boundary, missed):
+    """Rule 12 holds only for a head whose lookup found nothing in any
+    group: a group's block or a shared-prefix boundary (one group's longer
+    hit) may change with evictions, not only with insertions."""
+    scheduler = tiny_scheduler()
+    scheduler.add_request(tiny_spec(0, 60))
+    (request,) = scheduler._waiting_requests()
+    scheduler.fast_path.head_looked_up(request, hit, num_hit, boundary)
+    assert scheduler.fast_path._last_lookup == (request, missed)
+    assert scheduler.fast_path.skips_lookup(request) == missed
 
 
 def test_the_waiting_memo_keeps_idle_loops_of_other_inputs_while_the_allocator_stays():
@@ -316,8 +430,8 @@ def test_the_waiting_memo_keeps_idle_loops_of_other_inputs_while_the_allocator_s
     any budget. A loop with 400 tokens left, run after step 2's (504 left),
     is remembered beside it, as async scheduling's stagger alternates two
     budgets; at most ``MAX_INPUTS`` are kept (the oldest goes), and an
-    allocator change voids them all."""
-    scheduler, engine, step = _third_prompt_refused()
+    allocator change (other than rule 12's) voids them all."""
+    scheduler, _, _ = _third_prompt_refused()
     known = scheduler.fast_path.waiting_known_idle
     scheduler._schedule_waiting(_StepState(token_budget=400, running_scheduled=True, prefill_scheduled=False))
     assert known(400, True, False) and known(504, True, False)
@@ -328,7 +442,7 @@ def test_the_waiting_memo_keeps_idle_loops_of_other_inputs_while_the_allocator_s
         )
     assert not known(504, True, False)  # the oldest of five
     assert all(known(budget, True, False) for budget in (400, 300, 200, 100))
-    engine.complete(step)
+    scheduler.fast_path.allocator_changes()
     assert not any(known(budget, True, False) for budget in (400, 300, 200, 100))
 
 
@@ -366,7 +480,7 @@ def test_every_call_a_steady_step_skips_changes_nothing(name, overrides, layout,
     # skipped in the pool-bound case), so the checks had work.
     assert counts.lane_steps > 0
     if overrides is POOL_BOUND:
-        assert counts.waiting_loops > 0
+        assert counts.waiting_loops > 0 and counts.lookups > 0 and counts.refused_admissions > 0
 
 
 def test_the_check_catches_a_steady_step_across_a_boundary(monkeypatch, tmp_path):
@@ -383,6 +497,21 @@ def test_the_check_catches_a_waiting_loop_wrongly_skipped(monkeypatch, tmp_path)
     """Failing control: a scheduler that takes every waiting loop as known
     to admit nobody; the check's waiting loop admits someone."""
     monkeypatch.setattr(FastPath, "waiting_known_idle", lambda self, *inputs: bool(self.scheduler.waiting))
+    simulation = checked_simulation(*STEADY_CASES[-1], "off", tmp_path)
+    audited(simulation, lane=True)
+    with pytest.raises(AssertionError, match="admits|changed"):
+        simulation.run()
+
+
+def test_the_check_catches_a_head_taken_as_refused_after_blocks_came_free(monkeypatch, tmp_path):
+    """Failing control for rule 12: memos blind to the kind of change (a
+    finished request's free taken for a running request's allocation) and
+    to the free blocks (either alone catches a finished request's free
+    here; each alone is controlled in the value tests above); the check's
+    waiting loop, or a skipped admission, admits."""
+    monkeypatch.setattr(
+        FastPath, "_only_took_blocks_since", lambda self, release_version, num_free_blocks: True
+    )
     simulation = checked_simulation(*STEADY_CASES[-1], "off", tmp_path)
     audited(simulation, lane=True)
     with pytest.raises(AssertionError, match="admits|changed"):

@@ -15,7 +15,7 @@ from helpers.scheduler import tiny_spec
 
 from sim.sched.async_steady import AsyncSteadyDecode, _KeptAsync
 from sim.sched.engine_core import BatchQueueEngineCore
-from sim.sched.output import ScheduledRequest, StepTally
+from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 def _simulation(tmp_path, overrides: list[str], *, fast_path: bool, prompt: int = 40):
@@ -169,21 +169,31 @@ def test_the_core_reads_a_kept_requests_placeholders_from_the_lane(tmp_path):
 def _applied(tokens: list[int], cache: tuple[int, int], item: ScheduledRequest | None = None) -> tuple:
     """A kept decode (K = 3) with 104 computed (101 known plus 3 drafts),
     its one decode of 4 tokens in flight (4 placeholders), its output
-    landing with ``tokens``: whether the lane applied it, the kept counters
-    and a tally that held 10 generated, 30 drafted, 5 accepted before."""
+    landing with ``tokens`` (``complete``, the scheduler a stand-in):
+    whether the lane applied it, the kept counters and the step's tally
+    (generated, drafted, accepted tokens)."""
     lane = object.__new__(AsyncSteadyDecode)
     lane.num_spec, lane.step_tokens, lane.fast_path = 3, 4, SimpleNamespace(audit=False)
     kept = _KeptAsync(
         request=None, computed=104, in_flight=4, placeholders=4, eligible=0, num_tokens=101,
         cache_low=cache[0], cache_high=cache[1], stop_at=200,
     )  # fmt: skip
-    tally = StepTally(num_generated_tokens=10, num_draft_tokens=30, num_accepted_tokens=5)
-    applied = lane._applies(kept, item or ScheduledRequest("r", 4, 100, 3, 0), tokens, tally)
+    lane._kept = {"r": kept}
+    ordinary: list[str] = []  # requests handed back and applied the ordinary way
+    lane._leave = lambda request: ordinary.append("left")  # type: ignore[method-assign]
+    lane.scheduler = SimpleNamespace(  # type: ignore[assignment]
+        output_arrives=lambda output: None,
+        apply_sampled=lambda item, tokens, tally: ordinary.append("applied"),
+    )
+    output = SchedulerOutput(step_index=1, scheduled=(item or ScheduledRequest("r", 4, 100, 3, 0),))
+    outcome = lane.complete(output, ModelRunnerOutput(sampled_token_ids={"r": tokens} if tokens else {}))
+    assert ordinary in ([], ["left", "applied"])
     counters = (kept.computed, kept.in_flight, kept.placeholders, kept.num_tokens, kept.pending)
-    return applied, counters, (tally.num_generated_tokens, tally.num_draft_tokens, tally.num_accepted_tokens)
+    tally = (outcome.num_generated_tokens, outcome.num_draft_tokens, outcome.num_accepted_tokens)
+    return not ordinary, counters, tally
 
 
-UNCHANGED = ((104, 4, 4, 101, []), (10, 30, 5))
+UNCHANGED = ((104, 4, 4, 101, []), (0, 0, 0))
 
 
 @pytest.mark.parametrize(
@@ -193,13 +203,13 @@ UNCHANGED = ((104, 4, 4, 101, []), (10, 30, 5))
         # apply_sampled rolls the computed tokens and placeholders back by
         # the 2 rejected, the 2 returned resolve placeholders: computed
         # 102, nothing in flight, processed 102, placeholders 4 - 2 - 2 = 0.
-        ([7, 8], (90, 150), (True, (102, 0, 0, 103, [7, 8]), (12, 33, 6))),
-        ([7, 8], (102, 150), (True, (102, 0, 0, 103, [7, 8]), (12, 33, 6))),  # the window holds its ends
-        ([7, 8], (90, 102), (True, (102, 0, 0, 103, [7, 8]), (12, 33, 6))),
+        ([7, 8], (90, 150), (True, (102, 0, 0, 103, [7, 8]), (2, 3, 1))),
+        ([7, 8], (102, 150), (True, (102, 0, 0, 103, [7, 8]), (2, 3, 1))),  # the window holds its ends
+        ([7, 8], (90, 102), (True, (102, 0, 0, 103, [7, 8]), (2, 3, 1))),
         ([7, 8], (103, 150), (False, *UNCHANGED)),  # processed outside the settled window
         ([7, 8], (90, 101), (False, *UNCHANGED)),
         # Every draft rejected: one token, computed 104 - 3 = 101.
-        ([7], (90, 150), (True, (101, 0, 0, 102, [7]), (11, 33, 5))),
+        ([7], (90, 150), (True, (101, 0, 0, 102, [7]), (1, 3, 0))),
         ([], (90, 150), (False, *UNCHANGED)),  # nothing sampled: the ordinary way
     ],
 )
@@ -229,7 +239,7 @@ def test_with_two_decodes_in_flight_the_processed_tokens_lie_behind_the_newer_on
         request=None, computed=108, in_flight=8, placeholders=8, eligible=0, num_tokens=101,
         cache_low=90, cache_high=102, stop_at=200,
     )  # fmt: skip
-    assert lane._applies(kept, ScheduledRequest("r", 4, 100, 3, 0), [7, 8], StepTally())
+    assert lane._applies(kept, ScheduledRequest("r", 4, 100, 3, 0), [7, 8])
     assert (kept.computed, kept.in_flight, kept.placeholders, kept.num_tokens) == (106, 4, 4, 103)
 
 

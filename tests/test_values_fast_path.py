@@ -879,6 +879,12 @@ _DEQUE_CHANGES = {
 }
 
 
+def _only_taken_out(left: list[str], before: list[str]) -> bool:
+    """Whether ``left`` is ``before`` with some entries taken out."""
+    rest = iter(before)
+    return all(entry in rest for entry in left)
+
+
 def test_the_waiting_queue_counts_every_call_of_deque_that_changes_it():
     """Rule 11's one-number check is sound only if no change escapes the
     count: every method of ``deque`` is either a read or counted, and each
@@ -891,9 +897,13 @@ def test_the_waiting_queue_counts_every_call_of_deque_that_changes_it():
         returned, expected = getattr(queue, name)(*args), getattr(plain, name)(*args)
         assert (list(queue), queue.version) == (left, 2), name
         assert returned is queue if expected is plain else returned == expected, name
+        # A removal leaves some of the entries in their order, and only a
+        # removal leaves the insertions as they were.
+        assert _only_taken_out(left, ["a", "b"]) == (name in WaitingQueue.REMOVALS), name
+        assert queue.insertions == (1 if name in WaitingQueue.REMOVALS else 2), name
     queue = WaitingQueue(["a"])
     queue.__init__(["a"])  # a refill counts as well
-    assert queue.version == 1
+    assert (queue.version, queue.insertions) == (1, 1)
     assert WaitingQueue("ab", maxlen=1) == deque("b") and WaitingQueue().maxlen is None
 
 
@@ -922,3 +932,59 @@ def test_a_waiting_queue_without_calls_since_an_idle_pass_is_known_idle_unread()
     assert memo.knows_idle_pass(queue, ())  # by identity, read once
     reads = queue.reads
     assert memo.knows_idle_pass(queue, ()) and queue.reads == reads
+
+
+def _idle_after_pops(insert_hash: bytes | None = None, meets_unremembered: bool = False):
+    """An idle pass over [a, b, c] (each found no hit), then the head
+    admitted (popped) and, if given, a hash inserted."""
+    pool = _pool()
+    memo = MissedPinLookups(pool)
+    a, b, c = _waiter("a", 1), _waiter("b", 2), _waiter("c", 3)
+    queue = WaitingQueue([a, b, c])
+    memo.idle_pass_entries(())  # the pass starts
+    for waiter in queue:
+        memo.found_no_hit(waiter)
+    if meets_unremembered:
+        memo.pass_meets_unremembered_waiter()
+    memo.pass_ends(queue, (), pinned=False)
+    memo.waiter_admitted(queue.popleft())
+    if insert_hash is not None:
+        _insert(pool, insert_hash, 1)
+    return memo, queue, (a, b, c)
+
+
+def test_a_queue_only_taken_from_since_an_idle_pass_is_known_idle():
+    """Rule 11 with only removals since the idle pass (an admission pops the
+    head): every waiter left met that pass and none was forgotten, so the
+    whole pass is skipped; also after a hash insertion, if that pass met
+    only remembered waiters and the insertion forgot none of those left.
+    Controls: an insertion into the queue, a forgotten waiter, a pass that
+    met an unremembered waiter, each make the pass run (by hand from the
+    rule; the queue's entries are passed over one by one otherwise)."""
+    memo, queue, (a, b, c) = _idle_after_pops()
+    assert memo.knows_idle_pass(queue, ())
+    queue.remove(c)  # a waiter stopped by a stale output leaves too
+    assert memo.knows_idle_pass(queue, ())
+    assert not memo.knows_idle_pass(queue, ("b",))  # other pins
+    queue.append(_waiter("d", 4))
+    assert not memo.knows_idle_pass(queue, ())
+    memo, queue, _ = _idle_after_pops(insert_hash=bytes([9]) * 36)  # nobody's hash
+    assert memo.knows_idle_pass(queue, ())
+    memo, queue, (a, b, c) = _idle_after_pops(insert_hash=_key(c))  # c's own
+    assert not memo.knows_idle_pass(queue, ())
+    memo, queue, _ = _idle_after_pops(insert_hash=_key(a))  # the admitted one's: forgotten too
+    assert not memo.knows_idle_pass(queue, ())
+    memo, queue, _ = _idle_after_pops(insert_hash=bytes([9]) * 36, meets_unremembered=True)
+    assert not memo.knows_idle_pass(queue, ())
+    memo, queue, _ = _idle_after_pops(meets_unremembered=True)  # no insertion: still idle
+    assert memo.knows_idle_pass(queue, ())
+
+
+def test_a_queue_refilled_since_an_idle_pass_is_not_known_idle_by_its_insertions():
+    """A queue emptied and refilled with other waiters has had insertions:
+    the pass runs (control: the same queue only emptied is known idle)."""
+    memo, queue, _ = _idle_after_pops()
+    queue.clear()
+    assert memo.knows_idle_pass(queue, ())
+    queue.extend([_waiter("d", 4)])
+    assert not memo.knows_idle_pass(queue, ())

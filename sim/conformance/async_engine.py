@@ -46,7 +46,7 @@ from sim.kv_cache_plan import KVCachePlan
 from sim.pipeline_clock import PipelineClock
 from sim.scenario import Scenario, SideCacheSwitch
 from sim.sched.async_scheduler import AsyncScheduler
-from sim.sched.engine_core import BatchQueueEngineCore, EngineCall, sampling_counts
+from sim.sched.engine_core import BatchQueueEngineCore, EngineCall
 from sim.sched.model_runner import ModelRunner
 from sim.sched.output import ScheduledRequest, SchedulerOutput
 from sim.sched.scheduler import RequestSpec
@@ -195,7 +195,7 @@ class _VllmEngine:
         assert converted is not None
         samples = {rid: not self.scheduler.requests[rid].is_prefill_chunk for rid in out.num_scheduled_tokens}
         self._samples = any(samples.values())
-        sampled = self.runner.execute(converted, sampling_counts(converted, samples)).sampled_token_ids
+        sampled = self.runner.execute_sampling(converted, samples).sampled_token_ids
         req_ids = list(out.num_scheduled_tokens)
         return self._api.ModelRunnerOutput(
             req_ids=req_ids,

@@ -87,11 +87,11 @@ class AsyncScheduler(Scheduler):
         output = super()._finish_schedule(step)
         self._finished_since_schedule = False
         self._step_seqs.append((output.step_index, self.sched_step_seq))
-        self.last_samples = {}
+        # The steady lane's decodes sample, and it keeps their counters.
+        self.last_samples = dict.fromkeys(step.scheduled, True)
         taken = step.steady.taken
         for item in output.scheduled:
-            if item.request_id in taken:  # the steady lane keeps its counters
-                self.last_samples[item.request_id] = True
+            if item.request_id in taken:
                 continue
             request = self.requests[item.request_id]
             request.num_in_flight_tokens += item.num_scheduled_tokens

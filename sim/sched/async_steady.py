@@ -135,31 +135,40 @@ class AsyncSteadyDecode:
         scheduler.output_arrives(output)
         tally = StepTally()
         kept_by_id, tokens_by_id = self._kept, sampled.sampled_token_ids
+        num_applied = num_generated = 0  # the lane's decodes: summed once
         for item in output.scheduled:
             tokens = tokens_by_id.get(item.request_id, [])
             kept = kept_by_id.get(item.request_id)
-            if kept is not None and not self._applies(kept, item, tokens, tally):
+            if kept is not None:
+                if self._applies(kept, item, tokens):
+                    num_applied += 1
+                    num_generated += len(tokens)
+                    continue
                 self._leave(kept.request)
-                kept = None
-            if kept is None:
-                scheduler.apply_sampled(item, tokens, tally)
+            scheduler.apply_sampled(item, tokens, tally)
+        tally.num_generated_tokens += num_generated
+        if self.num_spec:
+            tally.num_draft_tokens += num_applied * self.num_spec
+            tally.num_accepted_tokens += num_generated - num_applied
         return tally.outcome()
 
-    def _applies(self, kept: _KeptAsync, item: ScheduledRequest, tokens: list[int], tally: StepTally) -> bool:
+    def _applies(self, kept: _KeptAsync, item: ScheduledRequest, tokens: list[int]) -> bool:
         """Apply a kept decode's tokens as ``AsyncScheduler.apply_sampled``
         would, when they cannot stop it and its caching is settled; False
-        (nothing applied): the request goes the ordinary way."""
+        (nothing applied): the request goes the ordinary way. The step's
+        tally takes the applied ones' tokens (``complete``)."""
         count, num_spec = len(tokens), self.num_spec
+        _, num_scheduled, _, num_spec_scheduled, _, is_padded = item
         if (
             count == 0
-            or item.num_scheduled_tokens != self.step_tokens
-            or item.num_spec_tokens != num_spec
-            or item.is_padded
+            or num_scheduled != self.step_tokens
+            or num_spec_scheduled != num_spec
+            or is_padded
             or kept.num_tokens + count >= kept.stop_at
         ):
             return False
         num_rejected = num_spec - (count - 1)
-        in_flight = kept.in_flight - item.num_scheduled_tokens
+        in_flight = kept.in_flight - num_scheduled
         computed = kept.computed - num_rejected
         processed = computed - in_flight  # where its blocks are cached
         if not kept.cache_low <= processed <= kept.cache_high:
@@ -168,10 +177,6 @@ class AsyncSteadyDecode:
         kept.placeholders -= num_rejected + count
         kept.num_tokens += count
         kept.pending.extend(tokens)
-        tally.num_generated_tokens += count
-        if num_spec:
-            tally.num_draft_tokens += num_spec
-            tally.num_accepted_tokens += count - 1
         if self.fast_path.audit:
             self._audit_caching(kept, processed)
         return True

@@ -216,15 +216,4 @@ class BatchQueueEngineCore:
     def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """What the workers will sample: a request samples unless its chunk
         ends short of the prompt (judged when scheduled)."""
-        samples = self.scheduler.last_samples
-        return self.model_runner.execute(output, sampling_counts(output, samples))
-
-
-def sampling_counts(output: SchedulerOutput, samples: dict[str, bool]) -> dict[str, int]:
-    """The token counts ``ModelRunner.execute`` judges sampling by, given
-    which requests sample: the position each reaches, or one past it."""
-    counts = {}
-    for item in output.scheduled:
-        reached = item.num_computed_tokens + item.num_scheduled_tokens - item.num_spec_tokens
-        counts[item.request_id] = reached if samples[item.request_id] else reached + 1
-    return counts
+        return self.model_runner.execute_sampling(output, self.scheduler.last_samples)

@@ -13,7 +13,9 @@ when ``simulation.fast_path`` is off, so the scheduler never branches on it):
   ``BatchQueueEngineCore`` makes ``async_steady.py``'s with ``make_async_lane``);
 - **known-idle waiting loops**: a waiting loop that admitted nobody admits
   nobody again while its inputs, its head and the allocator are unchanged
-  (the allocator's version counts the calls that may change it);
+  (the allocator's version counts the calls that may change it), or, for
+  a head that found no prefix hit, while running requests only took
+  blocks;
 - **missed pin lookups** (``missed_lookups.py``): a waiter whose lookup for
   the fork's waiter pins found no hit finds none again until a hash is
   cached or its tokens change.
@@ -21,8 +23,9 @@ when ``simulation.fast_path`` is off, so the scheduler never branches on it):
 The scheduler calls it at a few named points: ``skips_allocation`` /
 ``allocated`` around ``allocate_slots``, ``skips_caching`` / ``cached``
 around ``cache_blocks``, ``blocks_freed`` and ``allocator_changes`` where
-blocks move, ``skips_waiting`` / ``waiting_starts`` / ``waiting_ends``
-around the waiting loop, ``skips_pin_lookup`` / ``pin_lookup_found_no_hit``
+blocks move (``allocator_takes_blocks`` for a running request's allocation
+and caching), ``skips_waiting`` / ``waiting_starts`` / ``head_looked_up`` /
+``waiting_ends`` around the waiting loop, ``skips_pin_lookup`` / ``pin_lookup_found_no_hit``
 around a waiter's pin lookup (``pins.py``).
 
 ``audit = True`` makes every skipped call anyway and asserts it changed
@@ -53,9 +56,10 @@ is broken:
    ``tests/test_fast_path.py::test_the_calls_skipped_across_a_block_boundary``
    (the hand count moves with it).
 3. Every call that may change the allocator bumps the version first
-   (``allocator_changes``: allocations, caching, frees, fenced frees, an
-   admission). ``new_step_starts`` (clears a per-step set of cached ids)
-   and ``get_computed_blocks`` (a lookup: it touches nothing) do not.
+   (``allocator_changes``: frees, fenced frees, an admission, pins;
+   ``allocator_takes_blocks``: a running request's allocation, caching).
+   ``new_step_starts`` (clears a per-step set of cached ids) and
+   ``get_computed_blocks`` (a lookup: it touches nothing) do not.
    ``tests/test_steady.py::test_the_waiting_memo_holds_only_for_the_same_inputs_and_allocator``.
 4. ``_waiting_inputs`` lists everything the waiting loop reads besides its
    head and the allocator: the budget left, the running and waiting counts,
@@ -125,7 +129,10 @@ is broken:
    (by identity; the audit makes each passed-over waiter's pin call and
    asserts it pins nothing). The scheduler's queue (``queues.WaitingQueue``)
    counts every call of ``deque`` that may change it, so a queue with no
-   call since the idle pass is known unchanged without reading its entries.
+   call since the idle pass is known unchanged without reading its entries,
+   and every call that may put an entry in it: with only removals since
+   (admissions pop the head), every waiter left met the idle pass, so with
+   none forgotten the pass would pass over all of them and is skipped whole.
    With hashes inserted since, a pass still passes over the idle pass's
    waiters if that pass met only waiters rule 10 remembers (each reported
    otherwise, ``pin_lookup_not_remembered``): an insertion changes such a
@@ -137,7 +144,29 @@ is broken:
    ``::test_the_waiting_queue_counts_every_call_of_deque_that_changes_it``,
    ``::test_after_insertions_a_pass_passes_over_the_remembered_waiters_not_forgotten``,
    ``::test_a_pin_call_that_pins_nothing_and_finds_a_hit_is_not_remembered``,
-   ``::test_the_scheduler_reports_each_admitted_waiter_to_rule_11``.
+   ``::test_the_scheduler_reports_each_admitted_waiter_to_rule_11``,
+   ``::test_a_queue_only_taken_from_since_an_idle_pass_is_known_idle``.
+12. A waiting loop that admitted nobody, whose lookup of its head found
+   nothing in any group (no token, no block, no shared-prefix boundary),
+   admits nobody again with the same head and inputs while the only calls
+   since were running requests' allocations and caching
+   (``allocator_takes_blocks``; every other change bumps the release
+   version too: frees, fenced frees, admissions, pins, preemptions, a
+   waiter's stale output), none of the head's hashes was inserted (rule
+   10 remembers the head) and the pool has no more free blocks than then.
+   Argued: with no hit, what ``allocate_slots`` counts for a waiting
+   request reads only the request (it holds no blocks), the flags, and
+   the packed rings' free slots (claimed at admission, released at a
+   free); it refuses when that need exceeds the free blocks, which have
+   not grown; the fork's head guard (0097) compares a shortfall that has
+   only grown with pins that have not changed. The hit stays empty: each
+   group's hit, and the boundary (one group's longer hit), grow only with
+   the head's own hashes inserted. A running request's allocation may
+   free its own skipped blocks: the free count catches that.
+   ``tests/test_steady.py::test_a_head_that_found_nothing_stays_refused_while_running_requests_only_take_blocks``,
+   ``::test_a_head_whose_own_hash_is_inserted_is_looked_up_again``,
+   ``::test_a_lookup_found_nothing_only_with_no_block_no_token_and_no_boundary``,
+   ``::test_the_check_catches_a_head_taken_as_refused_after_blocks_came_free``.
 
 Every rule is also checked whole, in both engine modes: every gate scenario's frames are the same
 with the fast path off, and the conformance driver steps the lane against
@@ -157,9 +186,10 @@ from sim.sched.settled import SettledSteps
 from sim.sched.steady import SKIP, SteadyDecode
 
 if TYPE_CHECKING:
+    from sim.kv_cache_manager import KVCacheManager
     from sim.sched.model_runner import ModelRunner
     from sim.sched.scheduler import Scheduler, SchedulerConfig, _StepState
-    from sim.vllm_bridge import Request
+    from sim.vllm_bridge import KVCacheBlocks, Request
 
 T = TypeVar("T")
 
@@ -175,16 +205,36 @@ class AuditCounts:
     pin_lookups: int = 0
     pin_passes: int = 0
     unchanged_waiters: int = 0
+    lookups: int = 0
+    refused_admissions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    """A refused admission (rule 12): the request, its tokens, whether any
+    request was running (vLLM's watermark), and the release version and
+    the pool's free blocks then."""
+
+    request: object
+    num_new: int
+    has_scheduled_reqs: bool
+    release_version: int
+    num_free_blocks: int
 
 
 @dataclass(frozen=True, slots=True)
 class _IdleWaiting:
     """Waiting loops that admitted nobody with the same head and allocator
-    version: their inputs (the latest last), the head and the version."""
+    version: their inputs (the latest last), the head and the version; for
+    rule 12, the release version, the pool's free blocks and whether the
+    last loop's lookup of the head found nothing in any group."""
 
     head: object
     inputs: tuple[tuple, ...]
     allocator_version: int
+    release_version: int
+    num_free_blocks: int
+    head_missed: bool
 
     # Inputs kept per head and version. Async scheduling's decode stagger
     # alternates two budgets (each half of the running set leaves its own),
@@ -193,7 +243,7 @@ class _IdleWaiting:
 
 
 class FastPath:
-    """The fast path of one scheduler (rules 1-11 above)."""
+    """The fast path of one scheduler (rules 1-12 above)."""
 
     enabled = True
 
@@ -202,9 +252,17 @@ class FastPath:
         self.allocations = _settled_steps(scheduler)
         self.caching = _settled_steps(scheduler)
         # Counts the calls that may have changed the allocator's state, so a
-        # waiting loop's outcome can be known unchanged (rule 3).
+        # waiting loop's outcome can be known unchanged (rule 3), and those
+        # of them that may do more than take blocks (rule 12).
         self.allocator_version = 0
+        self.release_version = 0
         self._idle_waiting: _IdleWaiting | None = None
+        # The waiting loop's last lookup: the request, and whether it found
+        # nothing in any group (rule 12); the last request whose lookup did;
+        # the last refused admission (rule 12).
+        self._last_lookup: tuple[object, bool] | None = None
+        self._found_nothing: object | None = None
+        self._refusal: _Refusal | None = None
         # Waiters whose pin lookup found no hit (rule 10).
         self.missed_pin_lookups = MissedPinLookups(scheduler.kv_cache_manager.block_pool)
         self._pin_pass_version = 0
@@ -263,11 +321,19 @@ class FastPath:
         """A real call may change the allocator: every remembered waiting
         loop is void (versions only grow, so none can match again)."""
         self.allocator_version += 1
+        self.release_version += 1
+
+    def allocator_takes_blocks(self) -> None:
+        """A real call for a running request may take blocks from the pool
+        (evicting cached ones), free its own skipped blocks and cache its
+        hashes, and changes nothing else (rule 12: its allocation or its
+        caching; a preemption, a pin's yield, a free report their own)."""
+        self.allocator_version += 1
 
     def waiting_request_changes(self) -> None:
         """A waiting request the waiting loop skipped may be admitted now
         (its stale output drained, rule 9): every remembered loop is void."""
-        self.allocator_version += 1
+        self.allocator_changes()
 
     # ------------------------------------------------ known-idle waiting
     def skips_waiting(self, step: _StepState) -> bool:
@@ -278,6 +344,7 @@ class FastPath:
         return known
 
     def waiting_starts(self, step: _StepState) -> tuple:
+        self._last_lookup = None
         return self._waiting_inputs(step.token_budget, step.running_scheduled, step.prefill_scheduled)
 
     def waiting_ends(self, inputs: tuple, admitted: bool) -> None:
@@ -291,20 +358,105 @@ class FastPath:
         if admitted or not waiting:
             return
         head, kept = waiting[0], (inputs,)
-        if idle is not None and idle.head is head and idle.allocator_version == self.allocator_version:
+        if (
+            idle is not None
+            and idle.head is head
+            and (idle.allocator_version == self.allocator_version or self._head_still_refused(idle))
+        ):
             kept = (*idle.inputs, inputs)[-_IdleWaiting.MAX_INPUTS :]
-        self._idle_waiting = _IdleWaiting(head, kept, self.allocator_version)
+        last = self._last_lookup
+        self._idle_waiting = _IdleWaiting(
+            head,
+            kept,
+            self.allocator_version,
+            self.release_version,
+            self._num_free_blocks(),
+            head_missed=last is not None and last[0] is head and last[1],
+        )
 
     def waiting_known_idle(self, token_budget: int, running_scheduled: bool, prefill_scheduled: bool) -> bool:
-        """Whether a waiting loop with these inputs is the one remembered to
-        have admitted nobody, with the same head and allocator state."""
+        """Whether a waiting loop with these inputs is one remembered to
+        have admitted nobody, with the same head, and the allocator's state
+        the same (rule 3) or changed only as rule 12 allows."""
         idle, waiting = self._idle_waiting, self.scheduler.waiting
         return (
             idle is not None
             and bool(waiting)
             and idle.head is waiting[0]
-            and idle.allocator_version == self.allocator_version
             and self._waiting_inputs(token_budget, running_scheduled, prefill_scheduled) in idle.inputs
+            and (idle.allocator_version == self.allocator_version or self._head_still_refused(idle))
+        )
+
+    def _head_still_refused(self, idle: _IdleWaiting) -> bool:
+        """Rule 12: the idle loops' head found nothing in any group, none of
+        its hashes was inserted since (rule 10 remembers it), only running
+        requests' allocations and caching changed the allocator since, and
+        the pool has no more free blocks than then."""
+        return (
+            idle.head_missed
+            and self._only_took_blocks_since(idle.release_version, idle.num_free_blocks)
+            and self.missed_pin_lookups.knows_no_hit(idle.head)  # type: ignore[arg-type]
+        )
+
+    def _only_took_blocks_since(self, release_version: int, num_free_blocks: int) -> bool:
+        """Rule 12: since a state with these counts, only running requests'
+        allocations and caching changed the allocator, and the pool has no
+        more free blocks than then."""
+        return release_version == self.release_version and self._num_free_blocks() <= num_free_blocks
+
+    def _num_free_blocks(self) -> int:
+        """The count ``allocate_slots`` compares a need with."""
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def head_looked_up(self, request: Request, hit: tuple, num_hit: int, boundary: int) -> None:
+        """The waiting loop looked ``request`` up (``get_computed_blocks``:
+        the hit's blocks per group, its tokens, the shared-prefix boundary).
+        A lookup that found nothing is remembered by rule 10 too."""
+        missed = num_hit == 0 and boundary == 0 and not any(hit)
+        self._last_lookup = (request, missed)
+        self._found_nothing = request if missed else None
+        if num_hit == 0 and not self.missed_pin_lookups.knows_no_hit(request):
+            self.missed_pin_lookups.found_no_hit(request)
+
+    def skips_lookup(self, request: Request) -> bool:
+        """Whether the waiting loop's lookup of ``request`` is known to find
+        nothing in any group (rule 12: its last one did, and none of its
+        hashes was inserted since); vLLM then answers with its empty
+        blocks, no tokens and no boundary."""
+        if not self._finds_nothing(request):
+            return False
+        self._last_lookup = (request, True)
+        if self.audit:
+            self._audit_lookup(request)
+        return True
+
+    def _finds_nothing(self, request: Request) -> bool:
+        return self._found_nothing is request and self.missed_pin_lookups.knows_no_hit(request)
+
+    def skips_refused_admission(self, request: Request, num_new: int, attempt: Callable[[], object]) -> bool:
+        """Whether admitting ``request`` with ``num_new`` tokens (``attempt``:
+        the allocation, then the fork's head guard) is known to be refused
+        (rule 12): it was with the same tokens and scheduled requests, it
+        finds nothing, and since then running requests only took blocks."""
+        refusal = self._refusal
+        if (
+            refusal is None
+            or refusal.request is not request
+            or refusal.num_new != num_new
+            or refusal.has_scheduled_reqs != bool(self.scheduler.running)
+            or not self._finds_nothing(request)
+            or not self._only_took_blocks_since(refusal.release_version, refusal.num_free_blocks)
+        ):
+            return False
+        if self.audit:
+            assert self._audit(attempt, "refused admission") is None, f"{request.request_id}: admitted"
+            self.audited.refused_admissions += 1
+        return True
+
+    def admission_refused(self, request: Request, num_new: int) -> None:
+        """Admitting ``request`` with ``num_new`` tokens was refused."""
+        self._refusal = _Refusal(
+            request, num_new, bool(self.scheduler.running), self.release_version, self._num_free_blocks()
         )
 
     def _waiting_inputs(self, token_budget: int, running_scheduled: bool, prefill_scheduled: bool) -> tuple:
@@ -411,6 +563,15 @@ class FastPath:
         self._audit(lambda: pins(scheduler._waiting_requests()), "pin pass")
         self.audited.pin_passes += 1
 
+    def _audit_lookup(self, request: Request) -> None:
+        """Make a skipped lookup: it must find nothing (vLLM's empty blocks)."""
+        kv_cache_manager = self.scheduler.kv_cache_manager
+        found = self._audit(lambda: kv_cache_manager.get_computed_blocks(request), "lookup")
+        assert found == (kv_cache_manager.empty_kv_cache_blocks, 0, 0), (
+            f"{request.request_id}: a lookup finds"
+        )
+        self.audited.lookups += 1
+
     def _audit_waiting(self, step: _StepState) -> None:
         """Run the skipped waiting loop on a copy of the step's inputs."""
         probe = type(step)(
@@ -451,6 +612,21 @@ class NoFastPath:
         return None
 
     def allocator_changes(self) -> None:
+        return None
+
+    def allocator_takes_blocks(self) -> None:
+        return None
+
+    def head_looked_up(self, request: Request, hit: tuple, num_hit: int, boundary: int) -> None:
+        return None
+
+    def skips_lookup(self, request: Request) -> bool:
+        return False
+
+    def skips_refused_admission(self, request: Request, num_new: int, attempt: Callable[[], object]) -> bool:
+        return False
+
+    def admission_refused(self, request: Request, num_new: int) -> None:
         return None
 
     def waiting_request_changes(self) -> None:
@@ -524,10 +700,21 @@ class FastPathScheduling:
 
     config: SchedulerConfig
     running: list[Request]
+    kv_cache_manager: KVCacheManager
+    fast_path: FastPath | NoFastPath
 
     if TYPE_CHECKING:
 
         def _long_prefill_threshold(self) -> int: ...
+
+    def _look_up_head(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
+        """The waiting loop's ``get_computed_blocks``, or vLLM's answer for a
+        lookup that finds nothing where the fast path knows it does (rule 12)."""
+        if self.fast_path.skips_lookup(request):
+            return self.kv_cache_manager.empty_kv_cache_blocks, 0, 0
+        blocks, num_hit, boundary = self.kv_cache_manager.get_computed_blocks(request)
+        self.fast_path.head_looked_up(request, blocks.blocks, num_hit, boundary)
+        return blocks, num_hit, boundary
 
     def _take_steady(self, index: int, step: _StepState) -> int:
         """Schedule the lane's decodes for the running requests from
@@ -544,7 +731,8 @@ class FastPathScheduling:
         running, items, scheduled, taken = self.running, steady.items, step.scheduled, steady.taken
         # The running loop preempts nobody here, so the threshold holds throughout.
         threshold = self.config.long_prefill_token_threshold and self._long_prefill_threshold()
-        while index < len(running):
+        num_running = len(running)  # the loop takes requests, it never removes one
+        while index < num_running:
             request_id = running[index].request_id
             item = items.get(request_id)
             if item is None:

@@ -32,7 +32,10 @@ and the same waiters are pinned: each waiter then meets the pass as before
 per-waiter checks are made. With only the queue changed, the waiters of
 that pass are passed over and the others examined. The scheduler's queue
 counts its changing calls (``queues.WaitingQueue.version``): with no call
-since, the entries are not compared at all. With hashes inserted since,
+since, the entries are not compared at all; and those that may put an entry
+in (``insertions``): with only removals since (an admission pops the head),
+every waiter left met the idle pass, so with none forgotten since the pass
+would pass over all of them, and is skipped whole. With hashes inserted since,
 the waiters of that pass are still passed over if it met only remembered
 waiters, less those an insertion forgot (a remembered waiter meets a pass
 differently only once forgotten); admitted waiters are examined again (a
@@ -80,8 +83,9 @@ class MissedPinLookups:
         self.num_waiter_changes = 0
         self._idle_pass: PassKey | None = None
         self._idle_ids: frozenset[int] = frozenset()  # its entries' ids
-        # Its queue and the queue's version then (None for a queue without one).
-        self._idle_queue: tuple[object, int] | None = None
+        # Its queue and the queue's version and insertions then (None for a
+        # queue without them).
+        self._idle_queue: tuple[object, int, int] | None = None
         # Whether every waiter it met is remembered by rule 10 (a remembered
         # waiter meets a pass differently only once forgotten), and the ids
         # of the waiters that may meet a pass differently since it ended:
@@ -89,6 +93,7 @@ class MissedPinLookups:
         # comes back to the queue as the same object, with more tokens).
         self._idle_covered = False
         self._changed_ids: set[int] = set()
+        self._forgot = False  # whether an insertion forgot a waiter since it
         self._pass_covered = False  # the same for the pass under way
         self._count_insertions(block_pool)
 
@@ -121,6 +126,7 @@ class MissedPinLookups:
             missed = self._missed.pop(request_id, None)
             if missed is not None:
                 self._changed_ids.add(id(missed[0]))
+                self._forgot = True
 
     def waiter_tokens_change(self) -> None:
         """A waiting request may take tokens (a stale output lands)."""
@@ -162,27 +168,33 @@ class MissedPinLookups:
         )
 
     def knows_idle_pass(self, waiting: Iterable[object], pinned_ids: tuple[str, ...]) -> bool:
-        """Whether a pin pass over ``waiting`` is known to pin nothing."""
+        """Whether a pin pass over ``waiting`` is known to pin nothing: it
+        would pass over every waiter (``idle_pass_entries``) or meet the
+        same queue as the idle pass."""
         idle = self._idle_pass
-        if idle is None or not self._reads_alike(idle, pinned_ids) or self._changed_ids:
+        if idle is None or idle[1:3] != (self.num_waiter_changes, pinned_ids):
             return False
-        if self._is_idle_queue(waiting):
-            return True  # not changed since: no entry need be compared
+        same_insertions = idle[0] == self.num_hash_insertions
+        if not (same_insertions or self._idle_covered):
+            return False  # it would pass over nobody
+        if not self._forgot and self._only_removed_from(waiting):
+            # Every waiter now met the idle pass, none is forgotten since,
+            # and the admitted ones have left: each would be passed over.
+            return True
+        if not same_insertions or self._changed_ids:
+            return False
         # By identity: the entries themselves are not compared.
         if idle[3] != tuple(map(id, waiting)):
             return False
-        self._idle_queue = _queue_version(waiting)  # changed back: the next check is one number
+        self._idle_queue = _queue_state(waiting)  # changed back: the next check is one number
         return True
 
-    def _is_idle_queue(self, waiting: Iterable[object]) -> bool:
-        """Whether ``waiting`` is the idle pass's queue object with no call
-        that may change it since (``queues.WaitingQueue.version``)."""
+    def _only_removed_from(self, waiting: Iterable[object]) -> bool:
+        """Whether ``waiting`` is the idle pass's queue object and no call
+        since may have put an entry in it (``queues.WaitingQueue.insertions``):
+        it holds some of that pass's entries, in their order."""
         idle_queue = self._idle_queue
-        return idle_queue is not None and idle_queue[0] is waiting and idle_queue[1] == _version(waiting)
-
-    def _reads_alike(self, idle: PassKey, pinned_ids: tuple[str, ...]) -> bool:
-        """The same insertions, waiter tokens and pinned waiters as ``idle``'s."""
-        return idle[:3] == (self.num_hash_insertions, self.num_waiter_changes, pinned_ids)
+        return idle_queue is not None and idle_queue[0] is waiting and idle_queue[2] == _insertions(waiting)
 
     def idle_pass_entries(self, pinned_ids: tuple[str, ...]) -> frozenset[int]:
         """A pass starts: the ids of the entries of the last pass that meet
@@ -216,20 +228,21 @@ class MissedPinLookups:
     def pass_ends(self, waiting: Iterable[object], pinned_ids: tuple[str, ...], pinned: bool) -> None:
         """A pin pass ended; ``pinned``: it changed the allocator."""
         self._idle_pass = None if pinned else self._pass_key(waiting, pinned_ids)
-        self._idle_queue = None if pinned else _queue_version(waiting)
+        self._idle_queue = None if pinned else _queue_state(waiting)
         self._idle_covered = not pinned and self._pass_covered
         self._changed_ids = set()
+        self._forgot = False
         self._idle_ids = frozenset() if self._idle_pass is None else frozenset(self._idle_pass[3])
 
 
-def _version(waiting: Iterable[object]) -> int | None:
-    """The queue's count of changing calls, where it keeps one (the
-    scheduler's ``WaitingQueue``)."""
-    return getattr(waiting, "version", None)
+def _insertions(waiting: Iterable[object]) -> int | None:
+    """The queue's count of calls that may put an entry in, where it keeps
+    one (the scheduler's ``WaitingQueue``)."""
+    return getattr(waiting, "insertions", None)
 
 
-def _queue_version(waiting: Iterable[object]) -> tuple[object, int] | None:
-    """The queue (held, so its identity is not reused while remembered) and
-    its version; None for a queue without one."""
-    version = _version(waiting)
-    return None if version is None else (waiting, version)
+def _queue_state(waiting: Iterable[object]) -> tuple[object, int, int] | None:
+    """The queue (held, so its identity is not reused while remembered), its
+    version and its insertions; None for a queue without them."""
+    version, insertions = getattr(waiting, "version", None), _insertions(waiting)
+    return None if version is None or insertions is None else (waiting, version, insertions)

@@ -95,9 +95,11 @@ class UniformStream:
         """``accepted_drafts(rates, self)``, the same draws, without a call
         per draw (it runs for every decode of every step)."""
         block, index = self._block, self._next
+        end = len(block)
         for position, rate in enumerate(rates):
-            if index == len(block):
+            if index == end:
                 block, index = self._refill(), 0
+                end = len(block)
             value = block[index]
             index += 1
             if value >= rate:
@@ -105,6 +107,27 @@ class UniformStream:
                 return position
         self._next = index
         return len(rates)
+
+    def accepted_drafts_each(self, rates_each: list[tuple[float, ...]]) -> list[int]:
+        """``accepted_drafts`` for each rate tuple in turn, in one call (a
+        step's requests): the same draws in the same order."""
+        block, index = self._block, self._next
+        end = len(block)
+        accepted = []
+        for rates in rates_each:
+            count = len(rates)
+            for position, rate in enumerate(rates):
+                if index == end:
+                    block, index = self._refill(), 0
+                    end = len(block)
+                value = block[index]
+                index += 1
+                if value >= rate:
+                    count = position
+                    break
+            accepted.append(count)
+        self._next = index
+        return accepted
 
     def _refill(self) -> list[float]:
         self._block = self.rng.random(self.BLOCK).tolist()
@@ -150,6 +173,26 @@ class ModelRunner:
             tokens = self.sample(item, num_tokens[item.request_id])
             if tokens is not None:
                 sampled[item.request_id] = tokens
+        return ModelRunnerOutput(sampled_token_ids=sampled)
+
+    def execute_sampling(self, output: SchedulerOutput, samples: dict[str, bool]) -> ModelRunnerOutput:
+        """``execute`` with each request's sampling judged when it was
+        scheduled (``samples``; async scheduling): a request that samples
+        does so from the position its step reaches. The same draws in the
+        same order as ``execute``; one loop without a call per request (it
+        runs for every request of every step)."""
+        sampling = [item for item in output.scheduled if samples[item.request_id]]
+        # Placeholder drafts (uniform-decode padding) are never accepted: no draws.
+        drawn = iter(
+            self.uniforms.accepted_drafts_each(
+                [self._rates_of(item.num_spec_tokens) for item in sampling if not item.is_padded]
+            )
+        )
+        sampled: dict[str, list[int]] = {}
+        for request_id, num_new, computed, num_spec, _, is_padded in sampling:
+            accepted = 0 if is_padded else next(drawn)
+            position = OUTPUT_TOKEN_BASE + computed + num_new - num_spec
+            sampled[request_id] = list(range(position, position + accepted + 1))
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
     def sample(self, item: ScheduledRequest, num_tokens: int) -> list[int] | None:

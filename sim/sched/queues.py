@@ -28,7 +28,9 @@ class WaitingQueue(deque):
     number instead of comparing every entry (its rule 11; ~1,000 waiters
     on an async saturated decode). Every mutating method of ``deque`` is
     counted, ``MUTATORS``; ``tests/test_values_fast_path.py`` checks the
-    list against ``deque`` itself."""
+    list against ``deque`` itself. ``insertions`` counts those calls but
+    ``REMOVALS``, which only take entries out: with no insertion since,
+    every entry was in the queue then (an admission pops the head)."""
 
     MUTATORS = (
         "append",
@@ -47,19 +49,29 @@ class WaitingQueue(deque):
         "__iadd__",
         "__imul__",
     )
+    REMOVALS = ("clear", "pop", "popleft", "remove", "__delitem__")
 
     def __init__(self, iterable: Iterable[Any] = (), maxlen: int | None = None) -> None:
         # Called again on a queue, ``__init__`` refills it: counted too.
         self.version = getattr(self, "version", -1) + 1
+        self.insertions = getattr(self, "insertions", -1) + 1
         super().__init__(iterable, maxlen)
 
 
 def _counted(name: str) -> Callable[..., Any]:
     change = getattr(deque, name)
+    if name in WaitingQueue.REMOVALS:
 
-    def counted(self: WaitingQueue, *args: Any) -> Any:
-        self.version += 1
-        return change(self, *args)
+        def counted(self: WaitingQueue, *args: Any) -> Any:
+            self.version += 1
+            return change(self, *args)
+
+    else:
+
+        def counted(self: WaitingQueue, *args: Any) -> Any:
+            self.version += 1
+            self.insertions += 1
+            return change(self, *args)
 
     counted.__name__ = counted.__qualname__ = name
     return counted

@@ -273,7 +273,7 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
         lookahead = self.config.num_speculative_tokens
         if self.fast_path.skips_allocation(request, num_new, lookahead):
             return True
-        self.fast_path.allocator_changes()
+        self.fast_path.allocator_takes_blocks()
         while self.kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is None:
             if self.pins.yield_for_running():  # pin point 1: a pin yields before any victim
                 continue
@@ -313,7 +313,7 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
                 self.waiting.popleft()
                 skipped.append(request)
                 continue
-            blocks, num_hit, boundary = self.kv_cache_manager.get_computed_blocks(request)
+            blocks, num_hit, boundary = self._look_up_head(request)
             if num_hit:
                 self.observer.prefix_hit(request, blocks, num_hit)
             request.shared_prefix_boundary = boundary
@@ -338,10 +338,12 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
                 full_sequence_must_fit=self.config.scheduler_reserve_full_isl,
                 has_scheduled_reqs=bool(self.running),
             )
-            allocated = allocate()
+            attempt = partial(self._try_admission, request, blocks, allocate)
+            if self.fast_path.skips_refused_admission(request, num_new, attempt):
+                break
+            allocated = attempt()
             if allocated is None:
-                allocated = self.pins.admit_head(request, blocks, allocate)  # pin point 2
-            if allocated is None:
+                self.fast_path.admission_refused(request, num_new)
                 break  # head-of-line blocking: never try the requests behind it
             self.kv_cache_manager.record_prefix_cache_stats(request, num_hit)
             self.fast_path.allocator_changes()
@@ -350,6 +352,15 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
             self._admit(request, num_hit, num_new, step)
             admitted = True
         return admitted
+
+    def _try_admission(
+        self, request: Request, blocks: KVCacheBlocks, allocate: Callable[[], KVCacheBlocks | None]
+    ) -> KVCacheBlocks | None:
+        """The head's allocation, then the fork's second chance for it."""
+        allocated = allocate()
+        if allocated is None:
+            allocated = self.pins.admit_head(request, blocks, allocate)  # pin point 2
+        return allocated
 
     def _pads_to_uniform_decode(self, request: Request, num_new: int, num_hit: int, step: _StepState) -> bool:
         """vLLM pads an admitted request with one token left (a full prefix
@@ -394,9 +405,9 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
             self._release_cow_copies()
         if step.scheduled:
             self.sched_step_seq += 1
+        self.last_sched_seq.update(dict.fromkeys(step.scheduled, self.sched_step_seq))
         taken = step.steady.taken
         for request_id, item in step.scheduled.items():
-            self.last_sched_seq[request_id] = self.sched_step_seq
             if request_id in taken:
                 continue  # the lane keeps its requests' computed tokens
             request = self.requests[request_id]
@@ -515,6 +526,6 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
         computed = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
         if self.fast_path.skips_caching(request, computed):
             return
-        self.fast_path.allocator_changes()
+        self.fast_path.allocator_takes_blocks()
         self.kv_cache_manager.cache_blocks(request, computed)
         self.fast_path.cached(request, computed)

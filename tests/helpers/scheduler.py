@@ -65,6 +65,9 @@ class FixedDraws:
     def accepted_drafts(self, rates: tuple[float, ...]) -> int:
         return accepted_drafts(rates, self)
 
+    def accepted_drafts_each(self, rates_each: list[tuple[float, ...]]) -> list[int]:
+        return [accepted_drafts(rates, self) for rates in rates_each]
+
 
 class CheckedEngine(EngineCore):
     """The engine's own step (``EngineCore``), checking the allocator's
