@@ -5,7 +5,7 @@ place kvsim draws random numbers during a simulation.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -94,21 +94,9 @@ class UniformStream:
     def accepted_drafts(self, rates: tuple[float, ...]) -> int:
         """``accepted_drafts(rates, self)``, the same draws, without a call
         per draw (it runs for every decode of every step)."""
-        block, index = self._block, self._next
-        end = len(block)
-        for position, rate in enumerate(rates):
-            if index == end:
-                block, index = self._refill(), 0
-                end = len(block)
-            value = block[index]
-            index += 1
-            if value >= rate:
-                self._next = index
-                return position
-        self._next = index
-        return len(rates)
+        return self.accepted_drafts_each((rates,))[0]
 
-    def accepted_drafts_each(self, rates_each: list[tuple[float, ...]]) -> list[int]:
+    def accepted_drafts_each(self, rates_each: Sequence[tuple[float, ...]]) -> list[int]:
         """``accepted_drafts`` for each rate tuple in turn, in one call (a
         step's requests): the same draws in the same order."""
         block, index = self._block, self._next
