@@ -72,7 +72,10 @@ tests/test_steady.py::test_a_head_that_found_nothing_stays_refused_while_running
 tests/test_steady.py::test_a_head_whose_own_hash_is_inserted_is_looked_up_again \
 tests/test_steady.py::test_a_refused_head_that_found_nothing_is_neither_looked_up_nor_allocated_again \
 tests/test_steady.py::test_a_lookup_found_nothing_only_with_no_block_no_token_and_no_boundary \
-tests/test_steady.py::test_the_check_catches_a_head_taken_as_refused_after_blocks_came_free"
+tests/test_steady.py::test_the_check_catches_a_head_taken_as_refused_after_blocks_came_free \
+tests/test_steady.py::test_a_refused_admission_is_known_only_for_the_same_request_tokens_running_set_and_empty_lookup \
+tests/test_steady.py::test_each_audited_lookup_that_finds_nothing_counts_once \
+tests/test_steady.py::test_rule_12_keeps_the_idle_loops_of_other_inputs_across_the_changes_it_allows"
 
 # The async conformance gate (vLLM's own step_with_batch_queue over its
 # AsyncScheduler, step for step): the two preempting shapes, both hashing

@@ -354,6 +354,21 @@ def test_a_head_that_found_nothing_stays_refused_while_running_requests_only_tak
     assert not known()
 
 
+def test_rule_12_keeps_the_idle_loops_of_other_inputs_across_the_changes_it_allows():
+    """The same scene: a loop at 400 tokens left, run after a running
+    request's caching (the allocator's version moved, rule 12 holds),
+    is remembered beside the loop at 504 (both still refuse the head);
+    after a free neither is known."""
+    scheduler, _, _ = _third_prompt_refused()
+    fast_path = scheduler.fast_path
+    fast_path.allocator_takes_blocks()  # a running request's caching, say
+    scheduler._schedule_waiting(_StepState(token_budget=400, running_scheduled=True, prefill_scheduled=False))
+    assert fast_path.waiting_known_idle(400, True, False) and fast_path.waiting_known_idle(504, True, False)
+    fast_path.allocator_changes()
+    assert not fast_path.waiting_known_idle(400, True, False)
+    assert not fast_path.waiting_known_idle(504, True, False)
+
+
 def test_a_head_whose_own_hash_is_inserted_is_looked_up_again():
     """Rule 12's control through rule 10: after a call that only takes
     blocks the memo holds, but a hash of the refused head's prompt inserted
@@ -402,6 +417,55 @@ def test_a_refused_head_that_found_nothing_is_neither_looked_up_nor_allocated_ag
     key = kv_cache_utils.make_block_hash_with_group_id(head.block_hashes[0], 99)
     kv.block_pool._insert_block_hash(key, kv.block_pool.blocks[1], num_tokens=16)
     assert waiting_loop() == ["lookup"]
+
+
+def test_a_refused_admission_is_known_only_for_the_same_request_tokens_running_set_and_empty_lookup():
+    """Rule 12's admission memo, the same scene after step 2's caching: the
+    third prompt refused with 60 tokens while requests ran. Known refused:
+    the same request and tokens. Not known: other tokens, no request
+    running (vLLM's watermark), another request whose lookup found nothing
+    too (same tokens), the head once one of its hashes is inserted. Under
+    the audit each skipped admission is made anyway and counted once."""
+    scheduler, engine, step = _third_prompt_refused()
+    engine.complete(step)
+    fast_path, head = scheduler.fast_path, scheduler.waiting[0]
+    refused = fast_path._refusal
+    assert refused is not None and (refused.request, refused.num_new, refused.has_scheduled_reqs) == (
+        head,
+        60,
+        True,
+    )
+
+    def known(request=head, num_new: int = 60) -> bool:
+        return fast_path.skips_refused_admission(request, num_new, lambda: None)
+
+    assert known()
+    assert not known(num_new=59)
+    fast_path._refusal = replace(refused, has_scheduled_reqs=False)
+    assert not known()
+    fast_path._refusal = refused
+    scheduler.add_request(tiny_spec(3, 60))
+    _, other = scheduler._waiting_requests()  # built as the pin pass builds it
+    fast_path.head_looked_up(other, ([], []), 0, 0)  # it found nothing too
+    assert not known(other)
+    fast_path.head_looked_up(head, ([], []), 0, 0)
+    fast_path.audit = True
+    assert known() and known()
+    assert fast_path.audited.refused_admissions == 2
+    pool = scheduler.kv_cache_manager.block_pool
+    key = kv_cache_utils.make_block_hash_with_group_id(head.block_hashes[0], 99)
+    pool._insert_block_hash(key, pool.blocks[1], num_tokens=16)  # forgets the head (rule 10)
+    assert not known()
+
+
+def test_each_audited_lookup_that_finds_nothing_counts_once():
+    """Under the audit a skipped lookup is made and must find nothing;
+    each counts once (two skips, two counted)."""
+    scheduler, _, _ = _third_prompt_refused()
+    fast_path, head = scheduler.fast_path, scheduler.waiting[0]
+    fast_path.audit = True
+    assert fast_path.skips_lookup(head) and fast_path.skips_lookup(head)
+    assert fast_path.audited.lookups == 2
 
 
 @pytest.mark.parametrize(
