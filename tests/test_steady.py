@@ -367,6 +367,11 @@ def test_rule_12_keeps_the_idle_loops_of_other_inputs_across_the_changes_it_allo
     fast_path.allocator_changes()
     assert not fast_path.waiting_known_idle(400, True, False)
     assert not fast_path.waiting_known_idle(504, True, False)
+    # A loop run after that change is remembered alone: the older inputs
+    # were idle on a state rule 12 does not carry over.
+    scheduler._schedule_waiting(_StepState(token_budget=400, running_scheduled=True, prefill_scheduled=False))
+    assert fast_path.waiting_known_idle(400, True, False)
+    assert not fast_path.waiting_known_idle(504, True, False)
 
 
 def test_a_head_whose_own_hash_is_inserted_is_looked_up_again():
@@ -460,12 +465,18 @@ def test_a_refused_admission_is_known_only_for_the_same_request_tokens_running_s
 
 def test_each_audited_lookup_that_finds_nothing_counts_once():
     """Under the audit a skipped lookup is made and must find nothing;
-    each counts once (two skips, two counted)."""
+    each counts once (two skips, two counted); the skip answers what vLLM
+    answers."""
     scheduler, _, _ = _third_prompt_refused()
     fast_path, head = scheduler.fast_path, scheduler.waiting[0]
     fast_path.audit = True
     assert fast_path.skips_lookup(head) and fast_path.skips_lookup(head)
     assert fast_path.audited.lookups == 2
+    # The loop's lookup then answers as vLLM does for a lookup that finds
+    # nothing: its empty blocks (the same object), no tokens, no boundary.
+    kv = scheduler.kv_cache_manager
+    assert scheduler._look_up_head(head) == kv.get_computed_blocks(head) == (kv.empty_kv_cache_blocks, 0, 0)
+    assert scheduler._look_up_head(head)[0] is kv.empty_kv_cache_blocks
 
 
 @pytest.mark.parametrize(

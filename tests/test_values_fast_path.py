@@ -988,3 +988,21 @@ def test_a_queue_refilled_since_an_idle_pass_is_not_known_idle_by_its_insertions
     assert memo.knows_idle_pass(queue, ())
     queue.extend([_waiter("d", 4)])
     assert not memo.knows_idle_pass(queue, ())
+
+
+def test_hashes_inserted_before_an_idle_pass_leave_it_idle():
+    """The pass memo counts the insertions since the idle pass, not those
+    before it: with a hash inserted before an idle pass that met a waiter
+    rule 10 does not remember, a queue only taken from since is known idle
+    (control: a hash inserted after it voids that)."""
+    pool = _pool()
+    memo = MissedPinLookups(pool)
+    _insert(pool, bytes([9]) * 36, 2)
+    queue = WaitingQueue([_waiter("a", 1), _waiter("b", 2)])
+    memo.idle_pass_entries(())
+    memo.pass_meets_unremembered_waiter()
+    memo.pass_ends(queue, (), pinned=False)
+    memo.waiter_admitted(queue.popleft())
+    assert memo.knows_idle_pass(queue, ())
+    _insert(pool, bytes([8]) * 36, 3)
+    assert not memo.knows_idle_pass(queue, ())
