@@ -319,7 +319,7 @@ def test_the_waiting_memo_holds_only_for_the_same_inputs_and_allocator():
     scheduled, no prefill) would refuse it again; other inputs or an
     allocator change void that (one that may free blocks: rule 12 keeps it
     through a running request's allocation or caching, tested below)."""
-    scheduler, engine, step = _third_prompt_refused()
+    scheduler, _, step = _third_prompt_refused()
     assert [item.request_id for item in step.output.scheduled] == ["r000", "r001"]
     assert scheduler.fast_path.waiting_known_idle(504, True, False)
     assert not scheduler.fast_path.waiting_known_idle(503, True, False)
@@ -352,6 +352,25 @@ def test_a_head_that_found_nothing_stays_refused_while_running_requests_only_tak
     assert not known(replace(idle, head_missed=False))
     scheduler.finish_requests("r000", RequestStatus.FINISHED_ABORTED)
     assert not known()
+
+
+def test_a_head_forgotten_then_remembered_again_by_a_pin_lookup_is_looked_up_again():
+    """Rule 12 holds from the waiting loop's own lookup that found nothing:
+    once one of the head's hashes is inserted, a pin lookup that finds no
+    hit remembers it again for rule 10 (no tokens hit, though a group's
+    blocks or the boundary may now be found), but neither its lookup nor
+    its loop is known any more (control: before the insertion both are)."""
+    scheduler, _, _ = _third_prompt_refused()
+    fast_path, head = scheduler.fast_path, scheduler.waiting[0]
+    fast_path.allocator_takes_blocks()  # a running request's caching, say
+    assert fast_path.waiting_known_idle(504, True, False) and fast_path._finds_nothing(head)
+    pool = scheduler.kv_cache_manager.block_pool
+    key = kv_cache_utils.make_block_hash_with_group_id(head.block_hashes[0], 99)
+    pool._insert_block_hash(key, pool.blocks[1], num_tokens=16)
+    fast_path.pin_lookup_found_no_hit(head)  # a pin pass's lookup: no tokens hit
+    assert fast_path.missed_pin_lookups.knows_no_hit(head)
+    assert not fast_path._finds_nothing(head)
+    assert not fast_path.waiting_known_idle(504, True, False)
 
 
 def test_rule_12_keeps_the_idle_loops_of_other_inputs_across_the_changes_it_allows():

@@ -153,7 +153,9 @@ is broken:
    (``allocator_takes_blocks``; every other change bumps the release
    version too: frees, fenced frees, admissions, pins, preemptions, a
    waiter's stale output), none of the head's hashes was inserted (rule
-   10 remembers the head) and the pool has no more free blocks than then.
+   10's memo of the head is still the one it had at that lookup: a pin
+   lookup remembers a forgotten head anew on no tokens hit, though a
+   group's blocks may be found) and the pool has no more free blocks.
    Argued: with no hit, what ``allocate_slots`` counts for a waiting
    request reads only the request (it holds no blocks), the flags, and
    the packed rings' free slots (claimed at admission, released at a
@@ -165,6 +167,7 @@ is broken:
    free its own skipped blocks: the free count catches that.
    ``tests/test_steady.py::test_a_head_that_found_nothing_stays_refused_while_running_requests_only_take_blocks``,
    ``::test_a_head_whose_own_hash_is_inserted_is_looked_up_again``,
+   ``::test_a_head_forgotten_then_remembered_again_by_a_pin_lookup_is_looked_up_again``,
    ``::test_a_lookup_found_nothing_only_with_no_block_no_token_and_no_boundary``,
    ``::test_the_check_catches_a_head_taken_as_refused_after_blocks_came_free``.
 
@@ -258,10 +261,10 @@ class FastPath:
         self.release_version = 0
         self._idle_waiting: _IdleWaiting | None = None
         # The waiting loop's last lookup: the request, and whether it found
-        # nothing in any group (rule 12); the last request whose lookup did;
-        # the last refused admission (rule 12).
+        # nothing in any group (rule 12); the last request whose lookup did,
+        # with rule 10's memo of it then; the last refused admission.
         self._last_lookup: tuple[object, bool] | None = None
-        self._found_nothing: object | None = None
+        self._found_nothing: tuple[object, object] | None = None
         self._refusal: _Refusal | None = None
         # Waiters whose pin lookup found no hit (rule 10).
         self.missed_pin_lookups = MissedPinLookups(scheduler.kv_cache_manager.block_pool)
@@ -395,7 +398,7 @@ class FastPath:
         return (
             idle.head_missed
             and self._only_took_blocks_since(idle.release_version, idle.num_free_blocks)
-            and self.missed_pin_lookups.knows_no_hit(idle.head)  # type: ignore[arg-type]
+            and self._finds_nothing(idle.head)  # type: ignore[arg-type]
         )
 
     def _only_took_blocks_since(self, release_version: int, num_free_blocks: int) -> bool:
@@ -414,9 +417,10 @@ class FastPath:
         A lookup that found nothing is remembered by rule 10 too."""
         missed = num_hit == 0 and boundary == 0 and not any(hit)
         self._last_lookup = (request, missed)
-        self._found_nothing = request if missed else None
-        if num_hit == 0 and not self.missed_pin_lookups.knows_no_hit(request):
-            self.missed_pin_lookups.found_no_hit(request)
+        memos = self.missed_pin_lookups
+        if num_hit == 0 and not memos.knows_no_hit(request):
+            memos.found_no_hit(request)
+        self._found_nothing = (request, memos.memo_of(request)) if missed else None
 
     def skips_lookup(self, request: Request) -> bool:
         """Whether the waiting loop's lookup of ``request`` is known to find
@@ -431,7 +435,15 @@ class FastPath:
         return True
 
     def _finds_nothing(self, request: Request) -> bool:
-        return self._found_nothing is request and self.missed_pin_lookups.knows_no_hit(request)
+        """Whether ``request``'s last waiting-loop lookup found nothing and
+        none of its hashes was inserted since: rule 10's memo of it is the
+        one it had then (a pin lookup that finds no hit remembers a
+        forgotten request anew, though a group's blocks may hit now)."""
+        found = self._found_nothing
+        if found is None or found[0] is not request:
+            return False
+        memo = self.missed_pin_lookups.memo_of(request)
+        return memo is not None and memo is found[1]
 
     def skips_refused_admission(self, request: Request, num_new: int, attempt: Callable[[], object]) -> bool:
         """Whether admitting ``request`` with ``num_new`` tokens (``attempt``:

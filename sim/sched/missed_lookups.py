@@ -134,13 +134,22 @@ class MissedPinLookups:
 
     def knows_no_hit(self, request: Request) -> bool:
         """Whether ``request``'s lookup is known to find no hit."""
+        return self.memo_of(request) is not None
+
+    def memo_of(self, request: Request) -> object | None:
+        """What remembers that ``request``'s lookup finds no hit, while it
+        holds (None otherwise). A request forgotten and remembered again
+        has a new one: the same object means no hash of it was inserted
+        between the two reads."""
         missed = self._missed.get(request.request_id)
-        return (
+        if (
             missed is not None
             and missed[0] is request
             and missed[1] == request.num_tokens
             and missed[2] == len(request.block_hashes)
-        )
+        ):
+            return missed
+        return None
 
     def found_no_hit(self, request: Request) -> None:
         """``request``'s lookup, just made, found no hit."""
@@ -171,17 +180,14 @@ class MissedPinLookups:
         """Whether a pin pass over ``waiting`` is known to pin nothing: it
         would pass over every waiter (``idle_pass_entries``) or meet the
         same queue as the idle pass."""
-        idle = self._idle_pass
-        if idle is None or idle[1:3] != (self.num_waiter_changes, pinned_ids):
-            return False
-        same_insertions = idle[0] == self.num_hash_insertions
-        if not (same_insertions or self._idle_covered):
+        idle = self._passable_idle_pass(pinned_ids)
+        if idle is None:
             return False  # it would pass over nobody
         if not self._forgot and self._only_removed_from(waiting):
             # Every waiter now met the idle pass, none is forgotten since,
             # and the admitted ones have left: each would be passed over.
             return True
-        if not same_insertions or self._changed_ids:
+        if idle[0] != self.num_hash_insertions or self._changed_ids:
             return False
         # By identity: the entries themselves are not compared.
         if idle[3] != tuple(map(id, waiting)):
@@ -210,12 +216,20 @@ class MissedPinLookups:
         return passed_over
 
     def _passed_over(self, pinned_ids: tuple[str, ...]) -> frozenset[int]:
-        idle = self._idle_pass
-        if idle is None or idle[1:3] != (self.num_waiter_changes, pinned_ids):
-            return frozenset()
-        if idle[0] != self.num_hash_insertions and not self._idle_covered:
+        if self._passable_idle_pass(pinned_ids) is None:
             return frozenset()
         return self._idle_ids.difference(self._changed_ids) if self._changed_ids else self._idle_ids
+
+    def _passable_idle_pass(self, pinned_ids: tuple[str, ...]) -> PassKey | None:
+        """The idle pass, if a pass now passes over its waiters (less those
+        changed since): the same waiter tokens and pinned waiters, and the
+        same hash insertions or a pass that met only remembered waiters."""
+        idle = self._idle_pass
+        if idle is None or idle[1:3] != (self.num_waiter_changes, pinned_ids):
+            return None
+        if idle[0] != self.num_hash_insertions and not self._idle_covered:
+            return None
+        return idle
 
     def waiter_admitted(self, request: Request) -> None:
         """``request`` left the waiting queue for the running one."""

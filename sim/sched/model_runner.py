@@ -179,8 +179,7 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         for request_id, num_new, computed, num_spec, _, is_padded in sampling:
             accepted = 0 if is_padded else next(drawn)
-            position = OUTPUT_TOKEN_BASE + computed + num_new - num_spec
-            sampled[request_id] = list(range(position, position + accepted + 1))
+            sampled[request_id] = self.sampled_token_ids(computed + num_new - num_spec, accepted + 1)
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
     def sample(self, item: ScheduledRequest, num_tokens: int) -> list[int] | None:
