@@ -205,6 +205,73 @@ def test_bench_says_where_the_speed_targets_stand():
     assert target_lines("default", [kvsim]) == ["target >= 1000x simulated s per CPU s [on]: 300.0x, missed"]
 
 
+def test_bench_says_a_missed_target_is_out_of_reach_where_the_allocators_calls_leave_no_room():
+    """default's target is 1,000x: kvsim at 300 simulated s in 1 CPU s
+    misses it; 0.5 s inside the allocator's calls allows at most 600x (out
+    of reach), 0.2 s allows 1,500x (within reach). vLLM at 40,000 us a step
+    against kvsim's 10,000 is 4x; 5,000 us a step in the allocator allows
+    at most 8x (the target itself: within reach)."""
+    from sim.bench import BenchFigures, format_bench, target_lines
+
+    common = {"import_s": 1.0, "requests": 8, "peak_rss_mib": 1.0, "wall_s": 1.0, "steps": 100}
+    kvsim = BenchFigures(layout="on", backend="kvsim", simulated_s=300.0, cpu_s=1.0, **common)
+    vllm = BenchFigures(layout="on", backend="vllm", simulated_s=300.0, cpu_s=4.0, **common)
+    floor = BenchFigures(
+        layout="on", backend="allocator", simulated_s=300.0, cpu_s=1.1, allocator_s=0.5, **common
+    )
+    assert target_lines("default", [kvsim, vllm, floor]) == [
+        "target >= 1000x simulated s per CPU s [on]: 300.0x, missed "
+        "(out of reach: the allocator's calls alone allow at most 600.0x)",
+        "target >= 8x fewer CPU us per step than vllm [on]: 4.0x, missed "
+        "(within reach: the allocator's calls alone allow at most 8.0x)",
+    ]
+    low = BenchFigures(
+        layout="on", backend="allocator", simulated_s=300.0, cpu_s=1.1, allocator_s=0.2, **common
+    )
+    assert target_lines("default", [kvsim, low])[0].endswith(
+        "(within reach: the allocator's calls alone allow at most 1500.0x)"
+    )
+    # Another layout's floor says nothing of this one; the allocator is no compared backend.
+    other = BenchFigures(
+        layout="off", backend="allocator", simulated_s=300.0, cpu_s=1.1, allocator_s=0.5, **common
+    )
+    assert target_lines("default", [kvsim, other]) == [
+        "target >= 1000x simulated s per CPU s [on]: 300.0x, missed"
+    ]
+    table = format_bench("default", [kvsim, floor])
+    assert "the allocator's calls take 5000 of kvsim's 10000 CPU us per step [on]" in table
+    assert "than allocator" not in table
+
+
+def test_the_allocator_timer_counts_outermost_calls_only(monkeypatch):
+    """A clock that moves one second per reading: three outermost calls,
+    one of which makes two calls of its own, are three seconds (each
+    outermost call reads the clock twice; the inner ones not at all)."""
+    import sim.bench
+    from sim.bench import AllocatorTimer
+
+    readings = iter(range(100))
+    monkeypatch.setattr(sim.bench.time, "perf_counter", lambda: float(next(readings)))
+    timer = AllocatorTimer()
+    inner = timer.timed(lambda: 1)
+    outer = timer.timed(lambda: inner() + inner())
+    assert (outer(), inner(), outer()) == (2, 1, 2)
+    assert timer.seconds == 3.0
+
+
+def test_bench_times_the_allocator_in_the_same_run(tmp_path):
+    """The ``allocator`` backend runs kvsim itself (same steps, same end):
+    timing the calls changes none of them, and they take part of the run."""
+    from sim.bench import BenchFigures, _measure, format_bench
+
+    path = write_scenario(tmp_path, workload=TINY)
+    kvsim = BenchFigures(**_measure(str(path), [], "on"))
+    floor = BenchFigures(**_measure(str(path), [], "on", "allocator"))
+    assert (floor.steps, floor.simulated_s) == (kvsim.steps, kvsim.simulated_s)
+    assert 0 < floor.allocator_s < floor.wall_s
+    assert "the allocator's calls take" in format_bench("tiny", [kvsim, floor])
+
+
 def test_bench_repeats_each_measurement_in_turn_and_keeps_its_least_disturbed_run(monkeypatch):
     """Two rounds over kvsim and vLLM (layout on): kvsim, vllm, kvsim, vllm,
     so a drift of the machine reaches both. Of kvsim's runs (2 and 1.5 CPU
@@ -287,6 +354,8 @@ def test_bench_saves_its_figures_as_json(tmp_path, monkeypatch, capsys):
             "us_per_step": 5000.0,  # 4 s / 800 steps
             "sim_s_per_cpu_s": 120.0 / 3.5,
             "cpu_us_per_step": 4375.0,  # 3.5 s / 800 steps
+            "allocator_s": None,  # not the allocator backend (NaN, written as null)
+            "allocator_us_per_step": None,
         }
     ]
     assert record["cpu_us_per_step_ratios"] == {}
