@@ -321,16 +321,14 @@ class Simulation:
         prompt_tokens = sum(
             self.recording.requests[r]["prompt_tokens"] for r in outcome.first_token_request_ids
         )
-        for key, value in (
-            ("num_preemptions_total", len(output.preempted_request_ids)),
-            ("prefix_cache_queries_total_tokens", output.prefix_cache_queries),
-            ("prefix_cache_hits_total_tokens", output.prefix_cache_hits),
-            ("num_draft_total_tokens", outcome.num_draft_tokens),
-            ("num_accepted_total_tokens", outcome.num_accepted_tokens),
-            ("num_prompt_total_tokens", prompt_tokens),
-            ("num_generation_total_tokens", outcome.num_generated_tokens),
-        ):
-            self.totals[key] += value
+        totals = self.totals  # one line a total, no loop: it runs for every step
+        totals["num_preemptions_total"] += len(output.preempted_request_ids)
+        totals["prefix_cache_queries_total_tokens"] += output.prefix_cache_queries
+        totals["prefix_cache_hits_total_tokens"] += output.prefix_cache_hits
+        totals["num_draft_total_tokens"] += outcome.num_draft_tokens
+        totals["num_accepted_total_tokens"] += outcome.num_accepted_tokens
+        totals["num_prompt_total_tokens"] += prompt_tokens
+        totals["num_generation_total_tokens"] += outcome.num_generated_tokens
 
 
 @cache

@@ -205,7 +205,10 @@ class RetainingMambaManager(MambaManager):
     def num_retained_checkpoints(self) -> int:
         """Blocks held as checkpoints. Two requests can hold one block (a
         sibling that resumed at another's tail, patch 0093): counted once."""
-        return len(set(map(id, map(itemgetter(1), self._retained_checkpoints.values()))))
+        held = self._retained_checkpoints
+        if not held:  # most steps (a gauge read at every one): no set to build
+            return 0
+        return len(set(map(id, map(itemgetter(1), held.values()))))
 
     # ------------------------------------------------------------ retention
     def remove_skipped_blocks(

@@ -19,6 +19,7 @@ from sim.conformance.async_engine import run_async_conformance
 from sim.scenario import load_scenario
 from sim.sched import async_steady
 from sim.sched.async_steady import AsyncSteadyDecode
+from sim.sched.output import ModelRunnerOutput
 from sim.sched.scheduler import Scheduler
 
 ASYNC = "engine.mode=async"
@@ -136,12 +137,16 @@ def test_a_lane_that_never_rolls_back_a_draft_fails_the_conformance_gate(monkeyp
     """Failing control: the lane applies each kept output as if every
     draft were accepted (its optimistic computed tokens never rolled back),
     and a later decode's computed tokens differ from vLLM's."""
-    applies = AsyncSteadyDecode._applies
+    complete = AsyncSteadyDecode.complete
 
-    def all_accepted(self, kept, item, tokens):
-        return applies(self, kept, item, tokens[:1] * self.step_tokens if tokens else tokens)
+    def all_accepted(self, output, sampled):
+        tokens_by_id = {
+            request_id: tokens[:1] * self.step_tokens if request_id in self._kept and tokens else tokens
+            for request_id, tokens in sampled.sampled_token_ids.items()
+        }
+        return complete(self, output, ModelRunnerOutput(sampled_token_ids=tokens_by_id))
 
-    monkeypatch.setattr(AsyncSteadyDecode, "_applies", all_accepted)
+    monkeypatch.setattr(AsyncSteadyDecode, "complete", all_accepted)
     comparison = _conform("prefix-hits")
     assert comparison.first_difference is not None
     assert "scheduled_tokens" in comparison.differing_fields(comparison.first_difference)

@@ -15,7 +15,7 @@ from helpers.scheduler import tiny_spec
 
 from sim.sched.async_steady import AsyncSteadyDecode, _KeptAsync
 from sim.sched.engine_core import BatchQueueEngineCore
-from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepOutcome
 
 
 def _simulation(tmp_path, overrides: list[str], *, fast_path: bool, prompt: int = 40):
@@ -172,12 +172,22 @@ def _applied(tokens: list[int], cache: tuple[int, int], item: ScheduledRequest |
     landing with ``tokens`` (``complete``, the scheduler a stand-in):
     whether the lane applied it, the kept counters and the step's tally
     (generated, drafted, accepted tokens)."""
-    lane = object.__new__(AsyncSteadyDecode)
-    lane.num_spec, lane.step_tokens, lane.fast_path = 3, 4, SimpleNamespace(audit=False)
     kept = _KeptAsync(
         request=None, computed=104, in_flight=4, placeholders=4, eligible=0, num_tokens=101,
         cache_low=cache[0], cache_high=cache[1], stop_at=200,
     )  # fmt: skip
+    applied, outcome = _completed(kept, tokens, item or ScheduledRequest("r", 4, 100, 3, 0))
+    counters = (kept.computed, kept.in_flight, kept.placeholders, kept.num_tokens, kept.pending)
+    tally = (outcome.num_generated_tokens, outcome.num_draft_tokens, outcome.num_accepted_tokens)
+    return applied, counters, tally
+
+
+def _completed(kept: _KeptAsync, tokens: list[int], item: ScheduledRequest) -> tuple[bool, StepOutcome]:
+    """``kept`` (request "r", K = 3) in a stand-in lane whose one step's
+    output lands with ``tokens``: whether the lane applied them, and the
+    step's outcome."""
+    lane = object.__new__(AsyncSteadyDecode)
+    lane.num_spec, lane.step_tokens, lane.fast_path = 3, 4, SimpleNamespace(audit=False)
     lane._kept = {"r": kept}
     ordinary: list[str] = []  # requests handed back and applied the ordinary way
     lane._leave = lambda request: ordinary.append("left")  # type: ignore[method-assign]
@@ -185,12 +195,10 @@ def _applied(tokens: list[int], cache: tuple[int, int], item: ScheduledRequest |
         output_arrives=lambda output: None,
         apply_sampled=lambda item, tokens, tally: ordinary.append("applied"),
     )
-    output = SchedulerOutput(step_index=1, scheduled=(item or ScheduledRequest("r", 4, 100, 3, 0),))
+    output = SchedulerOutput(step_index=1, scheduled=(item,))
     outcome = lane.complete(output, ModelRunnerOutput(sampled_token_ids={"r": tokens} if tokens else {}))
     assert ordinary in ([], ["left", "applied"])
-    counters = (kept.computed, kept.in_flight, kept.placeholders, kept.num_tokens, kept.pending)
-    tally = (outcome.num_generated_tokens, outcome.num_draft_tokens, outcome.num_accepted_tokens)
-    return not ordinary, counters, tally
+    return not ordinary, outcome
 
 
 UNCHANGED = ((104, 4, 4, 101, []), (0, 0, 0))
@@ -233,13 +241,11 @@ def test_with_two_decodes_in_flight_the_processed_tokens_lie_behind_the_newer_on
     """108 computed, two decodes (8 tokens, 8 placeholders) in flight; the
     older lands with two tokens: computed 106, 4 still in flight, so 102
     processed (not 110): inside a window ending at 102."""
-    lane = object.__new__(AsyncSteadyDecode)
-    lane.num_spec, lane.step_tokens, lane.fast_path = 3, 4, SimpleNamespace(audit=False)
     kept = _KeptAsync(
         request=None, computed=108, in_flight=8, placeholders=8, eligible=0, num_tokens=101,
         cache_low=90, cache_high=102, stop_at=200,
     )  # fmt: skip
-    assert lane._applies(kept, ScheduledRequest("r", 4, 100, 3, 0), [7, 8])
+    assert _completed(kept, [7, 8], ScheduledRequest("r", 4, 100, 3, 0))[0]
     assert (kept.computed, kept.in_flight, kept.placeholders, kept.num_tokens) == (106, 4, 4, 103)
 
 

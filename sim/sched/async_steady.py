@@ -50,6 +50,11 @@ if TYPE_CHECKING:
     from sim.sched.fast_path import FastPath
 
 
+# ``ScheduledRequest(...)`` without the named tuple's Python-level
+# ``__new__`` (every field given): built for every decode of every step.
+_new_item = tuple.__new__
+
+
 @dataclass(slots=True)
 class _KeptAsync:
     """A request in the async lane: what ``AsyncScheduler`` would hold on it."""
@@ -109,7 +114,8 @@ class AsyncSteadyDecode:
             if computed > kept.limit or computed + 2 - kept.placeholders >= kept.max_tokens_end:
                 self._leave(request)
                 continue
-            items[request_id] = ScheduledRequest(request_id, step_tokens, computed, num_spec, 0)
+            fields = (request_id, step_tokens, computed, num_spec, 0, False)  # a decode, not padded
+            items[request_id] = _new_item(ScheduledRequest, fields)
         if not items:
             self.num_taken = 0
             return scheduler.schedule()
@@ -130,56 +136,53 @@ class AsyncSteadyDecode:
 
     def complete(self, output: SchedulerOutput, sampled: ModelRunnerOutput) -> StepOutcome:
         """The oldest step's output landed: the fences pass first (rule 8),
-        then each request's tokens, the kept ones' in the lane."""
+        then each request's tokens: a kept decode's in the lane, as
+        ``AsyncScheduler.apply_sampled`` would apply them, when they cannot
+        stop it and its caching is settled (rejected drafts roll back the
+        computed tokens and the placeholders, the in-flight tokens drain,
+        the returned tokens resolve placeholders); else it leaves the lane
+        and its tokens go the ordinary way. The lane's decodes are tallied
+        once. (Written as one loop: it runs for every decode of every step.)"""
         scheduler = self.scheduler
         scheduler.output_arrives(output)
         tally = StepTally()
         kept_by_id, tokens_by_id = self._kept, sampled.sampled_token_ids
-        num_applied = num_generated = 0  # the lane's decodes: summed once
+        step_tokens, num_spec, audit = self.step_tokens, self.num_spec, self.fast_path.audit
+        num_applied = num_generated = 0
         for item in output.scheduled:
-            tokens = tokens_by_id.get(item.request_id, [])
-            kept = kept_by_id.get(item.request_id)
+            request_id, num_scheduled, _, num_spec_scheduled, _, is_padded = item
+            tokens = tokens_by_id.get(request_id, [])
+            kept = kept_by_id.get(request_id)
             if kept is not None:
-                if self._applies(kept, item, tokens):
-                    num_applied += 1
-                    num_generated += len(tokens)
-                    continue
+                count = len(tokens)
+                if (
+                    count
+                    and num_scheduled == step_tokens
+                    and num_spec_scheduled == num_spec
+                    and not is_padded
+                    and kept.num_tokens + count < kept.stop_at
+                ):
+                    num_rejected = num_spec - (count - 1)
+                    in_flight = kept.in_flight - num_scheduled
+                    computed = kept.computed - num_rejected
+                    processed = computed - in_flight  # where its blocks are cached
+                    if kept.cache_low <= processed <= kept.cache_high:
+                        kept.in_flight, kept.computed = in_flight, computed
+                        kept.placeholders -= num_rejected + count
+                        kept.num_tokens += count
+                        kept.pending.extend(tokens)
+                        if audit:
+                            self._audit_caching(kept, processed)
+                        num_applied += 1
+                        num_generated += count
+                        continue
                 self._leave(kept.request)
             scheduler.apply_sampled(item, tokens, tally)
         tally.num_generated_tokens += num_generated
-        if self.num_spec:
-            tally.num_draft_tokens += num_applied * self.num_spec
+        if num_spec:
+            tally.num_draft_tokens += num_applied * num_spec
             tally.num_accepted_tokens += num_generated - num_applied
         return tally.outcome()
-
-    def _applies(self, kept: _KeptAsync, item: ScheduledRequest, tokens: list[int]) -> bool:
-        """Apply a kept decode's tokens as ``AsyncScheduler.apply_sampled``
-        would, when they cannot stop it and its caching is settled; False
-        (nothing applied): the request goes the ordinary way. The step's
-        tally takes the applied ones' tokens (``complete``)."""
-        count, num_spec = len(tokens), self.num_spec
-        _, num_scheduled, _, num_spec_scheduled, _, is_padded = item
-        if (
-            count == 0
-            or num_scheduled != self.step_tokens
-            or num_spec_scheduled != num_spec
-            or is_padded
-            or kept.num_tokens + count >= kept.stop_at
-        ):
-            return False
-        num_rejected = num_spec - (count - 1)
-        in_flight = kept.in_flight - num_scheduled
-        computed = kept.computed - num_rejected
-        processed = computed - in_flight  # where its blocks are cached
-        if not kept.cache_low <= processed <= kept.cache_high:
-            return False
-        kept.in_flight, kept.computed = in_flight, computed
-        kept.placeholders -= num_rejected + count
-        kept.num_tokens += count
-        kept.pending.extend(tokens)
-        if self.fast_path.audit:
-            self._audit_caching(kept, processed)
-        return True
 
     def flush(self) -> None:
         """Every request in the lane takes its state and leaves it."""

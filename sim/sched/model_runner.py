@@ -171,15 +171,21 @@ class ModelRunner:
         runs for every request of every step)."""
         sampling = [item for item in output.scheduled if samples[item.request_id]]
         # Placeholder drafts (uniform-decode padding) are never accepted: no draws.
+        rates_of = self._rates.get  # built once per draft count (``_rates_of``); () when none
         drawn = iter(
             self.uniforms.accepted_drafts_each(
-                [self._rates_of(item.num_spec_tokens) for item in sampling if not item.is_padded]
+                [
+                    rates_of(num_spec) or self._rates_of(num_spec)
+                    for _, _, _, num_spec, _, is_padded in sampling
+                    if not is_padded
+                ]
             )
         )
         sampled: dict[str, list[int]] = {}
         for request_id, num_new, computed, num_spec, _, is_padded in sampling:
-            accepted = 0 if is_padded else next(drawn)
-            sampled[request_id] = self.sampled_token_ids(computed + num_new - num_spec, accepted + 1)
+            # ``sampled_token_ids`` written out: the first id, then 1 + accepted.
+            first = OUTPUT_TOKEN_BASE + computed + num_new - num_spec
+            sampled[request_id] = list(range(first, first + 1 + (0 if is_padded else next(drawn))))
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
     def sample(self, item: ScheduledRequest, num_tokens: int) -> list[int] | None:

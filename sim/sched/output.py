@@ -52,9 +52,9 @@ class SchedulerOutput:
 
     def __post_init__(self) -> None:
         total = prefill = 0
-        for item in self.scheduled:
-            total += item.num_scheduled_tokens
-            prefill += item.num_prompt_tokens_left
+        for _, num_scheduled, _, _, num_prompt_tokens_left, _ in self.scheduled:  # unpacked: every step
+            total += num_scheduled
+            prefill += num_prompt_tokens_left
         object.__setattr__(self, "total_num_scheduled_tokens", total)
         object.__setattr__(self, "num_prefill_tokens", prefill)
 

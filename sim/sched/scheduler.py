@@ -407,7 +407,7 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
             self.sched_step_seq += 1
         self.last_sched_seq.update(dict.fromkeys(step.scheduled, self.sched_step_seq))
         taken = step.steady.taken
-        for request_id, item in step.scheduled.items():
+        for request_id, item in step.scheduled.items() if len(taken) < len(step.scheduled) else ():
             if request_id in taken:
                 continue  # the lane keeps its requests' computed tokens
             request = self.requests[request_id]

@@ -28,7 +28,10 @@ if TYPE_CHECKING:
     from sim.vllm_bridge import Request
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+# The step records are built for every step and read at once: not frozen
+# (a frozen dataclass sets each field through ``object.__setattr__``, three
+# times the cost); nothing keeps or changes one.
+@dataclass(kw_only=True, slots=True)
 class SchedulerGauges:
     """The scheduler's levels at one instant (the step record and the
     samples both take them from ``Scheduler.make_gauges``)."""
@@ -41,7 +44,7 @@ class SchedulerGauges:
     num_retained_checkpoints: int
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True)
 class PrefixCacheStats:
     """vLLM's ``PrefixCacheStats`` of one step (fresh and preempted lookups
     together, in tokens) and the cached blocks the step evicted."""
@@ -51,7 +54,7 @@ class PrefixCacheStats:
     prefix_cache_evicted_blocks: int
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True)
 class SpecDecodingStats:
     """vLLM's ``SpecDecodingStats`` of one step (MTP drafts)."""
 
@@ -59,7 +62,7 @@ class SpecDecodingStats:
     num_accepted_tokens: int
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True)
 class SchedulerStats:
     """One step, as the scheduler saw it once the step's output was applied."""
 
@@ -144,8 +147,9 @@ class Columns:
             self._last_names = names
         if len(values) != len(names):  # checked first: a ragged row would be half appended
             raise ValueError(f"row of {len(values)} values for {len(names)} columns")
-        for target, value in zip(self._last_targets, values, strict=True):
-            target.append(value)
+        # Each value onto its column without a Python step per column (a
+        # row per step): ``list.append`` returns None, so ``any`` runs the map through.
+        any(map(list.append, self._last_targets, values))
 
     def _targets(self, names: tuple[str, ...]) -> list[list[Any]]:
         if len(set(names)) != len(names) or set(names) != self._columns.keys():
