@@ -237,6 +237,32 @@ def test_an_item_not_the_lanes_own_goes_the_ordinary_way(item):
     assert _applied([7], (90, 150), item) == (False, *UNCHANGED)
 
 
+def test_a_step_tallies_the_lanes_decodes_on_top_of_the_ordinary_ones():
+    """A step of two decodes (K = 3): "o" not in the lane, applied the
+    ordinary way (a stand-in that tallies 3 generated, 3 drafted, 2
+    accepted), then the kept "r" landing with two tokens (2 generated, 3
+    drafted, 1 accepted): the step's outcome is their sums, 5, 6 and 3."""
+    lane = object.__new__(AsyncSteadyDecode)
+    lane.num_spec, lane.step_tokens, lane.fast_path = 3, 4, SimpleNamespace(audit=False)
+    lane._kept = {
+        "r": _KeptAsync(
+            request=None, computed=104, in_flight=4, placeholders=4, eligible=0, num_tokens=101,
+            cache_low=90, cache_high=150, stop_at=200,
+        )
+    }  # fmt: skip
+
+    def ordinary(item, tokens, tally):
+        tally.num_generated_tokens += 3
+        tally.num_draft_tokens += 3
+        tally.num_accepted_tokens += 2
+
+    lane.scheduler = SimpleNamespace(output_arrives=lambda output: None, apply_sampled=ordinary)  # type: ignore[assignment]
+    items = (ScheduledRequest("o", 4, 200, 3, 0), ScheduledRequest("r", 4, 100, 3, 0))
+    sampled = ModelRunnerOutput(sampled_token_ids={"o": [1, 2, 3], "r": [7, 8]})
+    outcome = lane.complete(SchedulerOutput(step_index=1, scheduled=items), sampled)
+    assert (outcome.num_generated_tokens, outcome.num_draft_tokens, outcome.num_accepted_tokens) == (5, 6, 3)
+
+
 def test_with_two_decodes_in_flight_the_processed_tokens_lie_behind_the_newer_one():
     """108 computed, two decodes (8 tokens, 8 placeholders) in flight; the
     older lands with two tokens: computed 106, 4 still in flight, so 102
