@@ -91,6 +91,15 @@ tests/test_async_conformance.py::test_every_engine_step_is_identical_with_fenced
 # The async lane: the audit on the shortest checked shapes (every skipped
 # call made anyway), its failing controls and its conformance runs; the
 # long shapes (decode across boundaries, saturated decode) are left out.
+# kvsim bench's figures and verdicts (the RSS test is left out: it measures memory).
+BENCH_TESTS="tests/test_cli.py::test_bench_measures_a_run \
+tests/test_cli.py::test_bench_ratios_are_per_step_cpu_cost_within_one_run \
+tests/test_cli.py::test_bench_says_where_the_speed_targets_stand \
+tests/test_cli.py::test_bench_says_a_missed_target_is_out_of_reach_where_the_allocators_calls_leave_no_room \
+tests/test_cli.py::test_the_allocator_timer_counts_outermost_calls_only \
+tests/test_cli.py::test_bench_times_the_allocator_in_the_same_run \
+tests/test_cli.py::test_bench_repeats_each_measurement_in_turn_and_keeps_its_least_disturbed_run \
+tests/test_cli.py::test_bench_saves_its_figures_as_json"
 ASYNC_STEADY_TESTS="tests/test_async_steady.py::test_every_call_the_async_lane_skips_changes_nothing[heavy-preemption--off] \
 tests/test_async_steady.py::test_every_call_the_async_lane_skips_changes_nothing[prefix-hits-0-on] \
 tests/test_async_steady.py::test_the_check_catches_an_async_lane_across_a_boundary \
@@ -267,8 +276,9 @@ tests/test_steady.py::test_the_check_catches_a_waiting_loop_wrongly_skipped"
   # The waiting queue's change count (rule 11) and the pin pass's walk of
   # it, apart from the scheduler's whole set; restricted by default to them.
   [waiting_queue]="sim/sched/queues.py|$MISSED_LOOKUP_TESTS tests/test_aborts.py tests/test_scheduler.py|*WaitingQueue* *__counted__* *ǁ_waiting_requests__*"
+  [bench]="sim/bench.py|$BENCH_TESTS|*target_lines* *_target_line* *AllocatorTimer* *_allocator_shares* *step_cost_ratios* *x__measure__*"
 )
-ORDER=(engine scheduler settled steady engine_core pipeline_clock engine_loop async_scheduler async_steady fast_path missed_lookups output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving server_metrics live_engine server openai_requests recording client launch loaders config async_engine pool_replay kv_cache_pins sched_pins partial_tail waiting_queue)
+ORDER=(engine scheduler settled steady engine_core pipeline_clock engine_loop async_scheduler async_steady fast_path missed_lookups output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving server_metrics live_engine server openai_requests recording client launch loaders config async_engine pool_replay kv_cache_pins sched_pins partial_tail waiting_queue bench)
 
 toml_list() { printf '"%s", ' "$@" | sed 's/, $//'; }
 

@@ -65,7 +65,7 @@ def test_an_unregistered_step_field_fails_at_the_first_step(tmp_path, monkeypatc
     """CONTROL for the typed record: a field the scheduler adds without
     registering it cannot reach a frame silently."""
 
-    @dataclass(frozen=True, kw_only=True, slots=True)
+    @dataclass(kw_only=True, slots=True)
     class MysteryStats(SchedulerStats):
         num_mystery_blocks: int = 0
 
