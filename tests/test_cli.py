@@ -126,6 +126,7 @@ def test_bench_measures_a_run(tmp_path):
     path = write_scenario(tmp_path, workload=TINY)
     figures = BenchFigures(**_measure(str(path), [], "on"))
     assert figures.steps > 0 and figures.requests == 8
+    assert figures.allocator_s != figures.allocator_s  # NaN: only the allocator backend times its calls
     assert figures.sim_s_per_wall_s > 0 and figures.peak_rss_mib > 0 and figures.cpu_s > 0
     table = format_bench("tiny", [figures])
     assert "sim s/wall s" in table and "steps/s" in table and "peak MiB" in table
@@ -180,6 +181,15 @@ def test_bench_ratios_are_per_step_cpu_cost_within_one_run():
         BenchFigures(layout="off", backend="vllm", wall_s=9.0, cpu_s=6.0, steps=1200, **common),
     ]
     assert step_cost_ratios(figures) == {"vllm": {"on": 5.0}}
+    # Step by step (2,000 us a step) compares too; the allocator's timed run is no comparison.
+    compared = [
+        *figures,
+        BenchFigures(layout="on", backend="step-by-step", wall_s=2.0, cpu_s=2.0, steps=1000, **common),
+        BenchFigures(
+            layout="on", backend="allocator", wall_s=2.0, cpu_s=2.0, steps=1000, allocator_s=0.5, **common
+        ),
+    ]
+    assert step_cost_ratios(compared) == {"vllm": {"on": 5.0}, "step-by-step": {"on": 2.0}}
     assert "kvsim takes 5.0x fewer CPU us per step than vllm [on]" in format_bench("x", figures)
     assert figures[0].sim_s_per_cpu_s == 100.0 and figures[0].cpu_us_per_step == 1000.0
     # No real-time target for scenario "x"; the step-cost target (8x) is missed at 5x.
@@ -240,7 +250,19 @@ def test_bench_says_a_missed_target_is_out_of_reach_where_the_allocators_calls_l
     ]
     table = format_bench("default", [kvsim, floor])
     assert "the allocator's calls take 5000 of kvsim's 10000 CPU us per step [on]" in table
+    assert table.count("the allocator's calls take") == 1  # kvsim's own figures time nothing
     assert "than allocator" not in table
+    # A target met exactly says nothing of reach; a floor of no time gives no ceiling.
+    met = BenchFigures(layout="on", backend="kvsim", simulated_s=1000.0, cpu_s=1.0, **common)
+    assert target_lines("default", [met, floor]) == [
+        "target >= 1000x simulated s per CPU s [on]: 1000.0x, met"
+    ]
+    empty = BenchFigures(
+        layout="on", backend="allocator", simulated_s=300.0, cpu_s=1.1, allocator_s=0.0, **common
+    )
+    assert target_lines("default", [kvsim, empty]) == [
+        "target >= 1000x simulated s per CPU s [on]: 300.0x, missed"
+    ]
 
 
 def test_the_allocator_timer_counts_outermost_calls_only(monkeypatch):
@@ -253,9 +275,9 @@ def test_the_allocator_timer_counts_outermost_calls_only(monkeypatch):
     readings = iter(range(100))
     monkeypatch.setattr(sim.bench.time, "perf_counter", lambda: float(next(readings)))
     timer = AllocatorTimer()
-    inner = timer.timed(lambda: 1)
-    outer = timer.timed(lambda: inner() + inner())
-    assert (outer(), inner(), outer()) == (2, 1, 2)
+    inner = timer.timed(lambda step, *, tokens: step * tokens)  # arguments by keyword reach it too
+    outer = timer.timed(lambda *, tokens: inner(1, tokens=tokens) + inner(2, tokens=tokens))
+    assert (outer(tokens=1), inner(1, tokens=1), outer(tokens=2)) == (3, 1, 6)
     assert timer.seconds == 3.0
 
 
@@ -270,6 +292,61 @@ def test_bench_times_the_allocator_in_the_same_run(tmp_path):
     assert (floor.steps, floor.simulated_s) == (kvsim.steps, kvsim.simulated_s)
     assert 0 < floor.allocator_s < floor.wall_s
     assert "the allocator's calls take" in format_bench("tiny", [kvsim, floor])
+
+
+def _step_frames(timer=None) -> dict:
+    """``prefix-shared``'s first 40 requests (prefix hits, MTP lookahead),
+    layout on: its step columns, with ``timer`` attached when given."""
+    from sim.analysis.runs import scenario_workload
+    from sim.engine import Simulation
+    from sim.scenario import load_scenario
+
+    scenario = load_scenario("scenarios/gates/prefix-shared.yaml", ["workload.max_requests=40"])
+    simulation = Simulation(scenario, "on", scenario_workload(scenario))
+    if timer is not None:
+        timer.attach(simulation.scheduler)
+    return simulation.run().steps.to_dict()
+
+
+def test_the_allocator_timer_changes_no_step_of_the_run(monkeypatch):
+    """Every call the timer wraps answers as the unwrapped one (arguments
+    by keyword too, the hasher's hashes too): the step frames of a run with
+    prefix hits are identical, and the calls took time."""
+    from sim.bench import AllocatorTimer
+
+    plain = _step_frames()
+    timer = AllocatorTimer()
+    assert _step_frames(timer) == plain
+    assert timer.seconds > 0
+    assert sum(plain["prefix_cache_hits_tokens"]) > 0  # the hasher's hashes were needed
+
+
+def test_the_allocator_timer_times_the_managers_calls_and_the_hasher(monkeypatch):
+    """A clock that moves one second per reading: after ``attach``, a
+    manager call and a hash of a request each count one second, and the
+    hasher still gives the request's own hashes."""
+    import sim.bench
+    from sim.analysis.runs import scenario_workload
+    from sim.bench import AllocatorTimer
+    from sim.engine import Simulation
+    from sim.scenario import load_scenario
+
+    scenario = load_scenario("scenarios/gates/prefix-shared.yaml", ["workload.max_requests=4"])
+    simulation = Simulation(scenario, "on", scenario_workload(scenario))
+    scheduler = simulation.scheduler
+    hasher = scheduler._hasher
+    timer = AllocatorTimer()
+    timer.attach(scheduler)
+    readings = iter(range(100))
+    monkeypatch.setattr(sim.bench.time, "perf_counter", lambda: float(next(readings)))
+    scheduler.kv_cache_manager.new_step_starts()
+    assert timer.seconds == 1.0
+    spec = simulation.workload.requests[0]
+    timed = scheduler._materialize(spec)  # a Request hashes its prompt as it is built
+    assert timer.seconds == 2.0
+    scheduler._hasher = hasher
+    assert timed.block_hashes == scheduler._materialize(spec).block_hashes != []
+    assert timer.seconds == 2.0  # the unwrapped hasher is not timed
 
 
 def test_bench_repeats_each_measurement_in_turn_and_keeps_its_least_disturbed_run(monkeypatch):
