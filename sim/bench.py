@@ -332,14 +332,14 @@ def target_lines(scenario_name: str, figures: list[BenchFigures]) -> list[str]:
     (the ``allocator`` backend, same layout) leave no room for it."""
     lines = []
     real_time = REAL_TIME_TARGETS.get(Path(scenario_name).stem)
-    floors = {f.layout: f for f in figures if f.backend == "allocator" and f.allocator_s > 0}
+    floors = {layout: f for layout, f in _by_layout(figures, "allocator").items() if f.allocator_s > 0}
     for f in figures:
         if real_time is not None and f.backend == "kvsim":
             floor = floors.get(f.layout)
             ceiling = floor.simulated_s / floor.allocator_s if floor else None
             line = _target_line("simulated s per CPU s", real_time, f.sim_s_per_cpu_s, f.layout, ceiling)
             lines.append(line)
-    vllm = {f.layout: f for f in figures if f.backend == "vllm"}
+    vllm = _by_layout(figures, "vllm")
     for layout, ratio in step_cost_ratios(figures).get("vllm", {}).items():
         floor = floors.get(layout)
         ceiling = vllm[layout].cpu_us_per_step / floor.allocator_us_per_step if floor else None
@@ -360,7 +360,7 @@ def _target_line(what: str, target: float, value: float, layout: str, ceiling: f
 def step_cost_ratios(figures: list[BenchFigures]) -> dict[str, dict[str, float]]:
     """Per compared backend and layout: its CPU microseconds per step over
     kvsim's (how many times fewer kvsim takes), from the same run."""
-    kvsim = {f.layout: f for f in figures if f.backend == "kvsim"}
+    kvsim = _by_layout(figures, "kvsim")
     ratios: dict[str, dict[str, float]] = {}
     for f in figures:
         if f.backend in ("step-by-step", "vllm") and f.layout in kvsim:
@@ -378,10 +378,15 @@ def _ratios(figures: list[BenchFigures]) -> list[str]:
 
 def _allocator_shares(figures: list[BenchFigures]) -> list[str]:
     """Per layout timed (``allocator``): the allocator's share of kvsim's step."""
-    kvsim = {f.layout: f for f in figures if f.backend == "kvsim"}
+    kvsim = _by_layout(figures, "kvsim")
     return [
         f"the allocator's calls take {f.allocator_us_per_step:.0f} of kvsim's "
         f"{kvsim[f.layout].cpu_us_per_step:.0f} CPU us per step [{f.layout}]"
         for f in figures
         if f.backend == "allocator" and f.layout in kvsim
     ]
+
+
+def _by_layout(figures: list[BenchFigures], backend: str) -> dict[str, BenchFigures]:
+    """``backend``'s figures by layout."""
+    return {f.layout: f for f in figures if f.backend == backend}

@@ -369,6 +369,7 @@ def _stages(model: StepTimeModel, layers_per_stage: tuple[int, ...]) -> list[_St
             if a.is_ple_layer(layer):
                 groups["ple_module"] = groups.get("ple_module", 0) + model_arch.ple_params(a)["ple_module"]
         num_layers = len(layers)
+        dense_params = model._dense_params(groups)  # type: ignore[arg-type]
         experts_params = (
             num_layers * a.num_experts_per_tok * model._expert_params / model.config.tensor_parallel_size
         )
@@ -378,10 +379,10 @@ def _stages(model: StepTimeModel, layers_per_stage: tuple[int, ...]) -> list[_St
                 num_qsa=sum(a.is_qsa_layer(i) for i in layers),
                 num_gdn=sum(not a.is_qsa_layer(i) for i in layers),
                 dense_bytes=model._dense_bytes(groups),  # type: ignore[arg-type]
-                dense_params=model._dense_params(groups),  # type: ignore[arg-type]
+                dense_params=dense_params,
                 is_first=index == 0,
                 is_last=index == len(layers_per_stage) - 1,
-                token_params=model._dense_params(groups) + experts_params,  # type: ignore[arg-type]
+                token_params=dense_params + experts_params,
             )
         )
         first += count

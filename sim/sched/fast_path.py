@@ -361,11 +361,7 @@ class FastPath:
         if admitted or not waiting:
             return
         head, kept = waiting[0], (inputs,)
-        if (
-            idle is not None
-            and idle.head is head
-            and (idle.allocator_version == self.allocator_version or self._head_still_refused(idle))
-        ):
+        if idle is not None and idle.head is head and self._allocator_as_when(idle):
             kept = (*idle.inputs, inputs)[-_IdleWaiting.MAX_INPUTS :]
         last = self._last_lookup
         self._idle_waiting = _IdleWaiting(
@@ -387,8 +383,13 @@ class FastPath:
             and bool(waiting)
             and idle.head is waiting[0]
             and self._waiting_inputs(token_budget, running_scheduled, prefill_scheduled) in idle.inputs
-            and (idle.allocator_version == self.allocator_version or self._head_still_refused(idle))
+            and self._allocator_as_when(idle)
         )
+
+    def _allocator_as_when(self, idle: _IdleWaiting) -> bool:
+        """Whether the allocator refuses ``idle``'s head as it did then: no
+        call since that may change it (rule 3), or only those rule 12 allows."""
+        return idle.allocator_version == self.allocator_version or self._head_still_refused(idle)
 
     def _head_still_refused(self, idle: _IdleWaiting) -> bool:
         """Rule 12: the idle loops' head found nothing in any group, none of

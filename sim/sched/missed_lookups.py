@@ -31,11 +31,11 @@ and the same waiters are pinned: each waiter then meets the pass as before
 (pinned, past the bound, or known to find no hit), so not even the
 per-waiter checks are made. With only the queue changed, the waiters of
 that pass are passed over and the others examined. The scheduler's queue
-counts its changing calls (``queues.WaitingQueue.version``): with no call
-since, the entries are not compared at all; and those that may put an entry
-in (``insertions``): with only removals since (an admission pops the head),
-every waiter left met the idle pass, so with none forgotten since the pass
-would pass over all of them, and is skipped whole. With hashes inserted since,
+counts the calls that may put an entry in it
+(``queues.WaitingQueue.insertions``): with none since (no call at all, or
+only removals: an admission pops the head), every waiter left met the idle
+pass and the entries are not compared at all, so with none forgotten since
+the pass would pass over all of them, and is skipped whole. With hashes inserted since,
 the waiters of that pass are still passed over if it met only remembered
 waiters, less those an insertion forgot (a remembered waiter meets a pass
 differently only once forgotten); admitted waiters are examined again (a
@@ -83,9 +83,9 @@ class MissedPinLookups:
         self.num_waiter_changes = 0
         self._idle_pass: PassKey | None = None
         self._idle_ids: frozenset[int] = frozenset()  # its entries' ids
-        # Its queue and the queue's version and insertions then (None for a
-        # queue without them).
-        self._idle_queue: tuple[object, int, int] | None = None
+        # Its queue and the queue's insertions then (None for a queue
+        # without the count).
+        self._idle_queue: tuple[object, int] | None = None
         # Whether every waiter it met is remembered by rule 10 (a remembered
         # waiter meets a pass differently only once forgotten), and the ids
         # of the waiters that may meet a pass differently since it ended:
@@ -200,7 +200,7 @@ class MissedPinLookups:
         since may have put an entry in it (``queues.WaitingQueue.insertions``):
         it holds some of that pass's entries, in their order."""
         idle_queue = self._idle_queue
-        return idle_queue is not None and idle_queue[0] is waiting and idle_queue[2] == _insertions(waiting)
+        return idle_queue is not None and idle_queue[0] is waiting and idle_queue[1] == _insertions(waiting)
 
     def idle_pass_entries(self, pinned_ids: tuple[str, ...]) -> frozenset[int]:
         """A pass starts: the ids of the entries of the last pass that meet
@@ -255,8 +255,8 @@ def _insertions(waiting: Iterable[object]) -> int | None:
     return getattr(waiting, "insertions", None)
 
 
-def _queue_state(waiting: Iterable[object]) -> tuple[object, int, int] | None:
-    """The queue (held, so its identity is not reused while remembered), its
-    version and its insertions; None for a queue without them."""
-    version, insertions = getattr(waiting, "version", None), _insertions(waiting)
-    return None if version is None or insertions is None else (waiting, version, insertions)
+def _queue_state(waiting: Iterable[object]) -> tuple[object, int] | None:
+    """The queue (held, so its identity is not reused while remembered) and
+    its insertions; None for a queue without the count."""
+    insertions = _insertions(waiting)
+    return None if insertions is None else (waiting, insertions)
