@@ -172,7 +172,7 @@ class AllocatorTimer:
             method = getattr(manager, name) if not name.startswith("__") else None
             if inspect.ismethod(method):
                 setattr(manager, name, self.timed(method))
-        scheduler._hasher = self.timed(scheduler._hasher)
+        scheduler.block_hasher = self.timed(scheduler.block_hasher)
 
     def timed(self, call: Callable[..., T]) -> Callable[..., T]:
         def timed_call(*args: object, **kwargs: object) -> T:

@@ -334,7 +334,7 @@ def test_the_allocator_timer_times_the_managers_calls_and_the_hasher(monkeypatch
     scenario = load_scenario("scenarios/gates/prefix-shared.yaml", ["workload.max_requests=4"])
     simulation = Simulation(scenario, "on", scenario_workload(scenario))
     scheduler = simulation.scheduler
-    hasher = scheduler._hasher
+    hasher = scheduler.block_hasher
     timer = AllocatorTimer()
     timer.attach(scheduler)
     readings = iter(range(100))
@@ -344,7 +344,7 @@ def test_the_allocator_timer_times_the_managers_calls_and_the_hasher(monkeypatch
     spec = simulation.workload.requests[0]
     timed = scheduler._materialize(spec)  # a Request hashes its prompt as it is built
     assert timer.seconds == 2.0
-    scheduler._hasher = hasher
+    scheduler.block_hasher = hasher
     assert timed.block_hashes == scheduler._materialize(spec).block_hashes != []
     assert timer.seconds == 2.0  # the unwrapped hasher is not timed
 

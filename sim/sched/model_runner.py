@@ -155,20 +155,25 @@ class ModelRunner:
 
     def execute(self, output: SchedulerOutput, num_tokens: dict[str, int]) -> ModelRunnerOutput:
         """``num_tokens``: each scheduled request's token count (prompt plus
-        outputs, drafts excluded) when the step was scheduled."""
-        sampled: dict[str, list[int]] = {}
-        for item in output.scheduled:
-            tokens = self.sample(item, num_tokens[item.request_id])
-            if tokens is not None:
-                sampled[item.request_id] = tokens
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+        outputs, drafts excluded) when the step was scheduled. A request
+        samples when its step reaches that count (a step never schedules
+        past it: drafts clipped by the budget are the ones cut)."""
+        return self.execute_sampling(
+            output,
+            {
+                item.request_id: item.num_computed_tokens + item.num_scheduled_tokens - item.num_spec_tokens
+                >= num_tokens[item.request_id]
+                for item in output.scheduled
+            },
+        )
 
     def execute_sampling(self, output: SchedulerOutput, samples: dict[str, bool]) -> ModelRunnerOutput:
-        """``execute`` with each request's sampling judged when it was
-        scheduled (``samples``; async scheduling): a request that samples
-        does so from the position its step reaches. The same draws in the
-        same order as ``execute``; one loop without a call per request (it
-        runs for every request of every step)."""
+        """Each request's sampling judged when it was scheduled
+        (``samples``; async scheduling judges it then, ``execute`` from the
+        token counts): a request that samples does so from the position its
+        step reaches, drawing its accepted drafts in the step's order. One
+        loop without a call per request (it runs for every request of every
+        step)."""
         sampling = [item for item in output.scheduled if samples[item.request_id]]
         # Placeholder drafts (uniform-decode padding) are never accepted: no draws.
         rates_of = self._rates.get  # built once per draft count (``_rates_of``); () when none
