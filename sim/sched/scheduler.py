@@ -166,10 +166,8 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
             hash_block_size=kv_cache_manager.block_pool.hash_block_size,
             partial_hash_hits=kv_cache_manager.coordinator.enable_partial_hash_hits,
         )
-        # vLLM's engine core builds each request's hasher the same way, on
-        # the hash block (the prefix-match unit). Each request takes it as it
-        # is built (``_materialize``): replaced before any is, it reaches
-        # them all (``kvsim bench`` times it so).
+        # vLLM's engine core builds each request's hasher the same way, on the
+        # hash block (the prefix-match unit). Requests take it as they are built.
         self.block_hasher = get_request_block_hasher(
             kv_cache_manager.block_pool.hash_block_size, sha256, config.mtp_hashing.num_hash_lookahead_tokens
         )
