@@ -88,9 +88,6 @@ tests/test_async_conformance.py::test_every_engine_step_is_identical[prefix-hits
 tests/test_async_conformance.py::test_every_engine_step_is_identical[long-chunked-on-lookahead] \
 tests/test_async_conformance.py::test_every_engine_step_is_identical_with_fenced_frees[heavy-preemption]"
 
-# The async lane: the audit on the shortest checked shapes (every skipped
-# call made anyway), its failing controls and its conformance runs; the
-# long shapes (decode across boundaries, saturated decode) are left out.
 # kvsim bench's figures and verdicts (the RSS test is left out: it measures memory).
 BENCH_TESTS="tests/test_cli.py::test_bench_measures_a_run \
 tests/test_cli.py::test_bench_ratios_are_per_step_cpu_cost_within_one_run \
@@ -100,6 +97,10 @@ tests/test_cli.py::test_the_allocator_timer_counts_outermost_calls_only \
 tests/test_cli.py::test_bench_times_the_allocator_in_the_same_run \
 tests/test_cli.py::test_bench_repeats_each_measurement_in_turn_and_keeps_its_least_disturbed_run \
 tests/test_cli.py::test_bench_saves_its_figures_as_json"
+
+# The async lane: the audit on the shortest checked shapes (every skipped
+# call made anyway), its failing controls and its conformance runs; the
+# long shapes (decode across boundaries, saturated decode) are left out.
 ASYNC_STEADY_TESTS="tests/test_async_steady.py::test_every_call_the_async_lane_skips_changes_nothing[heavy-preemption--off] \
 tests/test_async_steady.py::test_every_call_the_async_lane_skips_changes_nothing[prefix-hits-0-on] \
 tests/test_async_steady.py::test_the_check_catches_an_async_lane_across_a_boundary \

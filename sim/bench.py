@@ -31,6 +31,9 @@ T = TypeVar("T")
 # vLLM's own Scheduler driven by the conformance driver, or kvsim timing the
 # allocator's calls it makes (``allocator``: what no skip outside them saves).
 BACKENDS = ("kvsim", "step-by-step", "vllm", "allocator")
+# Those run on their own scenario and compared with kvsim per step (the
+# ``allocator`` backend is kvsim itself, timed inside).
+COMPARED_BACKENDS = ("step-by-step", "vllm")
 
 # The speed targets (docs/speed.md): simulated seconds per CPU second on the
 # scenarios that name one, and how many times fewer CPU microseconds per
@@ -97,7 +100,7 @@ def _measure(scenario_name: str, overrides: list[str], layout: str, backend: str
     from sim.scenario import load_scenario
 
     scenario = load_scenario(scenario_name, overrides)
-    if backend in ("step-by-step", "vllm"):
+    if backend in COMPARED_BACKENDS:
         scenario = _compared_scenario(scenario, backend)
     workload = scenario_workload(scenario)
     rss_mib: list[float] = []
@@ -363,7 +366,7 @@ def step_cost_ratios(figures: list[BenchFigures]) -> dict[str, dict[str, float]]
     kvsim = _by_layout(figures, "kvsim")
     ratios: dict[str, dict[str, float]] = {}
     for f in figures:
-        if f.backend in ("step-by-step", "vllm") and f.layout in kvsim:
+        if f.backend in COMPARED_BACKENDS and f.layout in kvsim:
             ratios.setdefault(f.backend, {})[f.layout] = f.cpu_us_per_step / kvsim[f.layout].cpu_us_per_step
     return ratios
 

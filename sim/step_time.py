@@ -115,10 +115,9 @@ class _Stage:
     num_qsa: int
     num_gdn: int
     dense_bytes: float
-    dense_params: float  # active per token, experts excluded
     is_first: bool
     is_last: bool
-    token_params: float  # per token: dense params and the active experts'
+    token_params: float  # active per token: dense params (experts excluded) and the active experts'
 
 
 class StepTimeModel:
@@ -379,7 +378,6 @@ def _stages(model: StepTimeModel, layers_per_stage: tuple[int, ...]) -> list[_St
                 num_qsa=sum(a.is_qsa_layer(i) for i in layers),
                 num_gdn=sum(not a.is_qsa_layer(i) for i in layers),
                 dense_bytes=model._dense_bytes(groups),  # type: ignore[arg-type]
-                dense_params=dense_params,
                 is_first=index == 0,
                 is_last=index == len(layers_per_stage) - 1,
                 token_params=dense_params + experts_params,

@@ -885,7 +885,7 @@ def _only_taken_out(left: list[str], before: list[str]) -> bool:
     return all(entry in rest for entry in left)
 
 
-def test_the_waiting_queue_counts_every_call_of_deque_that_changes_it():
+def test_the_waiting_queue_counts_every_call_of_deque_that_may_insert():
     """Rule 11's one-number check is sound only if no insertion escapes the
     count: every method of ``deque`` is either a read or wrapped, each acts
     as ``deque``'s own, and each but the removals moves the count by one."""

@@ -128,11 +128,11 @@ is broken:
    over the waiters of the last idle pass and examines only the others
    (by identity; the audit makes each passed-over waiter's pin call and
    asserts it pins nothing). The scheduler's queue (``queues.WaitingQueue``)
-   counts every call of ``deque`` that may change it, so a queue with no
-   call since the idle pass is known unchanged without reading its entries,
-   and every call that may put an entry in it: with only removals since
-   (admissions pop the head), every waiter left met the idle pass, so with
-   none forgotten the pass would pass over all of them and is skipped whole.
+   counts every call of ``deque`` that may put an entry in it: with none
+   since the idle pass (no call, or only removals: admissions pop the head),
+   every waiter left met the idle pass, without reading its entries, so
+   with none forgotten the pass would pass over all of them and is skipped
+   whole.
    With hashes inserted since, a pass still passes over the idle pass's
    waiters if that pass met only waiters rule 10 remembers (each reported
    otherwise, ``pin_lookup_not_remembered``): an insertion changes such a
@@ -141,7 +141,7 @@ is broken:
    it comes back as the same object with more tokens).
    ``tests/test_fast_path.py::test_a_pin_pass_is_known_idle_only_with_the_same_queue_pins_hashes_and_tokens``,
    ``tests/test_values_fast_path.py::test_a_pass_after_an_idle_one_examines_only_the_waiters_it_did_not_meet``,
-   ``::test_the_waiting_queue_counts_every_call_of_deque_that_changes_it``,
+   ``::test_the_waiting_queue_counts_every_call_of_deque_that_may_insert``,
    ``::test_after_insertions_a_pass_passes_over_the_remembered_waiters_not_forgotten``,
    ``::test_a_pin_call_that_pins_nothing_and_finds_a_hit_is_not_remembered``,
    ``::test_the_scheduler_reports_each_admitted_waiter_to_rule_11``,

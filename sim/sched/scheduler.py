@@ -299,7 +299,7 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
         skipped: list[Request] = []
         admitted = self._admit_waiting_requests(step, skipped)
         # Skipped requests go back to the front, in their order (vLLM's
-        # prepend); none, no call: the queue's version would count it.
+        # prepend); none, no call: the queue would count it as an insertion.
         if skipped:
             self.waiting.extendleft(reversed(skipped))
         return admitted
