@@ -35,11 +35,12 @@ counts the calls that may put an entry in it
 (``queues.WaitingQueue.insertions``): with none since (no call at all, or
 only removals: an admission pops the head), every waiter left met the idle
 pass and the entries are not compared at all, so with none forgotten since
-the pass would pass over all of them, and is skipped whole. With hashes inserted since,
-the waiters of that pass are still passed over if it met only remembered
-waiters, less those an insertion forgot (a remembered waiter meets a pass
-differently only once forgotten); admitted waiters are examined again (a
-preempted request returns to the queue as the same object).
+the pass would pass over all of them, and is skipped whole. With hashes
+inserted since, the waiters of that pass are still passed over if it met
+only remembered waiters, less those an insertion forgot (a remembered
+waiter meets a pass differently only once forgotten); admitted waiters are
+examined again (a preempted request returns to the queue as the same
+object).
 
 ``FastPath.audit`` makes every skipped lookup anyway.
 """
