@@ -344,6 +344,7 @@ def scheduler_config(scenario: Scenario, model: ModelConfig, plan: KVCachePlan) 
     not a silently ignored key), the rest from the deployment, plan and model."""
     section = scenario.scheduler.model_dump()
     section["max_concurrent_batches"] = scenario.max_concurrent_batches
+    patches = scenario.fork.patches()
     # The hashing mode is a name in the scenario; the scheduler takes what it
     # derives to for this engine (vLLM's derivation, in MTPHashing).
     mtp_hashing = MTPHashing.for_engine(
@@ -358,6 +359,8 @@ def scheduler_config(scenario: Scenario, model: ModelConfig, plan: KVCachePlan) 
         max_model_len=scenario.deployment.max_model_len,
         block_size=plan.block_size,
         num_speculative_tokens=model.mtp.num_speculative_tokens,
+        threshold_caps_lone_request=patches.threshold_caps_lone_request,
+        caches_after_sampling=not patches.caches_at_allocation_only,
     )
 
 

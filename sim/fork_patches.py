@@ -41,6 +41,19 @@ class ForkPatches:
     # The fork activates graces only with a prefix-match unit finer than
     # the block (at unit == block they are inactive, as shipped).
     grace_pins: bool = True
+    # Not a patch: the fork's base, vLLM 0.30.0, caps a prefill at
+    # long_prefill_token_threshold even for the only request; 0.33.0 lets a
+    # lone request use the whole budget (nobody to starve). Found by
+    # ``kvsim conform --fork`` on the long-chunked shape (issue 37).
+    threshold_caps_lone_request: bool = True
+    # Not a patch either: vLLM 0.30.0's synchronous Scheduler caches a
+    # request's blocks only when allocate_slots commits them (the scheduled
+    # tokens less the drafts); 0.33.0 also caches after each sampled step
+    # with drafts, so a block filled by a request's last step before it is
+    # preempted or finishes is hashed there and not in the fork. (Both
+    # versions' AsyncScheduler cache after each output.) Found by ``kvsim
+    # conform --fork`` on the heavy-preemption shape (issue 37).
+    caches_at_allocation_only: bool = True
 
     @classmethod
     def upstream(cls) -> ForkPatches:

@@ -244,6 +244,7 @@ def build_kv_cache_manager(
     lookaheads); default the EAGLE drop, which the fork runs.
     """
     init_none_hash(sha256)
+    fork = patches_with_caching(fork, enable_caching)
     if mtp_hashing is None:
         mtp_hashing = MTPHashing.for_engine("eagle-drop", plan.engine, enable_prefix_caching=enable_caching)
     config = scheduler_kv_cache_config(plan, fork=fork, num_gpu_blocks=num_gpu_blocks)
@@ -265,6 +266,13 @@ def build_kv_cache_manager(
     )
     manager.deferred_free_eviction_order = fork.deferred_free_eviction_order
     return manager
+
+
+def patches_with_caching(fork: ForkPatches, enable_caching: bool) -> ForkPatches:
+    """The fork retains checkpoints only with prefix caching on (its
+    MambaManager's ``_retain_checkpoint`` reads ``enable_caching``): without
+    it, vLLM's own Mamba manager and no admission reserve."""
+    return fork if enable_caching else replace(fork, mamba_retain_checkpoint=False)
 
 
 def _manager_class(fork: ForkPatches) -> type[KVCacheManager]:

@@ -136,6 +136,8 @@ class ForkSection(StrictModel):
     deferred_free_eviction_order: bool | None = None
     waiter_pins: bool | None = None
     grace_pins: bool | None = None
+    threshold_caps_lone_request: bool | None = None
+    caches_at_allocation_only: bool | None = None
 
     @model_validator(mode="before")
     @classmethod

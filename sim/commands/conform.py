@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import shlex
+from pathlib import Path
 from typing import Any
 
 from sim.commands.common import add_scenario_argument
-from sim.config import MTP_HASH_MODES
+from sim.config import MTP_HASH_MODES, ConfigError
+from sim.paths import PROJECT_ROOT
 from sim.scenario import add_override_argument
 
 
@@ -32,6 +35,20 @@ def register(subparsers: Any) -> None:
         "EngineCore.step_with_batch_queue over its AsyncScheduler, PP + 1 in flight; "
         "default: the scenario's engine.mode)",
     )
+    conform.add_argument(
+        "--fork",
+        type=Path,
+        metavar="PATH",
+        help="compare kvsim's fork mode with the fork's own Scheduler instead of vLLM's: PATH is a "
+        "fork checkout or its combined diff (vLLM 0.30.0 plus its scheduler-side sections, built "
+        "once in a cached environment outside the repository; see docs/conformance.md)",
+    )
+    conform.add_argument(
+        "--record",
+        type=Path,
+        metavar="FILE",
+        help="with --fork: write the fork's steps as golden frames (FILE, gzip'd JSON lines)",
+    )
     conform.set_defaults(func=cmd_conform)
 
 
@@ -41,6 +58,10 @@ def cmd_conform(args: argparse.Namespace) -> int:
     from sim.scenario import load_scenario
 
     scenario = load_scenario(args.scenario, args.set)
+    if args.record is not None and args.fork is None:
+        raise ConfigError("--record: needs --fork (golden frames are the fork's own steps)")
+    if args.fork is not None:
+        return _conform_fork(scenario, args)
     workload = scenario_workload(scenario)
     if (args.engine or scenario.engine.mode) == "async":
         return _conform_async(scenario, args, workload.requests)
@@ -125,3 +146,95 @@ def _short(value: Any, limit: int = 12) -> str:
     if isinstance(value, tuple) and len(value) > limit:
         return f"{list(value[:limit])} ... ({len(value)} in all)"
     return str(list(value) if isinstance(value, tuple) else value)
+
+
+# ----------------------------------------------------------------- --fork
+def _conform_fork(scenario: Any, args: argparse.Namespace) -> int:
+    from sim.analysis.runs import scenario_workload
+    from sim.conformance.driver import compare
+    from sim.conformance.fork_conformance import fork_trajectory, kvsim_trajectory
+    from sim.conformance.fork_venv import combined_diff, fork_python, scheduler_sections
+
+    _refuse_unsupported(args)
+    diff = combined_diff(args.fork)
+    sections = scheduler_sections(diff)
+    python = fork_python(args.fork)
+    workload = scenario_workload(scenario)
+    requests, until_s = workload.requests, workload.follow_ups_until_s
+    engine = args.engine or "sync"
+    fork, built = fork_trajectory(scenario, args.layout, requests, python, until_s, engine)
+    kvsim = kvsim_trajectory(scenario, args.layout, requests, None, until_s, engine)
+    comparison = compare(kvsim, fork)
+    how = (
+        "synchronous engine (both schedulers stepped one call at a time)"
+        if engine == "sync"
+        else f"async engine (the fork's batch queue of {built['max_concurrent_batches']} over its "
+        f"{built['scheduler']}, one record per engine call)"
+    )
+    print(f"kvsim conform --fork: {scenario.name}, layout {args.layout}, {how}")
+    print(f"  fork: vLLM 0.30.0 + {len(sections)} scheduler-side files of {diff} (blob ids checked)")
+    print(
+        f"  fork's pool: {built['num_blocks']} blocks of {built['block_size']} tokens, hash unit "
+        f"{built['hash_block_size']}, fenced frees {_on(built['defer_block_free'])}, "
+        f"grace pins {_on(built['enable_grace_pins'])}"
+    )
+    if args.record is not None:
+        from sim.conformance.golden import write_golden
+
+        write_golden(args.record, _golden_header(args, sections), fork)
+        print(f"  golden frames of the fork's {len(fork.steps)} steps written to {args.record}")
+    print(
+        f"identical steps: {comparison.num_identical_steps} of {comparison.num_steps} "
+        f"({100 * comparison.identical_share:.1f} %) (kvsim {len(comparison.left.steps)} steps, "
+        f"fork {len(comparison.right.steps)})"
+    )
+    if comparison.conforms:
+        print("conforms: every step identical")
+        return 0
+    _print_difference(comparison)
+    return 1
+
+
+def _refuse_unsupported(args: argparse.Namespace) -> None:
+    if args.mode == "lookahead":
+        raise ConfigError(
+            "--fork --mode lookahead: the fork hashes with the EAGLE drop only (its hasher has no lookahead)"
+        )
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def _golden_header(args: argparse.Namespace, sections: list[Any]) -> dict[str, Any]:
+    scenario_file = Path(args.scenario).resolve()
+    try:
+        scenario_file = scenario_file.relative_to(PROJECT_ROOT)
+    except ValueError:
+        pass
+    overrides = list(args.set or ())
+    command = ["kvsim", "conform", str(scenario_file), "--fork", "FORK", "--layout", args.layout]
+    command += ["--engine", args.engine] if args.engine else []
+    command += [item for override in overrides for item in ("--set", override)]
+    return {
+        "scenario_file": str(scenario_file),
+        "overrides": overrides,
+        "layout": args.layout,
+        "engine": args.engine or "sync",
+        "fork_files": {s.path: [s.old_blob, s.new_blob] for s in sections},
+        "command": " ".join(shlex.quote(part) for part in [*command, "--record", str(args.record)]),
+    }
+
+
+def _print_difference(comparison: Any) -> None:
+    """The first differing step's columns, both sides' state there and the
+    step before it (identical on both sides)."""
+    from sim.commands.conform import print_first_difference
+
+    step = comparison.first_difference
+    if step is not None and step > 1:
+        before = comparison.state(comparison.left, step - 1)
+        print(f"step {step - 1} (identical on both sides):")
+        for name, value in vars(before).items():
+            print(f"    {name}: {_short(value)}")
+    print_first_difference(comparison)

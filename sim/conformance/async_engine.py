@@ -79,11 +79,14 @@ class _KvsimEngine:
         self.core = BatchQueueEngineCore(self.scheduler, runner, depth)
         self._prefix = (0, 0)
 
-    def add_request(self, spec: RequestSpec) -> None:
-        self.scheduler.add_request(spec)
+    def add_request(self, spec: RequestSpec) -> bool:
+        return self.scheduler.add_request(spec)
 
     def has_work(self) -> bool:
         return self.core.has_work()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
 
     def step(self) -> tuple[EngineCall, EngineStepState]:
         call = self.core.step()
@@ -170,9 +173,9 @@ class _VllmEngine:
         self._scheduled: SchedulerOutput | None = None
         self._samples = False
 
-    def add_request(self, spec: RequestSpec) -> None:
+    def add_request(self, spec: RequestSpec) -> bool:
         if spec.prompt_len >= self.max_model_len:
-            return  # the input processor rejects it; the engine never sees it
+            return False  # the input processor rejects it; the engine never sees it
         request = self._scheduler_api.make_request(
             request_id=spec.request_id,
             prompt_token_ids=spec.prompt_token_ids(),
@@ -181,9 +184,13 @@ class _VllmEngine:
             block_hasher=self._hasher,
         )
         self.core.add_request(request)
+        return True
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests() or bool(self.core.batch_queue)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.has_unfinished_requests())
 
     def _on_schedule(self, out: Any) -> None:
         self._scheduled = converted = self._convert(out)
@@ -272,7 +279,7 @@ class _EngineCalls:
     a core (``engine_loop.EngineCore``): the call is made before the
     clock blocks, and nothing is left to do after it."""
 
-    def __init__(self, engine: _KvsimEngine | _VllmEngine) -> None:
+    def __init__(self, engine: _KvsimEngine | _VllmEngine | Any) -> None:
         self.engine = engine
         self._state: EngineStepState | None = None
 
@@ -280,7 +287,7 @@ class _EngineCalls:
         return self.engine.has_work()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.engine.scheduler.has_unfinished_requests())
+        return self.engine.has_unfinished_requests()
 
     def begin_step(self) -> EngineCall:
         call, self._state = self.engine.step()
@@ -295,18 +302,19 @@ class _EngineCalls:
 
 
 def drive_engine(
-    engine: _KvsimEngine | _VllmEngine,
+    engine: _KvsimEngine | _VllmEngine | Any,
     requests: Iterable[RequestSpec],
     clock: PipelineClock,
     max_time_s: float | None = None,
+    follow_ups_until_s: float | None = None,
 ) -> Trajectory:
     """Run ``engine`` over the trace until it drains (or the horizon); a
     state per engine call."""
-    driver = TraceDriver(requests, clock, engine.add_request, max_time_s)
+    driver = TraceDriver(requests, clock, engine.add_request, max_time_s, follow_ups_until_s)
     return driver.run(_EngineCalls(engine), engine.name)
 
 
-def async_clock(scenario: Scenario, step_time: StepTimeModel) -> PipelineClock:
+def async_clock(scenario: Scenario, step_time: StepTimeModel | Any) -> PipelineClock:
     return PipelineClock(scenario.deployment.pipeline_parallel_size, step_time.stage_s, step_time.handoff_s)
 
 

@@ -23,12 +23,16 @@ from sim.kv_cache_manager import (
     build_kv_cache_manager,
     scheduler_kv_cache_config,
 )
+from sim.kv_cache_pins import PinningKVCacheManager
 from sim.kv_cache_plan import KVCachePlan
 from sim.scenario import Scenario
 from sim.sched.engine_core import EngineCore, ScheduledStep
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import ScheduledRequest, SchedulerOutput
 from sim.sched.scheduler import DRAFT_TOKEN_ID, RequestSpec, Scheduler, SchedulerConfig
+from sim.single_type_kv_cache_manager import RetainingMambaManager
+from sim.vllm_bridge import MambaManager
+from sim.vllm_bridge.fork_server import free_queue_digest, num_fenced_blocks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +50,9 @@ class StepState:
     num_free_blocks: int
     prefix_cache_queries_tokens: int
     prefix_cache_hits_tokens: int
+    # The fork's additions (pins, graces, retained checkpoints, fenced
+    # frees), compared only against the fork's own Scheduler.
+    fork_state: tuple[tuple[str, Any], ...] | None = None
 
 
 def _scheduled_tokens(output: SchedulerOutput) -> tuple[tuple[str, int, int], ...]:
@@ -99,10 +106,19 @@ class KvsimBackend:
     """kvsim's own scheduler over kvsim's ``KVCacheManager``."""
 
     name = "kvsim"
+    # Report the fork's columns too (compared with the fork's own Scheduler).
+    reports_fork_state = False
 
     def __init__(
-        self, scenario: Scenario, plan: KVCachePlan, config: SchedulerConfig, runner: ModelRunner
+        self,
+        scenario: Scenario,
+        plan: KVCachePlan,
+        config: SchedulerConfig,
+        runner: ModelRunner,
+        *,
+        reports_fork_state: bool = False,
     ) -> None:
+        self.reports_fork_state = reports_fork_state
         self.kv_cache_manager = kvsim_kv_cache_manager(scenario, plan, config)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         # The engine's own step, so steady steps take the lane they take in
@@ -137,7 +153,28 @@ class KvsimBackend:
             num_free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
             prefix_cache_queries_tokens=output.prefix_cache_queries,
             prefix_cache_hits_tokens=output.prefix_cache_hits,
+            fork_state=kvsim_fork_state(self.scheduler) if self.reports_fork_state else None,
         )
+
+
+def kvsim_fork_state(scheduler: Scheduler) -> tuple[tuple[str, Any], ...]:
+    """kvsim's twin of what the fork's server reports (``fork_server.fork_state``):
+    waiter pins, graces in release order, retained checkpoints per Mamba
+    group, blocks waiting behind a fence."""
+    manager = scheduler.kv_cache_manager
+    state: dict[str, Any] = {"pinned_waiters": (), "graces": (), "num_grace_pinned_blocks": 0}
+    if isinstance(manager, PinningKVCacheManager):
+        state["pinned_waiters"] = tuple(sorted(manager.pinned_waiter_ids()))
+        state["graces"] = tuple(manager.grace_order())
+        state["num_grace_pinned_blocks"] = manager.num_grace_pinned_blocks
+    state["retained"] = tuple(
+        len(m.retained_checkpoints()) if isinstance(m, RetainingMambaManager) else 0
+        for m in manager.coordinator.single_type_managers
+        if isinstance(m, MambaManager)
+    )
+    state["num_deferred_frees"] = num_fenced_blocks(entry[1] for entry in scheduler.deferred_frees)
+    state["free_queue"] = free_queue_digest(manager.block_pool)
+    return tuple(sorted(state.items()))
 
 
 class VllmBackend:

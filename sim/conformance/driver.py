@@ -16,6 +16,7 @@ fork's always-on fence changes.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -53,6 +54,11 @@ class Trajectory:
     steps: tuple[StepState, ...]
     times_s: tuple[float, ...]
     stalled: bool
+    # How long each step took (the clock's figure).
+    steps_s: tuple[float, ...] = ()
+    # The step-time model's answers in the order the clock asked (a
+    # recording of the fork's run keeps them; ``fork_conformance.ClockTape``).
+    clock_tape: tuple[float, ...] = ()
 
 
 class RecordingCore(EngineCore, Protocol):
@@ -68,7 +74,11 @@ class TraceDriver:
     requests join before the next call once the clock has reached their
     arrival (in arrival, then id, order); an idle engine jumps to the next
     arrival; the run ends at the horizon (a step that would end past it
-    never ends; none starts at or after it)."""
+    never ends; none starts at or after it). A closed-loop turn (a session's
+    follow-up, ``follows`` set) arrives its think time after the turn it
+    follows finishes or is refused, as in a simulation (``sim/engine.py``),
+    unless that is past ``follow_ups_until_s``: then it and the turns after
+    it never come."""
 
     def __init__(
         self,
@@ -76,13 +86,21 @@ class TraceDriver:
         clock: SerialClock | PipelineClock,
         add_request: Callable[[RequestSpec], Any],
         max_time_s: float | None,
+        follow_ups_until_s: float | None = None,
     ) -> None:
-        self.pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.request_id)))
+        requests = tuple(requests)
+        self.follow_ups = {
+            getattr(r, "follows", None): r for r in requests if getattr(r, "follows", None) is not None
+        }
+        self.follow_ups_until_s = follow_ups_until_s
+        first_turns = [r for r in requests if getattr(r, "follows", None) is None]
+        self.pending = deque(sorted(first_turns, key=_arrival_order))
         self.clock = clock
         self.add_request = add_request
         self.max_time_s = max_time_s
         self.states: list[StepState] = []
         self.times_s: list[float] = []
+        self.steps_s: list[float] = []
         self._core: RecordingCore | None = None
 
     def run(self, core: RecordingCore, name: str) -> Trajectory:
@@ -96,7 +114,11 @@ class TraceDriver:
         except StopIteration as end:
             stalled = end.value
         return Trajectory(
-            backend=name, steps=tuple(self.states), times_s=tuple(self.times_s), stalled=stalled
+            backend=name,
+            steps=tuple(self.states),
+            times_s=tuple(self.times_s),
+            stalled=stalled,
+            steps_s=tuple(self.steps_s),
         )
 
     def _past_horizon(self, pause: object) -> bool:
@@ -107,7 +129,20 @@ class TraceDriver:
     def _deliver(self) -> None:
         pending, now_s = self.pending, self.clock.now_s
         while pending and pending[0].arrival_s <= now_s:
-            self.add_request(pending.popleft())
+            spec = pending.popleft()
+            if not self.add_request(spec):
+                self._turn_ended(spec.request_id)
+
+    def _turn_ended(self, request_id: str) -> None:
+        follow_up = self.follow_ups.pop(request_id, None)
+        if follow_up is None:
+            return
+        arrival_s = self.clock.now_s + getattr(follow_up, "think_s", 0.0)
+        if self.follow_ups_until_s is not None and arrival_s > self.follow_ups_until_s:
+            return  # the turns after it are never released either
+        spec: Any = replace(follow_up, arrival_s=arrival_s)  # type: ignore[type-var]
+        keys = [_arrival_order(r) for r in self.pending]
+        self.pending.insert(bisect.bisect(keys, _arrival_order(spec)), spec)
 
     def start_s(self) -> float:
         return self.clock.now_s
@@ -124,6 +159,13 @@ class TraceDriver:
         if state is not None:
             self.states.append(state)
             self.times_s.append(self.clock.now_s)
+            self.steps_s.append(step_s)
+            for request_id in state.finished:
+                self._turn_ended(request_id)
+
+
+def _arrival_order(spec: RequestSpec) -> tuple[float, str]:
+    return (spec.arrival_s, spec.request_id)
 
 
 class _BackendCore:
@@ -160,11 +202,13 @@ class _BackendCore:
 def drive(
     backend: Backend,
     requests: Iterable[RequestSpec],
-    step_time: StepTimeModel,
+    step_time: StepTimeModel | Any,
     max_time_s: float | None = None,
+    follow_ups_until_s: float | None = None,
 ) -> Trajectory:
     """Run ``backend`` over the trace until it drains (or the horizon)."""
-    driver = TraceDriver(requests, SerialClock(step_time.step_time_s), backend.add_request, max_time_s)
+    clock = SerialClock(step_time.step_time_s)
+    driver = TraceDriver(requests, clock, backend.add_request, max_time_s, follow_ups_until_s)
     return driver.run(_BackendCore(backend), backend.name)
 
 

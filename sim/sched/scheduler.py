@@ -73,6 +73,12 @@ class SchedulerConfig:
     block_size: int
     num_speculative_tokens: int
     long_prefill_token_threshold: int = 0
+    # vLLM 0.30.0 (the fork's base) caps a lone request's prefill too; 0.33.0
+    # spares it (``fork.threshold_caps_lone_request``).
+    threshold_caps_lone_request: bool = False
+    # 0.33.0's synchronous scheduler caches blocks after each sampled step
+    # with drafts; 0.30.0's only in allocate_slots (``fork.caches_at_allocation_only``).
+    caches_after_sampling: bool = True
     # vLLM's scheduler_reserve_full_isl: admit only if the whole prompt fits.
     scheduler_reserve_full_isl: bool = True
     # Fenced frees: freed blocks return once the steps still in flight that
@@ -213,9 +219,11 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
         return output
 
     def _long_prefill_threshold(self) -> int:
-        # A lone request has nobody to starve: it may use the whole budget.
+        # 0.33.0: a lone request has nobody to starve, it may use the whole
+        # budget; 0.30.0, the fork's base, caps it all the same.
         eligible = len(self.running) + len(self.waiting)
-        return self.config.long_prefill_token_threshold if eligible > 1 else 0
+        spared = eligible <= 1 and not self.config.threshold_caps_lone_request
+        return 0 if spared else self.config.long_prefill_token_threshold
 
     def clip_room(self, request: Request, num_hit: int = 0) -> int:
         """The most tokens a step may schedule for ``request``: room for the
@@ -516,7 +524,7 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
     def _after_sampling(self, request: Request) -> None:
         """Cache the blocks the accepted tokens filled, then take the
         drafter's K new drafts (vLLM's ``update_draft_token_ids``)."""
-        if self.config.num_speculative_tokens:
+        if self.config.num_speculative_tokens and self.config.caches_after_sampling:
             self._cache_blocks(request)
         request.spec_token_ids = [DRAFT_TOKEN_ID] * self.config.num_speculative_tokens
 

@@ -1,0 +1,391 @@
+"""The fork's own ``Scheduler`` as a conformance backend: a child process
+with the fork's interpreter runs ``fork_server.py``; this side owns the clock,
+the acceptance draws and the comparison, exactly as for vLLM's Scheduler
+(``backends.VllmBackend``), and talks to it one JSON line at a time.
+
+The fork's scheduler-side code never enters kvsim: the child imports it from
+the user's build (``fork_venv.py``). Every wait on the child is bounded, and
+the child is stopped when the backend closes, also on failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import subprocess
+import tempfile
+import threading
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from sim.config import ConfigError
+from sim.conformance.backends import StepState, scheduled_request
+from sim.model_specs import build_worker_specs
+from sim.scenario import Scenario, SideCacheSwitch
+from sim.sched.model_runner import ModelRunner
+from sim.sched.output import SchedulerOutput
+from sim.sched.scheduler import RequestSpec
+
+SERVER = Path(__file__).resolve().parents[1] / "vllm_bridge" / "fork_server.py"
+# Seconds one answer may take: building the planner's config imports vLLM.
+INIT_TIMEOUT_S = 600.0
+CALL_TIMEOUT_S = 120.0
+# An engine call asks what its step sampled at most once.
+MAX_CALLBACKS_PER_CALL = 4
+
+
+class ForkUnavailable(ConfigError):
+    """The fork's Scheduler cannot be built or stopped answering (one line)."""
+
+
+# ------------------------------------------------------------ layer specs
+def encode_value(value: Any) -> Any:
+    """A spec field as JSON: dtypes by name, enums by member name."""
+    if isinstance(value, enum.Enum):
+        return {"enum": value.name}
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, (tuple, list)):
+        return [encode_value(v) for v in value]
+    return value
+
+
+def encode_spec(spec: Any) -> dict[str, Any]:
+    return {
+        "type": type(spec).__name__,
+        "fields": {f.name: encode_value(getattr(spec, f.name)) for f in dataclasses.fields(spec)},
+    }
+
+
+def encode_workers(scenario: Scenario) -> tuple[int, list[list[tuple[str, dict[str, Any]]]]]:
+    """The hybrid block size and every rank's layer specs in registration
+    order (the fork flags the MTP draft's group by the last registered layer)."""
+    specs, workers = build_worker_specs(scenario.load_model(), scenario.deployment)
+    encoded = [[(layer, encode_spec(spec)) for layer, spec in worker.items()] for worker in workers]
+    return specs.block_size, encoded
+
+
+def fork_environment(layout: SideCacheSwitch) -> dict[str, str]:
+    """The fork's switches as its launcher (``scripts/serve-v2.5.sh``) sets
+    them; the layout switch per compared layout."""
+    return {
+        "VLLM_E2_SIDE_CACHE_LAYOUT": "1" if layout == "on" else "0",
+        "VLLM_E2_MAMBA_RETAIN_CHECKPOINT": "1",
+        "VLLM_LOGGING_LEVEL": "ERROR",
+    }
+
+
+def fork_settings(scenario: Scenario, block_size: int, *, async_scheduling: bool) -> dict[str, Any]:
+    d, s = scenario.deployment, scenario.scheduler
+    return {
+        "max_model_len": d.max_model_len,
+        "max_num_seqs": d.max_num_seqs,
+        "max_num_batched_tokens": s.max_num_batched_tokens,
+        "long_prefill_token_threshold": s.long_prefill_token_threshold,
+        "scheduler_reserve_full_isl": s.scheduler_reserve_full_isl,
+        "tensor_parallel_size": d.tensor_parallel_size,
+        "pipeline_parallel_size": d.pipeline_parallel_size,
+        "block_size": block_size,
+        "num_speculative_tokens": scenario.load_model().mtp.num_speculative_tokens,
+        "enable_prefix_caching": scenario.allocator.enable_prefix_caching,
+        "prefix_match_unit": d.prefix_match_unit,
+        "async_scheduling": async_scheduling,
+        "kv_cache_layout": d.kv_cache_layout,
+    }
+
+
+# ------------------------------------------------------------- the child
+class ForkProcess:
+    """The child running ``fork_server.py``; a context manager that always
+    stops it."""
+
+    def __init__(self, python: Path, server: Path = SERVER) -> None:
+        self._log = tempfile.TemporaryFile(mode="w+")
+        # A fixed string hash: the fork iterates a set of request ids where
+        # two graces go at once (kvsim: oldest first); fixed, a recording
+        # is reproducible.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONHASHSEED": "0"}
+        env.pop("PYTHONPATH", None)  # kvsim's own modules need vLLM 0.33.0
+        self.process = subprocess.Popen(
+            [str(python), "-P", str(server)],  # -P: not its own folder on sys.path
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env,
+        )
+
+    def __enter__(self) -> ForkProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def call(
+        self,
+        op: str,
+        timeout_s: float = CALL_TIMEOUT_S,
+        on_callback: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        **params: Any,
+    ) -> dict[str, Any]:
+        """One op; the child may ask questions (``callback``) before it
+        answers, each answered by ``on_callback``. Every wait is bounded."""
+        message: dict[str, Any] = {"op": op, **params}
+        for _ in range(MAX_CALLBACKS_PER_CALL):
+            answer = self._exchange(message, op, timeout_s)
+            if "callback" not in answer:
+                return answer
+            if on_callback is None:
+                raise ForkUnavailable(f"the fork's scheduler asked an unexpected question ({op})")
+            message = on_callback(answer)
+        raise ForkUnavailable(
+            f"the fork's scheduler asked more than {MAX_CALLBACKS_PER_CALL} questions ({op})"
+        )
+
+    def _exchange(self, message: dict[str, Any], op: str, timeout_s: float) -> dict[str, Any]:
+        process = self.process
+        assert process.stdin is not None and process.stdout is not None
+        watchdog = threading.Timer(timeout_s, process.kill)
+        watchdog.start()
+        try:
+            process.stdin.write(json.dumps(message) + "\n")
+            process.stdin.flush()
+            line = process.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        finally:
+            watchdog.cancel()
+        if not line:
+            raise ForkUnavailable(f"the fork's scheduler stopped answering ({op}): {self._last_log_line()}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise ForkUnavailable(f"the fork's scheduler failed: {answer['error']}")
+        return answer
+
+    def _last_log_line(self) -> str:
+        self._log.seek(0)
+        lines = [line.strip() for line in self._log.read().splitlines() if line.strip()]
+        return lines[-1][:300] if lines else "no output"
+
+    def close(self) -> None:
+        process = self.process
+        try:
+            if process.poll() is None and process.stdin is not None:
+                process.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                process.stdin.flush()
+            process.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            process.kill()
+            process.wait(timeout=10)
+        finally:
+            self._log.close()
+
+
+# ------------------------------------------------------------ the backend
+class ForkBackend:
+    """The fork's Scheduler, stepped as ``EngineCore.step`` steps it."""
+
+    name = "fork"
+
+    def __init__(
+        self,
+        process: ForkProcess,
+        scenario: Scenario,
+        layout: SideCacheSwitch,
+        runner: ModelRunner,
+    ) -> None:
+        self.process = process
+        self.runner = runner
+        self.max_model_len = scenario.deployment.max_model_len
+        block_size, workers = encode_workers(scenario)
+        self.description = process.call(
+            "init",
+            timeout_s=INIT_TIMEOUT_S,
+            settings=fork_settings(scenario, block_size, async_scheduling=False),
+            workers=workers,
+            memory_bytes=[scenario.deployment.kv_cache_memory_bytes] * _num_workers(scenario),
+            environment=fork_environment(layout),
+        )
+        self._token_counts: dict[str, int] = {}
+        self._has_unfinished = False
+
+    def add_request(self, spec: RequestSpec) -> bool:
+        if spec.prompt_len >= self.max_model_len:
+            return False  # vLLM's input processor rejects it
+        self.process.call(
+            "add",
+            request_id=spec.request_id,
+            prompt_token_ids=spec.prompt_token_ids(),
+            max_tokens=spec.output_len,
+            arrival_s=spec.arrival_s,
+        )
+        self._has_unfinished = True
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self._has_unfinished
+
+    def complete_in_flight_steps(self) -> bool:
+        return False  # one step at a time: the fence passes with each output
+
+    def schedule(self) -> SchedulerOutput:
+        answer = self.process.call("schedule")
+        self._token_counts = {rid: num_tokens for rid, _, _, num_tokens, _ in answer["scheduled"]}
+        return SchedulerOutput(
+            step_index=answer["step_index"],
+            scheduled=tuple(_scheduled(*entry) for entry in answer["scheduled"]),
+            new_request_ids=tuple(answer["new"]),
+            resumed_request_ids=tuple(answer["resumed"]),
+            preempted_request_ids=tuple(answer["preempted"]),
+        )
+
+    def execute(self, output: SchedulerOutput) -> StepState:
+        sampled = self.runner.execute(output, self._token_counts).sampled_token_ids
+        answer = self.process.call("update", sampled={rid: list(ids) for rid, ids in sampled.items()})
+        self._has_unfinished = answer["has_unfinished"]
+        return step_state(output, answer)
+
+
+def _scheduled(
+    request_id: str, num_scheduled: int, computed_after: int, num_tokens: int, spec: list[int]
+) -> Any:
+    request = SimpleNamespace(
+        request_id=request_id, num_computed_tokens=computed_after, num_tokens=num_tokens
+    )
+    padded = bool(spec) and all(token == -1 for token in spec)
+    return scheduled_request(request, num_scheduled, len(spec), padded)
+
+
+def step_state(output: SchedulerOutput, answer: dict[str, Any]) -> StepState:
+    return StepState(
+        scheduled_tokens=tuple(
+            (r.request_id, r.num_computed_tokens, r.num_scheduled_tokens) for r in output.scheduled
+        ),
+        admitted=output.new_request_ids,
+        resumed=output.resumed_request_ids,
+        preempted=output.preempted_request_ids,
+        finished=tuple(answer["finished"]),
+        running=tuple(answer["running"]),
+        waiting=tuple(answer["waiting"]),
+        num_free_blocks=answer["num_free_blocks"],
+        prefix_cache_queries_tokens=answer["prefix_cache_queries_tokens"],
+        prefix_cache_hits_tokens=answer["prefix_cache_hits_tokens"],
+        fork_state=fork_state_of(answer["fork"]),
+    )
+
+
+def fork_state_of(record: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """The fork's additions as one comparable value (kvsim reports the same)."""
+    return tuple(
+        (key, tuple(value) if isinstance(value, list) else value) for key, value in sorted(record.items())
+    )
+
+
+def _num_workers(scenario: Scenario) -> int:
+    d = scenario.deployment
+    return d.tensor_parallel_size * d.pipeline_parallel_size
+
+
+# ---------------------------------------------------- the fork's batch queue
+class ForkEngine:
+    """The fork's own ``EngineCore.step_with_batch_queue`` over its
+    ``AsyncScheduler`` (the rig's mode), one engine call a step of the
+    comparison, as ``async_engine._VllmEngine`` drives vLLM 0.33.0's. The
+    child asks this side what each step sampled (the shared runner)."""
+
+    name = "fork"
+
+    def __init__(
+        self, process: ForkProcess, scenario: Scenario, layout: SideCacheSwitch, runner: ModelRunner
+    ):
+        self.process = process
+        self.runner = runner
+        self.max_model_len = scenario.deployment.max_model_len
+        block_size, workers = encode_workers(scenario)
+        self.description = process.call(
+            "init",
+            timeout_s=INIT_TIMEOUT_S,
+            settings=fork_settings(scenario, block_size, async_scheduling=True),
+            workers=workers,
+            memory_bytes=[scenario.deployment.kv_cache_memory_bytes] * _num_workers(scenario),
+            environment=fork_environment(layout),
+        )
+        self._in_flight: deque[SchedulerOutput] = deque()
+        self._has_work = self._has_unfinished = False
+
+    def add_request(self, spec: RequestSpec) -> bool:
+        if spec.prompt_len >= self.max_model_len:
+            return False  # the input processor rejects it
+        self.process.call(
+            "add",
+            request_id=spec.request_id,
+            prompt_token_ids=spec.prompt_token_ids(),
+            max_tokens=spec.output_len,
+            arrival_s=spec.arrival_s,
+        )
+        self._has_work = self._has_unfinished = True
+        return True
+
+    def has_work(self) -> bool:
+        return self._has_work
+
+    def has_unfinished_requests(self) -> bool:
+        return self._has_unfinished
+
+    def _sample(self, question: dict[str, Any]) -> dict[str, Any]:
+        output = _engine_output(question["scheduled"])
+        sampled = self.runner.execute_sampling(output, question["samples"]).sampled_token_ids
+        return {"sampled": {rid: list(ids) for rid, ids in sampled.items()}}
+
+    def step(self) -> tuple[Any, Any]:
+        from sim.conformance.async_engine import _state
+        from sim.sched.engine_core import EngineCall
+
+        answer = self.process.call("engine_step", on_callback=self._sample)
+        self._has_work, self._has_unfinished = answer["has_work"], answer["has_unfinished"]
+        scheduled = _engine_output(answer["scheduled"]) if answer["scheduled"] else None
+        if scheduled is not None:
+            self._in_flight.append(scheduled)
+        processed = self._in_flight.popleft() if answer["processed"] else None
+        call = EngineCall(scheduled, answer["samples"], waits=processed is not None, processed=processed)
+        call.idle = (
+            (scheduled is None or scheduled.is_empty)
+            and (processed is None or processed.is_empty)
+            and answer["in_flight_empty"]
+        )
+        state = _state(
+            call,
+            placeholders=answer["placeholders"],
+            finished=answer["finished"],
+            running=answer["running"],
+            waiting=answer["waiting"],
+            num_free_blocks=answer["num_free_blocks"],
+            prefix=(answer["prefix_cache_queries_tokens"], answer["prefix_cache_hits_tokens"]),
+        )
+        return call, dataclasses.replace(state, fork_state=fork_state_of(answer["fork"]))
+
+
+def _engine_output(record: dict[str, Any]) -> SchedulerOutput:
+    """kvsim's record of the fork's engine step (the clock's and the runner's
+    input). Under async scheduling every draft is a -1 placeholder; an
+    admitted request's are padding."""
+    return SchedulerOutput(
+        step_index=record["step_index"],
+        scheduled=tuple(
+            scheduled_request(
+                SimpleNamespace(request_id=rid, num_computed_tokens=computed_after, num_tokens=num_tokens),
+                n,
+                num_spec,
+                admitted and num_spec > 0,
+            )
+            for rid, n, computed_after, num_tokens, num_spec, admitted in record["scheduled"]
+        ),
+        new_request_ids=tuple(record["new"]),
+        resumed_request_ids=tuple(record["resumed"]),
+        preempted_request_ids=tuple(record["preempted"]),
+    )

@@ -1,0 +1,116 @@
+"""Golden frames: the fork's own Scheduler's steps, recorded by ``kvsim
+conform --fork ... --record FILE`` and committed as test data (figures the
+fork produced, not its code), so CI checks kvsim's fork mode against the
+fork step by step without building the fork.
+
+A file is gzip'd JSON lines: a header (the scenario file and overrides it was
+recorded on, the layout, the engine mode, the fork's scheduler-side blob ids,
+the command, the clock's answers in the order they were asked), then one
+object per executed step (engine call, for the batch queue). The waiting queue, which can hold
+hundreds of ids, is kept as its length and a digest; every other column is
+kept as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from sim.conformance.backends import StepState
+from sim.conformance.driver import Trajectory
+
+FORMAT = "kvsim fork golden frames 1"
+
+
+def encode_state(state: StepState, time_s: float, step_s: float) -> dict[str, Any]:
+    """A step as the golden file keeps it (JSON types only): when it ended
+    and how long the clock gave it, then the comparison's columns."""
+    record: dict[str, Any] = {"time_s": time_s, "step_s": step_s}
+    for field in dataclasses.fields(state):
+        value = getattr(state, field.name)
+        if field.name == "waiting":
+            value = {"n": len(value), "sha1": hashlib.sha1("\n".join(value).encode()).hexdigest()[:16]}
+        record[field.name] = _plain(value)
+    return record
+
+
+def _plain(value: Any) -> Any:
+    """Tuples as lists, recursively (what a JSON round trip gives)."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def encoded_steps(trajectory: Trajectory) -> list[dict[str, Any]]:
+    return [
+        encode_state(state, time_s, step_s)
+        for state, time_s, step_s in zip(
+            trajectory.steps, trajectory.times_s, trajectory.steps_s, strict=True
+        )
+    ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GoldenFrames:
+    header: dict[str, Any]
+    steps: tuple[dict[str, Any], ...]
+
+    @property
+    def stalled(self) -> bool:
+        return bool(self.header["stalled"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class GoldenDifference:
+    """The first step (1-based) where kvsim leaves the golden frames."""
+
+    step: int
+    columns: tuple[str, ...]
+    kvsim: dict[str, Any] | None
+    fork: dict[str, Any] | None
+
+
+def first_difference(golden: GoldenFrames, trajectory: Trajectory) -> GoldenDifference | None:
+    """None when every step and the stall agree."""
+    ours = iter(encoded_steps(trajectory))
+    for step, (mine, theirs) in enumerate(_pairs(ours, iter(golden.steps)), start=1):
+        if mine != theirs:
+            columns = tuple(k for k in (mine or theirs or {}) if (mine or {}).get(k) != (theirs or {}).get(k))
+            return GoldenDifference(step=step, columns=columns, kvsim=mine, fork=theirs)
+    if trajectory.stalled != golden.stalled:
+        return GoldenDifference(step=len(golden.steps) + 1, columns=("stalled",), kvsim=None, fork=None)
+    return None
+
+
+def _pairs(
+    left: Iterator[dict[str, Any]], right: Iterator[dict[str, Any]]
+) -> Iterator[tuple[dict[str, Any] | None, dict[str, Any] | None]]:
+    while True:
+        a, b = next(left, None), next(right, None)
+        if a is None and b is None:
+            return
+        yield a, b
+
+
+def kvsim_against_golden(golden: GoldenFrames, overrides: tuple[str, ...] = ()) -> Trajectory:
+    """kvsim's fork mode on the recording's scenario, layout, engine and
+    clock (``overrides``: more ``--set`` items, e.g. a patch turned off)."""
+    from sim.analysis.runs import scenario_workload
+    from sim.conformance.fork_conformance import ClockTape, kvsim_trajectory
+    from sim.paths import PROJECT_ROOT
+    from sim.scenario import load_scenario
+
+    header = golden.header
+    scenario = load_scenario(str(PROJECT_ROOT / header["scenario_file"]), [*header["overrides"], *overrides])
+    workload = scenario_workload(scenario)
+    return kvsim_trajectory(
+        scenario,
+        header["layout"],
+        workload.requests,
+        ClockTape(values=header["clock_tape"]),
+        workload.follow_ups_until_s,
+        header["engine"],
+    )
