@@ -30,13 +30,24 @@ from sim.sched.output import SchedulerOutput
 from sim.step_time import StepTimeModel
 
 PUBLISHED = SCENARIOS_DIR / "rig" / "published.yaml"
-Metric = Literal["decode_interval_ms", "tokens_per_step", "decode_tok_s", "ttft_s", "prefill_tok_s"]
+Metric = Literal[
+    "decode_interval_ms",
+    "tokens_per_step",
+    "decode_tok_s",
+    "ttft_s",
+    "prefill_tok_s",
+    "aggregate_tok_s",
+    "pool_tokens",
+]
 # The fork's serving settings (benchmarks/2026-09-17/BENCH-CARD.md, fingerprint).
 RIG_SCHEDULER = {"max_num_batched_tokens": 1024}
 # The card's deployment (2026-09-17, v2): the planner's computed block
 # (pool 806,792), hits on the block, no RecoverSSM; not the scenario
-# defaults (v2.5.1's block flags).
+# defaults (v2.5.1's block flags). A figure's ``settings`` change it.
 RIG_DEPLOYMENT = {"max_num_seqs": 8, "block_size": None, "prefix_match_unit": None, "use_replayssm": False}
+# The aggregate bench (2026-09-05 card, protocol): a 1K prompt, 512 tokens
+# with ignore_eos, every stream arriving together.
+AGGREGATE_PROMPT_TOKENS = 1024
 
 
 class Figure(StrictModel):
@@ -52,10 +63,33 @@ class Figure(StrictModel):
     release: str
     note: bool = False  # in the shared note (held to the bound in CI)
     fitted: str | None = None
+    # Scenario keys the figure's deployment differs by (dotted, as --set).
+    settings: dict[str, Any] = {}
+    concurrency: int = Field(1, gt=0)  # streams at once (aggregate figures)
+    # The card's run-to-run range of the figure [min, max] (over boots, or
+    # sends where that is all it gives); None: one boot, no range printed.
+    spread: tuple[float, float] | None = None
+    # A lever: ``rig`` is this figure's value over the ``baseline``
+    # figure's (same card, same cell), and kvsim's is its own ratio.
+    baseline: str | None = None
 
     @property
-    def shape(self) -> tuple[int, int, str, str]:
-        return (self.prompt_tokens, self.output_tokens, self.acceptance, self.layout)
+    def shape(self) -> tuple[Any, ...]:
+        return (
+            self.prompt_tokens,
+            self.output_tokens,
+            self.acceptance,
+            self.layout,
+            self.concurrency,
+            tuple(sorted((k, str(v)) for k, v in self.settings.items())),
+        )
+
+    @property
+    def spread_pct(self) -> float | None:
+        """Half the card's range over the figure, in %."""
+        if self.spread is None:
+            return None
+        return 100 * (self.spread[1] - self.spread[0]) / 2 / self.rig
 
 
 def load_figures(path: Path = PUBLISHED) -> list[Figure]:
@@ -64,35 +98,53 @@ def load_figures(path: Path = PUBLISHED) -> list[Figure]:
     if not isinstance(data, dict) or not isinstance(data.get("figures"), list):
         raise ConfigError(f"{path}: expected 'defaults' and a list of 'figures'")
     defaults = data.get("defaults") or {}
-    return [
+    figures = [
         validate(Figure, {**defaults, **entry}, f"{path}: figures[{index}]")
         for index, entry in enumerate(data["figures"])
     ]
+    ids = {f.id for f in figures}
+    for figure in figures:
+        if figure.baseline is not None and figure.baseline not in ids:
+            raise ConfigError(f"{path}: figure {figure.id}: baseline {figure.baseline!r} is not a figure")
+    return figures
 
 
 def rig_scenario(
     figure: Figure, step_time: dict[str, Any] | None = None, engine_mode: str = "sync"
 ) -> Scenario:
-    """One cold request of the figure's shape on the rig's settings."""
+    """One cold request of the figure's shape on the rig's settings (or
+    ``concurrency`` of them arriving together), with the figure's own."""
+    prompt = AGGREGATE_PROMPT_TOKENS if figure.metric == "aggregate_tok_s" else figure.prompt_tokens
     data = {
         "engine": {"mode": engine_mode},
         "name": f"published-{figure.id}",
         "model": str(DEFAULT_MODEL),
         "layouts": [figure.layout],
-        "deployment": RIG_DEPLOYMENT,
-        "scheduler": RIG_SCHEDULER,
+        "deployment": dict(RIG_DEPLOYMENT),
+        "scheduler": dict(RIG_SCHEDULER),
         "mtp": {"acceptance_profile": figure.acceptance},
         "step_time": step_time or {},
         "workload": {
             "trace": "synthetic",
-            "num_requests": 1,
-            "arrival": {"process": "constant", "rate_per_s": 1.0},
-            "prompt": {"distribution": "fixed", "tokens": figure.prompt_tokens},
+            "num_requests": figure.concurrency,
+            # Streams of an aggregate arrive together (a microsecond apart).
+            "arrival": {"process": "constant", "rate_per_s": 1.0 if figure.concurrency == 1 else 1e6},
+            "prompt": {"distribution": "fixed", "tokens": prompt},
             "output": {"distribution": "fixed", "tokens": figure.output_tokens},
         },
         "simulation": {"sample_interval_s": None},
     }
+    for key, value in figure.settings.items():
+        _set_dotted(data, key, value)
     return validate(Scenario, data, f"published figure {figure.id}")
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """``data[a][b] = value`` for the key ``a.b`` (as ``--set`` does)."""
+    *path, last = key.split(".")
+    for part in path:
+        data = data.setdefault(part, {})
+    data[last] = value
 
 
 @dataclass
@@ -118,22 +170,34 @@ def measure(figure: Figure, step_time: dict[str, Any] | None = None) -> dict[str
     recorder = _Recorder(sim.step_time)
     sim.clock = SerialClock(recorder.step_time_s)  # the synchronous engine's clock, timing through it
     recording = sim.run()
-    decode_s = [s for out, s in recorder.steps if not out.num_prefill_tokens]
+    n = figure.concurrency
+    decode_s = [s for out, s in recorder.steps if not out.num_prefill_tokens and len(out.scheduled) == n]
     if not decode_s:
-        raise ConfigError(f"{figure.id}: the request never decoded")
-    ttft_s = _ttft_s(recording)
-    pipelined_s = _async_ttft_s(figure, step_time)
-    tokens_per_step = (figure.output_tokens - 1) / len(decode_s)
+        raise ConfigError(f"{figure.id}: the requests never decoded together")
+    # Per stream: tokens after the first over the steps that decoded them.
+    tokens_per_step = (
+        n
+        * (figure.output_tokens - 1)
+        / sum(len(out.scheduled) for out, _ in recorder.steps if not out.num_prefill_tokens)
+    )
     interval_s = statistics.median(decode_s)
-    return {
+    values = {
         "decode_interval_ms": interval_s * 1e3,
         "tokens_per_step": tokens_per_step,
         "decode_tok_s": tokens_per_step / interval_s,
-        "ttft_s": ttft_s,
-        "prefill_tok_s": figure.prompt_tokens / ttft_s,
-        "pipelined_ttft_s": pipelined_s,
-        "pipelined_prefill_tok_s": figure.prompt_tokens / pipelined_s,
+        "aggregate_tok_s": n * tokens_per_step / interval_s,
+        "pool_tokens": float(sim.plan.kv_cache_tokens),
     }
+    if n == 1:
+        ttft_s = _ttft_s(recording)
+        pipelined_s = _async_ttft_s(figure, step_time)
+        values |= {
+            "ttft_s": ttft_s,
+            "prefill_tok_s": figure.prompt_tokens / ttft_s,
+            "pipelined_ttft_s": pipelined_s,
+            "pipelined_prefill_tok_s": figure.prompt_tokens / pipelined_s,
+        }
+    return values
 
 
 def _async_ttft_s(figure: Figure, step_time: dict[str, Any] | None) -> float:
@@ -151,23 +215,34 @@ def _ttft_s(recording: Recording) -> float:
 
 def published_table(figures: list[Figure], step_time: dict[str, Any] | None = None) -> pd.DataFrame:
     """One row per figure: the rig's value, kvsim's (pipelined for prefill
-    metrics), the synchronous engine's, and the error of kvsim's in %."""
-    measured: dict[tuple[int, int, str, str], dict[str, float]] = {}
-    rows = []
-    for figure in figures:
+    metrics), the synchronous engine's, the error of kvsim's in %, and the
+    card's run-to-run spread in % (half its range) where it gives one. A
+    lever's baseline figure is measured with it when it is not listed."""
+    by_id = {f.id: f for f in load_figures()} | {f.id: f for f in figures}
+    measured: dict[tuple[Any, ...], dict[str, float]] = {}
+
+    def value(figure: Figure) -> tuple[float, float]:
         if figure.shape not in measured:
             measured[figure.shape] = measure(figure, step_time)
         values = measured[figure.shape]
         engine = values[figure.metric]
-        kvsim = values.get(f"pipelined_{figure.metric}", engine)
+        return values.get(f"pipelined_{figure.metric}", engine), engine
+
+    rows = []
+    for figure in figures:
+        kvsim, engine = value(figure)
+        if figure.baseline is not None:
+            base_kvsim, base_engine = value(by_id[figure.baseline])
+            kvsim, engine = kvsim / base_kvsim, engine / base_engine
         rows.append(
             {
                 "figure": figure.id,
-                "metric": figure.metric,
+                "metric": figure.metric + (" ratio" if figure.baseline else ""),
                 "prompt_tokens": figure.prompt_tokens,
                 "rig": figure.rig,
                 "kvsim": kvsim,
                 "error_pct": 100 * (kvsim / figure.rig - 1),
+                "spread_pct": figure.spread_pct,
                 "sync_engine": engine,
                 "fitted": figure.fitted or "",
                 "note": figure.note,
