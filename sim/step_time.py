@@ -372,10 +372,12 @@ class StepTimeModel:
         rows (one per head) pulled from host memory over PCIe."""
         a, c = self.arch, self.config
         row = a.ple_embed_dim // a.ngram_heads
-        bytes_read = (
-            b.tokens * a.hidden_size * self.quant.bytes_per_param("embed_tokens") / c.tensor_parallel_size
-        )
-        if a.ple_layer_ids:
+        bytes_read = 0.0
+        if "embed_tokens" in self.quant.host:  # else a device gather of a few rows: negligible
+            bytes_read += (
+                b.tokens * a.hidden_size * self.quant.bytes_per_param("embed_tokens") / c.tensor_parallel_size
+            )
+        if a.ple_layer_ids and "ple_table" in self.quant.host:
             bytes_read += b.tokens * a.ngram_heads * row * self.quant.bytes_per_param("ple_table")
         bandwidth = self.gpu.pcie_bandwidth_bytes_per_s * c.host_read_efficiency
         return c.host_gather_latency_s + bytes_read / bandwidth

@@ -25,6 +25,7 @@ from sim.config import ConfigError, StrictModel, read_yaml, validate
 from sim.engine import Recording, Simulation
 from sim.paths import DEFAULT_MODEL, SCENARIOS_DIR
 from sim.pipeline_clock import SerialClock
+from sim.rig import AcceptanceProfile
 from sim.scenario import Scenario
 from sim.sched.output import SchedulerOutput
 from sim.step_time import StepTimeModel
@@ -56,7 +57,9 @@ class Figure(StrictModel):
     rig: float = Field(gt=0)
     prompt_tokens: int = Field(gt=0)
     output_tokens: int = Field(gt=1)
-    acceptance: str
+    # An acceptance profile by name, or the tokens per step the card
+    # measured in the figure's cell (MTP K=3), turned into rates the same way.
+    acceptance: str | float
     layout: Literal["off", "on"]
     card: str
     date: str
@@ -69,9 +72,9 @@ class Figure(StrictModel):
     # The card's run-to-run range of the figure [min, max] (over boots, or
     # sends where that is all it gives); None: one boot, no range printed.
     spread: tuple[float, float] | None = None
-    # A lever: ``rig`` is this figure's value over the ``baseline``
-    # figure's (same card, same cell), and kvsim's is its own ratio.
-    baseline: str | None = None
+    # A lever: ``rig`` is the metric with these settings over the metric
+    # without them (the card's arm over its control), and so is kvsim's.
+    lever: dict[str, Any] = {}
 
     @property
     def shape(self) -> tuple[Any, ...]:
@@ -102,10 +105,6 @@ def load_figures(path: Path = PUBLISHED) -> list[Figure]:
         validate(Figure, {**defaults, **entry}, f"{path}: figures[{index}]")
         for index, entry in enumerate(data["figures"])
     ]
-    ids = {f.id for f in figures}
-    for figure in figures:
-        if figure.baseline is not None and figure.baseline not in ids:
-            raise ConfigError(f"{path}: figure {figure.id}: baseline {figure.baseline!r} is not a figure")
     return figures
 
 
@@ -122,7 +121,7 @@ def rig_scenario(
         "layouts": [figure.layout],
         "deployment": dict(RIG_DEPLOYMENT),
         "scheduler": dict(RIG_SCHEDULER),
-        "mtp": {"acceptance_profile": figure.acceptance},
+        "mtp": _acceptance(figure),
         "step_time": step_time or {},
         "workload": {
             "trace": "synthetic",
@@ -137,6 +136,16 @@ def rig_scenario(
     for key, value in figure.settings.items():
         _set_dotted(data, key, value)
     return validate(Scenario, data, f"published figure {figure.id}")
+
+
+def _acceptance(figure: Figure) -> dict[str, Any]:
+    """The scenario's mtp section: the profile, or the rates of the
+    measured tokens per step (one rate per draft of the figure's K)."""
+    if isinstance(figure.acceptance, str):
+        return {"acceptance_profile": figure.acceptance}
+    rate = AcceptanceProfile(tokens_per_step=figure.acceptance, num_speculative_tokens=3).acceptance_rates()[0]
+    drafts = {**figure.settings}.get("mtp.num_speculative_tokens", 3)
+    return {"acceptance_rates": [rate] * max(drafts, 1)}
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
@@ -217,8 +226,7 @@ def published_table(figures: list[Figure], step_time: dict[str, Any] | None = No
     """One row per figure: the rig's value, kvsim's (pipelined for prefill
     metrics), the synchronous engine's, the error of kvsim's in %, and the
     card's run-to-run spread in % (half its range) where it gives one. A
-    lever's baseline figure is measured with it when it is not listed."""
-    by_id = {f.id: f for f in load_figures()} | {f.id: f for f in figures}
+    lever's row is its arm over its control, both run here."""
     measured: dict[tuple[Any, ...], dict[str, float]] = {}
 
     def value(figure: Figure) -> tuple[float, float]:
@@ -231,13 +239,14 @@ def published_table(figures: list[Figure], step_time: dict[str, Any] | None = No
     rows = []
     for figure in figures:
         kvsim, engine = value(figure)
-        if figure.baseline is not None:
-            base_kvsim, base_engine = value(by_id[figure.baseline])
-            kvsim, engine = kvsim / base_kvsim, engine / base_engine
+        if figure.lever:
+            arm = figure.model_copy(update={"settings": {**figure.settings, **figure.lever}, "lever": {}})
+            arm_kvsim, arm_engine = value(arm)
+            kvsim, engine = arm_kvsim / kvsim, arm_engine / engine
         rows.append(
             {
                 "figure": figure.id,
-                "metric": figure.metric + (" ratio" if figure.baseline else ""),
+                "metric": figure.metric + (" ratio" if figure.lever else ""),
                 "prompt_tokens": figure.prompt_tokens,
                 "rig": figure.rig,
                 "kvsim": kvsim,
