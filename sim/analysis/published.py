@@ -143,7 +143,9 @@ def _acceptance(figure: Figure) -> dict[str, Any]:
     measured tokens per step (one rate per draft of the figure's K)."""
     if isinstance(figure.acceptance, str):
         return {"acceptance_profile": figure.acceptance}
-    rate = AcceptanceProfile(tokens_per_step=figure.acceptance, num_speculative_tokens=3).acceptance_rates()[0]
+    rate = AcceptanceProfile(tokens_per_step=figure.acceptance, num_speculative_tokens=3).acceptance_rates()[
+        0
+    ]
     drafts = {**figure.settings}.get("mtp.num_speculative_tokens", 3)
     return {"acceptance_rates": [rate] * max(drafts, 1)}
 
