@@ -327,10 +327,11 @@ class Scenario(StrictModel):
 
 
 def even_partition(num_layers: int, pp: int) -> list[int]:
-    """vLLM's default split (``get_pp_indices``): even, the remainder on
-    the last stages."""
+    """vLLM's default split (``get_pp_indices``): even, one more layer on
+    each of the ``remainder`` stages before the last (the last holds the
+    final norm)."""
     base, extra = divmod(num_layers, pp)
-    return [base + (1 if stage >= pp - extra else 0) for stage in range(pp)]
+    return [base + (1 if pp - 1 - extra <= stage < pp - 1 else 0) for stage in range(pp)]
 
 
 def _model_layers(model: Any) -> int:

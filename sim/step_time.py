@@ -67,8 +67,8 @@ class StepTimeConfig(StrictModel):
     # messages) NCCL's ring with the rig's NCCL_PROTO=LL.
     allreduce_latency_s: float = Field(18e-6, ge=0)
     custom_allreduce_max_bytes: float = Field(8 * 1024 * 1024, ge=0)
-    nccl_base_latency_s: float = Field(6.6e-6, ge=0)
-    nccl_hop_latency_s: float = Field(5.0e-6, ge=0)
+    nccl_base_latency_s: float = Field(40.2e-6, ge=0)
+    nccl_hop_latency_s: float = Field(1.0e-6, ge=0)
     nccl_ll_efficiency: float = Field(0.5, gt=0, le=1)
     # NCCL_PROTO: the rig forces LL; "auto" (NCCL's default, the v1 TP4
     # lane) takes the faster of LL and Simple (full lines, a longer base

@@ -12,7 +12,7 @@ import pytest
 
 from sim.analysis.published import load_figures, published_table
 from sim.cli import main
-from sim.scenario import load_scenario
+from sim.scenario import even_partition, load_scenario
 
 TINY = """name: tiny
 workload:
@@ -76,6 +76,16 @@ def test_the_keys_reach_the_model_and_the_clock(tiny: Path) -> None:
     assert tp4.deployment.layer_partition == (48,)
     capped = load_scenario(str(tiny), ["step_time.power_cap_w=200"]).step_time_config()
     assert capped.power_cap_w == 200 and k3.step_time_config().recover_ssm_replay
+
+
+@pytest.mark.parametrize(
+    "layers, pp, expected",
+    # vLLM's get_pp_indices: 48 // 5 = 9 each, the 3 left over on the
+    # stages before the last; 50 over 4: 12 each, 2 left over.
+    [(48, 1, [48]), (48, 2, [24, 24]), (48, 5, [9, 10, 10, 10, 9]), (50, 4, [12, 13, 13, 12])],
+)
+def test_a_pp_degree_without_a_partition_gets_vllms_split(layers, pp, expected) -> None:
+    assert even_partition(layers, pp) == expected
 
 
 # ----------------------------------------------------------- bad input
@@ -148,13 +158,22 @@ def test_the_tp4_arm_pool_and_prefill(figures) -> None:
     assert rows.loc["tp4-prefill-100k", "kvsim"] < 0.9 * rows.loc["prefill-100k", "kvsim"]
 
 
-@pytest.mark.xfail(strict=True, reason="kvsim's TP4 decode is 14-16 % fast (docs/step-time-model.md)")
 def test_the_tp4_arm_decode(figures) -> None:
-    """The v1 TP4 arm decodes as fast as v2 (18.61 against 18.72 ms at 4K);
-    kvsim, which halves the sharded reads at TP4, gives about 16 ms. A
-    known miss, held here so that it turns red when it is fixed."""
-    row = table(figures, "tp4-itl-on-4k").loc["tp4-itl-on-4k"]
-    assert abs(row["error_pct"]) <= BOUND_PCT
+    """The v1 TP4 arm decodes about as fast as v2: 18.61 against 18.72 ms
+    at 4K, 18.73 against 18.73 at 32K (a ratio of 0.99-1.00). kvsim halves
+    the sharded reads at TP4 and pays NCCL's four-rank all-reduce on every
+    layer; its ratio holds the card's within the bound (it is 8-9 % fast:
+    docs/step-time-model.md). Control: with NCCL's tuning-model base
+    latency (6.6 us) instead of the 40 us measured on 3090s over PCIe, TP4
+    would decode far faster than the card."""
+    rows = table(figures, "tp4-itl-on-4k", "tp4-itl-on-32k", "itl-on-4k", "itl-on-32k")
+    for tp4, v2 in (("tp4-itl-on-4k", "itl-on-4k"), ("tp4-itl-on-32k", "itl-on-32k")):
+        rig_ratio = rows.loc[tp4, "rig"] / rows.loc[v2, "rig"]
+        kvsim_ratio = rows.loc[tp4, "kvsim"] / rows.loc[v2, "kvsim"]
+        assert abs(kvsim_ratio / rig_ratio - 1) <= BOUND_PCT / 100, (tp4, kvsim_ratio, rig_ratio)
+    cheap = {"nccl_base_latency_s": 6.6e-6}
+    fast = published_table([figures["tp4-itl-on-4k"]], cheap).set_index("figure").loc["tp4-itl-on-4k"]
+    assert fast["error_pct"] < -BOUND_PCT
 
 
 def test_the_power_cap_moves_prefill_not_decode(figures) -> None:

@@ -2,12 +2,13 @@
 simulations: one cold request on the rig's serving settings per prompt
 shape, and kvsim's figure beside the rig's. No twin in vLLM.
 
-Prefill figures are given twice: as the synchronous engine times them (one
-chunk after the other through both stages) and as the rig's engine loop
-runs them (``engine.mode: async``: the batch queue on the two-stage
-pipeline clock, consecutive chunks of one prompt overlapping across the
-stages). A decode step of one request cannot overlap its successor, so
-decode figures are the same both ways and come from the synchronous run.
+Prefill and aggregate figures are given twice: as the synchronous engine
+times them (one step after the other through both stages) and as the rig's
+engine loop runs them (``engine.mode: async``: the batch queue on the
+two-stage pipeline clock, consecutive chunks of one prompt, or the
+micro-batches of many streams, overlapping across the stages). A decode
+step of one request cannot overlap its successor, so single-stream decode
+figures are the same both ways and come from the synchronous run.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def rig_scenario(
         "deployment": dict(RIG_DEPLOYMENT),
         "scheduler": dict(RIG_SCHEDULER),
         "mtp": _acceptance(figure),
-        "step_time": step_time or {},
+        "step_time": dict(step_time or {}),
         "workload": {
             "trace": "synthetic",
             "num_requests": figure.concurrency,
@@ -174,8 +175,8 @@ class _Recorder:
 
 def measure(figure: Figure, step_time: dict[str, Any] | None = None) -> dict[str, float]:
     """Every metric of the figure's shape: kvsim's as the synchronous engine
-    runs it, and ``pipelined_*`` for the prefill metrics as the rig's loop
-    (the async engine) runs them."""
+    runs it, and ``pipelined_*`` for the prefill and aggregate metrics as
+    the rig's loop (the async engine) runs them."""
     scenario = rig_scenario(figure, step_time)
     sim = Simulation(scenario, figure.layout, scenario_workload(scenario))
     recorder = _Recorder(sim.step_time)
@@ -199,23 +200,33 @@ def measure(figure: Figure, step_time: dict[str, Any] | None = None) -> dict[str
         "aggregate_tok_s": n * tokens_per_step / interval_s,
         "pool_tokens": float(sim.plan.kv_cache_tokens),
     }
+    pipelined = _async_run(figure, step_time)
     if n == 1:
-        ttft_s = _ttft_s(recording)
-        pipelined_s = _async_ttft_s(figure, step_time)
+        ttft_s, pipelined_s = _ttft_s(recording), _ttft_s(pipelined)
         values |= {
             "ttft_s": ttft_s,
             "prefill_tok_s": figure.prompt_tokens / ttft_s,
             "pipelined_ttft_s": pipelined_s,
             "pipelined_prefill_tok_s": figure.prompt_tokens / pipelined_s,
         }
+    values["pipelined_aggregate_tok_s"] = _aggregate_tok_s(pipelined, figure.output_tokens)
     return values
 
 
-def _async_ttft_s(figure: Figure, step_time: dict[str, Any] | None) -> float:
-    """The time to first token of the figure's request on the rig's engine
-    loop (``engine.mode: async``)."""
+def _async_run(figure: Figure, step_time: dict[str, Any] | None) -> Recording:
+    """The figure's requests on the rig's engine loop (``engine.mode:
+    async``: the batch queue keeps pp + 1 steps in flight, so a batch of
+    streams fills both stages)."""
     scenario = rig_scenario(figure, step_time, engine_mode="async")
-    return _ttft_s(Simulation(scenario, figure.layout, scenario_workload(scenario)).run())
+    return Simulation(scenario, figure.layout, scenario_workload(scenario)).run()
+
+
+def _aggregate_tok_s(recording: Recording, output_tokens: int) -> float:
+    """Streams x tokens after the first over each stream's mean decode
+    span (first token to last): the rate while every stream decodes."""
+    requests = list(recording.requests.values())
+    spans = [float(r["finished_s"] - r["first_token_s"]) for r in requests]
+    return len(requests) * (output_tokens - 1) / statistics.fmean(spans)
 
 
 def _ttft_s(recording: Recording) -> float:
