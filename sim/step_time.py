@@ -13,14 +13,16 @@ of a stage work in parallel):
 
     stage_s = max(bytes / (bandwidth x memory_efficiency),
                   flops / (tensor_flops x clock fraction x compute_efficiency))
-              + layers x (kernel overhead + 2 TP all-reduces)
+              + layers x (kernel overhead + 2 TP all-reduces, by degree and size)
+              + RecoverSSM's replay kernels on a decode's GDN layers
               + the first stage's host gathers (token embedding, PLE rows)
               + the last stage's sampling, MTP draft passes and step overhead
 
 ``bytes``: the stage's dense weights, the distinct routed experts the
-micro-batch's tokens touch (expert parallel: each rank holds 1/tp of them),
-the QSA KV a decode reads (the indexer's compressed keys of the whole
-context, the top-k selected entries), the GDN states read and written.
+micro-batch's tokens touch (expert parallel: as many as the busiest rank
+holds), the QSA KV a decode reads (the indexer's compressed keys of the
+whole context, the top-k selected entries), the GDN states read and
+written (under RecoverSSM, once per decode token).
 ``flops``: two per active parameter per token, the QSA indexer over the
 compressed keys and attention over the top-k selected keys, the GDN
 recurrence. ``step_time_s`` is what a synchronous engine waits for: the

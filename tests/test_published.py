@@ -65,3 +65,11 @@ def test_aggregates_on_the_rigs_loop():
     assert (table["error_pct"].abs() <= BOUND_PCT).all(), table.to_dict("records")
     sync_error = 100 * (table["sync_engine"] / table["rig"] - 1)
     assert (sync_error < -15).all()
+
+
+def test_a_miss_is_judged_against_the_cards_spread():
+    from sim.analysis.published import verdict
+
+    assert verdict(-9.9, None) == "ok"
+    assert verdict(12.0, 15.0) == "in spread"  # the card's own boots differ more
+    assert verdict(12.0, 1.0) == "miss" and verdict(12.0, None) == "miss"

@@ -265,6 +265,7 @@ def published_table(figures: list[Figure], step_time: dict[str, Any] | None = No
                 "kvsim": kvsim,
                 "error_pct": 100 * (kvsim / figure.rig - 1),
                 "spread_pct": figure.spread_pct,
+                "verdict": verdict(100 * (kvsim / figure.rig - 1), figure.spread_pct),
                 "sync_engine": engine,
                 "fitted": figure.fitted or "",
                 "note": figure.note,
@@ -272,6 +273,14 @@ def published_table(figures: list[Figure], step_time: dict[str, Any] | None = No
             }
         )
     return pd.DataFrame(rows)
+
+
+def verdict(error_pct: float, spread_pct: float | None, bound_pct: float = 10.0) -> str:
+    """``ok`` within the bound; a miss inside the card's own run-to-run
+    spread is ``in spread``; else ``miss``."""
+    if abs(error_pct) <= bound_pct:
+        return "ok"
+    return "in spread" if spread_pct is not None and abs(error_pct) <= spread_pct else "miss"
 
 
 def published_figure(table: pd.DataFrame) -> Any:
