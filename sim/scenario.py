@@ -33,7 +33,7 @@ from sim.config import (
 from sim.fork_patches import ForkPatches
 from sim.paths import DEFAULT_MODEL, SCENARIOS_DIR
 from sim.rig import check_rig_names
-from sim.step_time import StepTimeConfig
+from sim.step_time import StepTimeConfig, even_partition
 from sim.workloads import WorkloadConfig
 
 # The side-cache layout switch (the fork's VLLM_E2_SIDE_CACHE_LAYOUT): "off"
@@ -253,7 +253,7 @@ class Scenario(StrictModel):
         deployment = {**RIG_DEPLOYMENT, **data["deployment"]}
         pp = deployment.get("pipeline_parallel_size")
         if isinstance(pp, int) and pp > 0 and pp != 2 and "layer_partition" not in deployment:
-            deployment["layer_partition"] = even_partition(_model_layers(data.get("model")), pp)
+            deployment["layer_partition"] = list(even_partition(_model_layers(data.get("model")), pp))
         return {**data, "deployment": deployment}
 
     @model_validator(mode="after")
@@ -324,14 +324,6 @@ class Scenario(StrictModel):
         check_rig_names(config, source)
         check_parallelism(config, source)
         return config
-
-
-def even_partition(num_layers: int, pp: int) -> list[int]:
-    """vLLM's default split (``get_pp_indices``): even, one more layer on
-    each of the ``remainder`` stages before the last (the last holds the
-    final norm)."""
-    base, extra = divmod(num_layers, pp)
-    return [base + (1 if pp - 1 - extra <= stage < pp - 1 else 0) for stage in range(pp)]
 
 
 def _model_layers(model: Any) -> int:

@@ -435,12 +435,18 @@ def expected_max_of_normals(n: int) -> float:
 
 
 def partition(c: StepTimeConfig, num_layers: int) -> tuple[int, ...]:
-    """Layers per stage: the configured partition, else vLLM's even split
-    (the first stages take the remainder)."""
+    """Layers per stage: the configured partition, else vLLM's split."""
     if c.layer_partition is not None:
         return c.layer_partition
-    pp = c.pipeline_parallel_size
-    return tuple(num_layers // pp + (1 if s < num_layers % pp else 0) for s in range(pp))
+    return even_partition(num_layers, c.pipeline_parallel_size)
+
+
+def even_partition(num_layers: int, pp: int) -> tuple[int, ...]:
+    """vLLM's default split (``get_pp_indices``): even, one more layer on
+    each of the ``remainder`` stages before the last (the last holds the
+    final norm)."""
+    base, extra = divmod(num_layers, pp)
+    return tuple(base + (1 if pp - 1 - extra <= stage < pp - 1 else 0) for stage in range(pp))
 
 
 def _stages(model: StepTimeModel, layers_per_stage: tuple[int, ...]) -> list[_Stage]:

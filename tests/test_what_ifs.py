@@ -12,7 +12,8 @@ import pytest
 
 from sim.analysis.published import load_figures, published_table
 from sim.cli import main
-from sim.scenario import even_partition, load_scenario
+from sim.scenario import load_scenario
+from sim.step_time import even_partition
 
 TINY = """name: tiny
 workload:
@@ -85,7 +86,7 @@ def test_the_keys_reach_the_model_and_the_clock(tiny: Path) -> None:
     [(48, 1, [48]), (48, 2, [24, 24]), (48, 5, [9, 10, 10, 10, 9]), (50, 4, [12, 13, 13, 12])],
 )
 def test_a_pp_degree_without_a_partition_gets_vllms_split(layers, pp, expected) -> None:
-    assert even_partition(layers, pp) == expected
+    assert list(even_partition(layers, pp)) == expected
 
 
 # ----------------------------------------------------------- bad input
