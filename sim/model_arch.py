@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from sim.config import StrictModel, read_yaml, validate
+from sim.config import ConfigError, StrictModel, read_yaml, validate
 from sim.paths import SCENARIOS_DIR
 
 DEFAULT_ARCHITECTURE = SCENARIOS_DIR / "models" / "flash-next-architecture.yaml"
@@ -209,3 +209,22 @@ def active_params_per_token(a: Architecture) -> int:
         if a.is_ple_layer(index):
             total += ple_params(a)["ple_module"]
     return total
+
+
+def check_tensor_parallel(a: Architecture, tp: int) -> None:
+    """vLLM's rule for a TP degree (``ColumnParallelLinear`` shards heads
+    whole; ``QKVParallelLinear`` replicates KV heads when there are fewer
+    than ranks): every sharded head count divides by ``tp``, and the QSA KV
+    heads either divide by ``tp`` or divide it. ``ConfigError`` naming the
+    heads otherwise."""
+    sharded = {
+        "QSA query heads": a.num_attention_heads,
+        "GDN key heads": a.linear_num_key_heads,
+        "GDN value heads": a.linear_num_value_heads,
+    }
+    for what, heads in sharded.items():
+        if heads % tp:
+            raise ConfigError(f"{tp} does not divide the model's {heads} {what} ({a.name})")
+    kv = a.num_key_value_heads
+    if (kv % tp) if kv >= tp else (tp % kv):
+        raise ConfigError(f"{tp} and the model's {kv} QSA KV heads: neither divides the other ({a.name})")

@@ -16,17 +16,39 @@ from sim.paths import SCENARIOS_DIR
 RIG_DIR = SCENARIOS_DIR / "rig"
 
 
+# How the sustained clock follows the power cap: dynamic power is C V^2 f
+# and, inside the DVFS range, the voltage rises in proportion to the clock,
+# so board power goes as f^3 and the clock a cap holds as the cube root of
+# the cap's share of the board power (docs/step-time-model.md, "Power cap").
+POWER_CLOCK_EXPONENT = 1 / 3
+
+
 class GPU(StrictModel):
     description: str = ""
     memory_bytes: int = Field(gt=0)
     memory_bandwidth_bytes_per_s: float = Field(gt=0)
     tensor_flops: float = Field(gt=0)  # dense, FP32 accumulate, at boost clock
-    power_cap_clock_fraction: float = Field(gt=0, le=1)
+    board_power_w: float = Field(gt=0)  # the power the boost clock is rated at
+    power_cap_range_w: tuple[float, float]  # what nvidia-smi -pl accepts
+    power_cap_w: float = Field(gt=0)  # this entry's cap (step_time.power_cap_w overrides)
     pcie_bandwidth_bytes_per_s: float = Field(gt=0)
 
-    @property
-    def sustained_flops(self) -> float:
-        return self.tensor_flops * self.power_cap_clock_fraction
+    def model_post_init(self, _: Any) -> None:
+        self.check_power_cap(self.power_cap_w, "power_cap_w")
+
+    def check_power_cap(self, cap_w: float, key: str) -> None:
+        low, high = self.power_cap_range_w
+        if not low <= cap_w <= high:
+            raise ConfigError(f"{key}: {cap_w:g} W is outside the GPU's power-limit range {low:g}-{high:g} W")
+
+    def clock_fraction(self, cap_w: float | None = None) -> float:
+        """The sustained clock over the boost clock under ``cap_w`` (None:
+        the entry's cap): ``min(1, (cap / board power)^(1/3))``."""
+        cap = self.power_cap_w if cap_w is None else cap_w
+        return min(1.0, (cap / self.board_power_w) ** POWER_CLOCK_EXPONENT)
+
+    def sustained_flops(self, cap_w: float | None = None) -> float:
+        return self.tensor_flops * self.clock_fraction(cap_w)
 
 
 class Quantization(StrictModel):
@@ -78,11 +100,14 @@ def _entry(file: str, key: str, name: str, cls: type[Any], rig_dir: Path) -> Any
 
 
 def check_rig_names(config: Any, source: str) -> None:
-    """The GPU and quantization a step-time config names exist (one line
-    naming the scenario and the key otherwise)."""
+    """The GPU and quantization a step-time config names exist and its
+    power cap is one the GPU takes (one line naming the scenario and the
+    key otherwise)."""
     try:
-        gpu(config.gpu)
+        card = gpu(config.gpu)
         quantization(config.quantization)
+        if config.power_cap_w is not None:
+            card.check_power_cap(config.power_cap_w, "step_time.power_cap_w")
     except ConfigError as error:
         raise ConfigError(f"{source}: {error}") from None
 

@@ -33,7 +33,7 @@ from sim.config import (
 from sim.fork_patches import ForkPatches
 from sim.paths import DEFAULT_MODEL, SCENARIOS_DIR
 from sim.rig import check_rig_names
-from sim.step_time import StepTimeConfig
+from sim.step_time import StepTimeConfig, even_partition
 from sim.workloads import WorkloadConfig
 
 # The side-cache layout switch (the fork's VLLM_E2_SIDE_CACHE_LAYOUT): "off"
@@ -76,10 +76,23 @@ class EngineSection(StrictModel):
 RIG_ACCEPTANCE_PROFILE = "thinking-on-4k"
 
 
-def _profile_rates(name: str) -> tuple[float, ...]:
+# Drafts per step a scenario may ask for (vLLM accepts any; past a few the
+# draft passes cost more than they accept).
+MAX_SPECULATIVE_TOKENS = 16
+
+
+def _profile_rates(name: str, num_speculative_tokens: Any = None) -> tuple[float, ...]:
+    """The profile's per-position rates for ``num_speculative_tokens``
+    drafts (None: the profile's K). A profile gives one conditional rate,
+    P(draft i accepted | the drafts before it accepted), the same at every
+    position, so K=2 drafts the profile's first two positions; K=0 keeps
+    the rates (nothing reads them)."""
     from sim.rig import acceptance_profile
 
-    return acceptance_profile(name).acceptance_rates()
+    rates = acceptance_profile(name).acceptance_rates()
+    if not isinstance(num_speculative_tokens, int) or num_speculative_tokens <= 0:
+        return rates
+    return (rates[0],) * num_speculative_tokens
 
 
 class MTPSection(StrictModel):
@@ -92,6 +105,10 @@ class MTPSection(StrictModel):
         default_factory=lambda: _profile_rates(RIG_ACCEPTANCE_PROFILE)
     )
     acceptance_profile: str | None = RIG_ACCEPTANCE_PROFILE
+    # The drafts per step (vLLM's speculative_config num_speculative_tokens):
+    # None keeps the model file's K; 0 serves without MTP (the command
+    # without --speculative-config: no drafter, no draft KV).
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
 
     @model_validator(mode="before")
     @classmethod
@@ -100,10 +117,14 @@ class MTPSection(StrictModel):
             return data
         if "acceptance_profile" not in data:
             # Rates alone are the user's, not the default profile's.
-            return {**data, "acceptance_profile": None} if "acceptance_rates" in data else data
+            if "acceptance_rates" in data:
+                return {**data, "acceptance_profile": None}
+            if data.get("num_speculative_tokens") is None:
+                return data
+            data = {**data, "acceptance_profile": RIG_ACCEPTANCE_PROFILE}
         if data["acceptance_profile"] is None:
             return data
-        rates = _profile_rates(str(data["acceptance_profile"]))
+        rates = _profile_rates(str(data["acceptance_profile"]), data.get("num_speculative_tokens"))
         # A results record (scenario.json) carries both, the rates those of the profile.
         if "acceptance_rates" in data and tuple(data["acceptance_rates"] or ()) != rates:
             raise ValueError("give acceptance_rates or acceptance_profile, not both")
@@ -225,10 +246,17 @@ class Scenario(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _rig_deployment(cls, data: Any) -> Any:
-        """A deployment section given as keys starts from the rig's flags."""
-        if isinstance(data, dict) and isinstance(data.get("deployment"), dict):
-            return {**data, "deployment": {**RIG_DEPLOYMENT, **data["deployment"]}}
-        return data
+        """A deployment section given as keys starts from the rig's flags;
+        a pipeline degree other than the rig's, without a partition, gets
+        vLLM's even split of the model's layers (the rig's 25/23 is its
+        VLLM_PP_LAYER_PARTITION)."""
+        if not (isinstance(data, dict) and isinstance(data.get("deployment"), dict)):
+            return data
+        deployment = {**RIG_DEPLOYMENT, **data["deployment"]}
+        pp = deployment.get("pipeline_parallel_size")
+        if isinstance(pp, int) and pp > 0 and pp != 2 and "layer_partition" not in deployment:
+            deployment["layer_partition"] = list(even_partition(_model_layers(data.get("model")), pp))
+        return {**data, "deployment": deployment}
 
     @model_validator(mode="after")
     def _engine_mode_runs_here(self) -> Scenario:
@@ -259,7 +287,17 @@ class Scenario(StrictModel):
         return self.scheduler.max_concurrent_batches
 
     def load_model(self) -> ModelConfig:
-        return load_model(Path(self.model))
+        """The model file, with ``mtp.num_speculative_tokens`` when the
+        scenario sets it (K=0: no MTP layer is built, as vLLM without a
+        speculative config)."""
+        model = load_model(Path(self.model))
+        k = self.mtp.num_speculative_tokens
+        if k is None or not model.mtp.num_layers:
+            return model
+        mtp = model.mtp.model_copy(
+            update={"num_speculative_tokens": k, "num_layers": model.mtp.num_layers if k else 0}
+        )
+        return model.model_copy(update={"mtp": mtp})
 
     def check_against_model(self, model: ModelConfig, source: str) -> None:
         """The MTP rates must give one rate per draft position of the model."""
@@ -274,16 +312,40 @@ class Scenario(StrictModel):
     def step_time_config(self, source: str = "scenario") -> StepTimeConfig:
         """The step-time coefficients: the rig's defaults, the deployment's
         parallelism, then the scenario's ``step_time:`` overrides."""
+        model = self.load_model()
         values = {
             "tensor_parallel_size": self.deployment.tensor_parallel_size,
             "pipeline_parallel_size": self.deployment.pipeline_parallel_size,
             "layer_partition": self.deployment.layer_partition,
-            "num_speculative_tokens": self.load_model().mtp.num_speculative_tokens,
+            "num_speculative_tokens": model.mtp.num_speculative_tokens,
+            # RecoverSSM replays only under MTP (model_specs.uses_recoverssm).
+            "recover_ssm_replay": self.deployment.use_replayssm and model.mtp.num_speculative_tokens > 0,
             **self.step_time,
         }
         config = validate(StepTimeConfig, values, f"{source}: step_time")
         check_rig_names(config, source)
+        check_parallelism(config, source)
         return config
+
+
+def _model_layers(model: Any) -> int:
+    """The decoder layers of the scenario's model file (the default model
+    when it names none or cannot be read: validation reports it later)."""
+    try:
+        return load_model(Path(model) if isinstance(model, str) else DEFAULT_MODEL).num_layers
+    except ConfigError:
+        return load_model(DEFAULT_MODEL).num_layers
+
+
+def check_parallelism(config: StepTimeConfig, source: str) -> None:
+    """The TP degree divides the heads the model shards (one line naming
+    the key otherwise)."""
+    from sim.model_arch import check_tensor_parallel, load_architecture
+
+    try:
+        check_tensor_parallel(load_architecture(config.architecture_path), config.tensor_parallel_size)
+    except ConfigError as error:
+        raise ConfigError(f"{source}: deployment.tensor_parallel_size {error}") from None
 
 
 def resolve_scenario_path(name_or_path: str) -> Path:

@@ -13,14 +13,16 @@ of a stage work in parallel):
 
     stage_s = max(bytes / (bandwidth x memory_efficiency),
                   flops / (tensor_flops x clock fraction x compute_efficiency))
-              + layers x (kernel overhead + 2 TP all-reduces)
+              + layers x (kernel overhead + 2 TP all-reduces, by degree and size)
+              + RecoverSSM's replay kernels on a decode's GDN layers
               + the first stage's host gathers (token embedding, PLE rows)
               + the last stage's sampling, MTP draft passes and step overhead
 
 ``bytes``: the stage's dense weights, the distinct routed experts the
-micro-batch's tokens touch (expert parallel: each rank holds 1/tp of them),
-the QSA KV a decode reads (the indexer's compressed keys of the whole
-context, the top-k selected entries), the GDN states read and written.
+micro-batch's tokens touch (expert parallel: as many as the busiest rank
+holds), the QSA KV a decode reads (the indexer's compressed keys of the
+whole context, the top-k selected entries), the GDN states read and
+written (under RecoverSSM, once per decode token).
 ``flops``: two per active parameter per token, the QSA indexer over the
 compressed keys and attention over the top-k selected keys, the GDN
 recurrence. ``step_time_s`` is what a synchronous engine waits for: the
@@ -29,8 +31,12 @@ step's micro-batches pushed through the stages (``pipeline_s``).
 
 from __future__ import annotations
 
+import functools
+import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -53,10 +59,29 @@ class StepTimeConfig(StrictModel):
     gpu: str = "rtx3090-220w"  # scenarios/rig/gpus.yaml
     quantization: str = "w4a16-merlin"  # scenarios/rig/quantizations.yaml
     architecture: str | None = None  # an architecture file; None: the shipped Flash-Next
-    memory_efficiency: float = Field(0.76, gt=0, le=1)
+    memory_efficiency: float = Field(0.78, gt=0, le=1)
     compute_efficiency: float = Field(0.74, gt=0, le=1)
+    # The GPU's power cap in W; None: the GPU entry's (rtx3090-220w: 220).
+    power_cap_w: float | None = Field(None, gt=0)
     p2p_bandwidth_bytes_per_s: float = Field(20.0e9, gt=0)
+    # Two PCIe ranks: vLLM's custom all-reduce over P2P, for messages
+    # under its 8 MiB buffer. Otherwise (more ranks on PCIe only, or larger
+    # messages) NCCL's ring with the rig's NCCL_PROTO=LL.
     allreduce_latency_s: float = Field(18e-6, ge=0)
+    custom_allreduce_max_bytes: float = Field(8 * 1024 * 1024, ge=0)
+    nccl_base_latency_s: float = Field(40.2e-6, ge=0)
+    nccl_hop_latency_s: float = Field(1.0e-6, ge=0)
+    nccl_ll_efficiency: float = Field(0.5, gt=0, le=1)
+    # NCCL_PROTO: the rig forces LL; "auto" (NCCL's default, the v1 TP4
+    # lane) takes the faster of LL and Simple (full lines, a longer base
+    # and hop latency: NCCL's tuning model, ring on PCI).
+    nccl_protocol: Literal["LL", "auto"] = "LL"
+    nccl_simple_extra_base_latency_s: float = Field(1.8e-6, ge=0)
+    nccl_simple_extra_hop_latency_s: float = Field(4.7e-6, ge=0)
+    # RecoverSSM (deployment.use_replayssm with MTP): the verify steps each
+    # decode's GDN state through its tokens one at a time and replays it.
+    recover_ssm_replay: bool = False
+    replay_kernel_overhead_per_layer_s: float = Field(5e-6, ge=0)
     pp_send_latency_s: float = Field(30e-6, ge=0)
     host_read_efficiency: float = Field(0.3, gt=0, le=1)
     host_gather_latency_s: float = Field(30e-6, ge=0)
@@ -71,6 +96,10 @@ class StepTimeConfig(StrictModel):
     # A linear clock instead of the roofline (tests, what-ifs): a step is
     # step_overhead_s + tokens x seconds_per_token, spread over the stages.
     seconds_per_token: float | None = Field(None, ge=0)
+
+    @property
+    def architecture_path(self) -> Path:
+        return Path(self.architecture) if self.architecture else model_arch.DEFAULT_ARCHITECTURE
 
     @model_validator(mode="after")
     def _partition_matches_pp(self) -> StepTimeConfig:
@@ -92,6 +121,7 @@ class _Batch:
     decode_topk: float  # selected KV entries the decode requests read
     query_index_keys: float  # sum over query tokens of the keys each one's indexer scores
     query_topk: float  # sum over query tokens of the keys each attends to
+    replay_tokens: float = 0.0  # decode tokens past each request's first (RecoverSSM steps through them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,15 +155,15 @@ class StepTimeModel:
 
     def __init__(self, config: StepTimeConfig) -> None:
         self.config = c = config
-        path = Path(c.architecture) if c.architecture else model_arch.DEFAULT_ARCHITECTURE
-        self.arch = a = model_arch.load_architecture(path)
+        self.arch = a = model_arch.load_architecture(c.architecture_path)
         self.gpu: GPU = gpu(c.gpu)
         self.quant: Quantization = quantization(c.quantization)
         self._bandwidth = self.gpu.memory_bandwidth_bytes_per_s * c.memory_efficiency
-        self._flops = self.gpu.sustained_flops * c.compute_efficiency
+        self._flops = self.gpu.sustained_flops(c.power_cap_w) * c.compute_efficiency
         tp = c.tensor_parallel_size
         self._expert_params = model_arch.layer_params(a, 0)["routed_experts"]
-        self._expert_bytes = self._bytes("routed_experts", self._expert_params) / tp
+        self._expert_bytes = self._bytes("routed_experts", self._expert_params)
+        self._max_of_ranks = expected_max_of_normals(tp)
         self._stages = _stages(self, partition(c, a.num_hidden_layers))
         mtp = model_arch.mtp_layer_params(a)
         self._mtp_bytes = self._dense_bytes(mtp)
@@ -210,7 +240,7 @@ class StepTimeModel:
         batch = _batch(scheduled, self.arch)
         costs = _BatchCosts(
             batch,
-            experts_bytes=self._distinct_experts(batch.tokens) * self._expert_bytes,
+            experts_bytes=self._busiest_rank_experts(batch.tokens) * self._expert_bytes,
             kv_bytes=self._kv_bytes(batch),
             attention_flops=self._attention_flops(batch),
             layer_fixed_s=self._layer_fixed_s(batch.tokens),
@@ -240,16 +270,40 @@ class StepTimeModel:
         a = self.arch
         return a.num_experts * (1 - (1 - a.num_experts_per_tok / a.num_experts) ** tokens)
 
+    def _busiest_rank_experts(self, tokens: float) -> float:
+        """The distinct experts the busiest rank reads per layer: expert
+        parallel deals the 512 experts over the tp ranks, so a batch's
+        ``D`` distinct experts land ``D/tp`` on a rank on average, spread
+        as a hypergeometric draw (variance ``D p (1-p) (N-D)/(N-1)``,
+        ``p = 1/tp``), and the step waits for the rank that drew the most:
+        the mean plus the expected maximum of tp normal deviates."""
+        a, tp = self.arch, self.config.tensor_parallel_size
+        distinct = self._distinct_experts(tokens)
+        if tp == 1:
+            return distinct
+        share = 1 / tp
+        variance = distinct * share * (1 - share) * (a.num_experts - distinct) / (a.num_experts - 1)
+        return distinct * share + math.sqrt(max(variance, 0.0)) * self._max_of_ranks
+
     def _roofline_s(self, bytes_read: float, flops: float) -> float:
         return max(bytes_read / self._bandwidth, flops / self._flops)
 
     def _layers_s(self, st: _Stage, costs: _BatchCosts) -> float:
         b = costs.batch
         bytes_read = st.dense_bytes + st.num_layers * costs.experts_bytes + st.num_qsa * costs.kv_bytes
-        bytes_read += st.num_gdn * b.requests * 2 * self._gdn_state_bytes_per_request
+        state_round_trips = b.requests + (b.replay_tokens if self.config.recover_ssm_replay else 0.0)
+        bytes_read += st.num_gdn * state_round_trips * 2 * self._gdn_state_bytes_per_request
         flops = 2 * b.tokens * st.token_params + st.num_qsa * costs.attention_flops
         flops += st.num_gdn * b.tokens * self._gdn_flops_per_token_rank
-        return self._roofline_s(bytes_read, flops)
+        return self._roofline_s(bytes_read, flops) + self._replay_launch_s(st, b)
+
+    def _replay_launch_s(self, st: _Stage, b: _Batch) -> float:
+        """RecoverSSM's verify kernels on every GDN layer of a step that
+        decodes (the state is replayed, then written back)."""
+        c = self.config
+        if not (c.recover_ssm_replay and b.replay_tokens):
+            return 0.0
+        return st.num_gdn * c.replay_kernel_overhead_per_layer_s
 
     def _kv_bytes(self, b: _Batch) -> float:
         """One QSA layer, one rank: compressed keys (BF16, one head, on every
@@ -287,25 +341,45 @@ class StepTimeModel:
 
     def _layer_fixed_s(self, tokens: float) -> float:
         """Per layer: kernel gaps and two TP all-reduces (attention and MoE
-        outputs, BF16 hidden) over PCIe P2P, a ring of tp ranks."""
-        c = self.config
-        if c.tensor_parallel_size == 1:
-            return c.kernel_overhead_per_layer_s
-        ring = 2 * (c.tensor_parallel_size - 1) / c.tensor_parallel_size
-        message = tokens * self.arch.hidden_size * 2
-        return c.kernel_overhead_per_layer_s + 2 * (
-            c.allreduce_latency_s + ring * message / c.p2p_bandwidth_bytes_per_s
+        outputs, BF16 hidden)."""
+        return self.config.kernel_overhead_per_layer_s + 2 * self.allreduce_s(
+            tokens * self.arch.hidden_size * 2
         )
+
+    def allreduce_s(self, message_bytes: float) -> float:
+        """One all-reduce of ``message_bytes`` over the stage's ``n`` TP
+        ranks on PCIe P2P: each rank moves ``2 (n-1)/n`` of the message.
+        Two ranks and a message under its buffer: vLLM's custom all-reduce
+        (one latency). Otherwise NCCL's ring: a base latency and one hop
+        latency per ring step (``2 (n-1)`` steps), LL protocol lines
+        carrying half data."""
+        c, n = self.config, self.config.tensor_parallel_size
+        if n == 1:
+            return 0.0
+        moved = 2 * (n - 1) / n * message_bytes
+        if n == 2 and message_bytes < c.custom_allreduce_max_bytes:
+            return c.allreduce_latency_s + moved / c.p2p_bandwidth_bytes_per_s
+        steps = 2 * (n - 1)
+        latency = c.nccl_base_latency_s + steps * c.nccl_hop_latency_s
+        ll = latency + moved / (c.p2p_bandwidth_bytes_per_s * c.nccl_ll_efficiency)
+        if c.nccl_protocol == "LL":
+            return ll
+        simple_latency = (
+            latency + c.nccl_simple_extra_base_latency_s + steps * c.nccl_simple_extra_hop_latency_s
+        )
+        return min(ll, simple_latency + moved / c.p2p_bandwidth_bytes_per_s)
 
     def _host_gather_s(self, b: _Batch) -> float:
         """Token-embedding rows (BF16, the rank's shard) and the PLE n-gram
         rows (one per head) pulled from host memory over PCIe."""
         a, c = self.arch, self.config
         row = a.ple_embed_dim // a.ngram_heads
-        bytes_read = (
-            b.tokens * a.hidden_size * self.quant.bytes_per_param("embed_tokens") / c.tensor_parallel_size
-        )
-        if a.ple_layer_ids:
+        bytes_read = 0.0
+        if "embed_tokens" in self.quant.host:  # else a device gather of a few rows: negligible
+            bytes_read += (
+                b.tokens * a.hidden_size * self.quant.bytes_per_param("embed_tokens") / c.tensor_parallel_size
+            )
+        if a.ple_layer_ids and "ple_table" in self.quant.host:
             bytes_read += b.tokens * a.ngram_heads * row * self.quant.bytes_per_param("ple_table")
         bandwidth = self.gpu.pcie_bandwidth_bytes_per_s * c.host_read_efficiency
         return c.host_gather_latency_s + bytes_read / bandwidth
@@ -324,7 +398,7 @@ class StepTimeModel:
             later = self._draft_pass_s(
                 b.requests,
                 costs,
-                self._distinct_experts(b.requests) * self._expert_bytes,
+                self._busiest_rank_experts(b.requests) * self._expert_bytes,
                 self._layer_fixed_s(b.requests),
             )
             for _ in range(k - 1):
@@ -346,13 +420,33 @@ class StepTimeModel:
         return layer + self._head_s(costs.batch.requests) + self.config.sampling_s
 
 
+@functools.cache
+def expected_max_of_normals(n: int) -> float:
+    """E[max of n independent standard normal deviates]: the integral of
+    ``x n phi(x) Phi(x)^(n-1)`` (0.5642 for two, 1.0294 for four)."""
+    if n <= 1:
+        return 0.0
+    normal = statistics.NormalDist()
+    step, total = 0.002, 0.0
+    for i in range(-5000, 5001):
+        x = i * step
+        total += x * n * normal.pdf(x) * normal.cdf(x) ** (n - 1) * step
+    return total
+
+
 def partition(c: StepTimeConfig, num_layers: int) -> tuple[int, ...]:
-    """Layers per stage: the configured partition, else vLLM's even split
-    (the first stages take the remainder)."""
+    """Layers per stage: the configured partition, else vLLM's split."""
     if c.layer_partition is not None:
         return c.layer_partition
-    pp = c.pipeline_parallel_size
-    return tuple(num_layers // pp + (1 if s < num_layers % pp else 0) for s in range(pp))
+    return even_partition(num_layers, c.pipeline_parallel_size)
+
+
+def even_partition(num_layers: int, pp: int) -> tuple[int, ...]:
+    """vLLM's default split (``get_pp_indices``): even, one more layer on
+    each of the ``remainder`` stages before the last (the last holds the
+    final norm)."""
+    base, extra = divmod(num_layers, pp)
+    return tuple(base + (1 if pp - 1 - extra <= stage < pp - 1 else 0) for stage in range(pp))
 
 
 def _stages(model: StepTimeModel, layers_per_stage: tuple[int, ...]) -> list[_Stage]:
@@ -388,7 +482,7 @@ def _stages(model: StepTimeModel, layers_per_stage: tuple[int, ...]) -> list[_St
 
 
 def _batch(scheduled: tuple[ScheduledRequest, ...], a: model_arch.Architecture) -> _Batch:
-    tokens = rows = decode_keys = decode_topk = query_keys = query_topk = 0.0
+    tokens = rows = decode_keys = decode_topk = query_keys = query_topk = replay = 0.0
     ratio, budget = a.indexer_compress_ratio, a.indexer_budget
     # Unpacked, not read by name, and ``min`` written out (``budget if budget
     # < x else x`` is ``min(x, budget)``): it runs for every request of every step.
@@ -400,6 +494,7 @@ def _batch(scheduled: tuple[ScheduledRequest, ...], a: model_arch.Architecture) 
         query_topk += n * (budget if budget < keys else keys)
         if prompt_tokens_left == 0:  # a decode (``ScheduledRequest.is_decode``)
             rows += n
+            replay += n - 1
             decode_keys += (context + n) / ratio  # read once for the request's tokens
             seen = context + n
             decode_topk += budget if budget < seen else seen
@@ -414,6 +509,7 @@ def _batch(scheduled: tuple[ScheduledRequest, ...], a: model_arch.Architecture) 
         decode_topk=decode_topk,
         query_index_keys=query_keys,
         query_topk=query_topk,
+        replay_tokens=replay,
     )
 
 

@@ -104,7 +104,9 @@ def test_coefficients_that_act_alike_are_reported(tmp_path):
     effects = c.screen(error, [c.log_bounds(name, start[name]) for name in names])
     pairs = c.alike_pairs(effects)
     assert [(a, b) for a, b, _ in pairs] == [("kernel_overhead_per_layer_s", "allreduce_latency_s")]
-    assert pairs[0][2] == pytest.approx(1.0)
+    # Nearly parallel, not exactly: chunks of 8 MiB and more go to NCCL's
+    # ring, which the custom all-reduce's latency does not price.
+    assert pairs[0][2] == pytest.approx(1.0, abs=2e-3)
 
 
 def test_residuals_are_relative_and_count_unfinished_requests():

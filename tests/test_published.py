@@ -52,3 +52,24 @@ def test_the_command_prints_and_checks_the_error(capsys):
 def test_an_unknown_figure_is_one_line(capsys):
     assert main(["published", "--only", "nope"]) == 2
     assert "--only: no figure nope" in capsys.readouterr().err
+
+
+def test_aggregates_on_the_rigs_loop():
+    """N=8 streams (1K prompt, 512 tokens, ignore_eos) at the aggregate
+    bench's logged acceptance (2.40): 530.3 / 533.7 tok/s on the v2.2.0 /
+    v2.5.1 cards, within the bound on the rig's engine loop, where pp + 1
+    steps in flight fill both stages. Control: the synchronous engine, one
+    step through both stages at a time, misses by about a fifth."""
+    figures = {f.id: f for f in load_figures()}
+    table = published_table([figures["v220-n8"], figures["v251-n8"]])
+    assert (table["error_pct"].abs() <= BOUND_PCT).all(), table.to_dict("records")
+    sync_error = 100 * (table["sync_engine"] / table["rig"] - 1)
+    assert (sync_error < -15).all()
+
+
+def test_a_miss_is_judged_against_the_cards_spread():
+    from sim.analysis.published import verdict
+
+    assert verdict(-9.9, None) == "ok"
+    assert verdict(12.0, 15.0) == "in spread"  # the card's own boots differ more
+    assert verdict(12.0, 1.0) == "miss" and verdict(12.0, None) == "miss"

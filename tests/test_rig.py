@@ -32,7 +32,9 @@ def test_a_scenario_takes_a_profile_or_rates_not_both(tmp_path):
 
 def test_the_rig_entries():
     gpu = rig.gpu("rtx3090-220w")
-    assert gpu.sustained_flops == pytest.approx(35.6e12 * 0.85)
+    # The 220 W cap holds (220 / 350)^(1/3) = 0.8566 of the boost clock.
+    assert gpu.sustained_flops() == pytest.approx(35.6e12 * 0.85661, rel=1e-5)
+    assert gpu.sustained_flops(350) == 35.6e12 and gpu.sustained_flops(400) == 35.6e12
     quant = rig.quantization("w4a16-merlin")
     assert quant.bytes_per_param("routed_experts") == pytest.approx(0.515625)
     assert quant.bytes_per_param("gdn_projections") == 1.0 and quant.bytes_per_param("attention") == 2.0

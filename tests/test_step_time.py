@@ -5,12 +5,14 @@ are in tests/test_published.py."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from helpers.scenarios import scenario
 
 from sim.config import ConfigError
 from sim.sched.output import ScheduledRequest, SchedulerOutput
-from sim.step_time import StepTimeConfig, StepTimeModel, split
+from sim.step_time import StepTimeConfig, StepTimeModel, expected_max_of_normals, split
 
 
 def _model(**changes) -> StepTimeModel:
@@ -67,8 +69,25 @@ def test_distinct_experts_touched():
     model = _model()
     assert model._distinct_experts(1) == pytest.approx(10)
     assert model._distinct_experts(1024) == pytest.approx(512 * (1 - (502 / 512) ** 1024))
-    # One expert on one rank (EP halves them): 4,915,200 x 4.125 bits / 8 / 2.
-    assert model._expert_bytes == pytest.approx(4_915_200 * 4.125 / 8 / 2)
+    # One expert: 4,915,200 x 4.125 bits / 8.
+    assert model._expert_bytes == pytest.approx(4_915_200 * 4.125 / 8)
+
+
+def test_the_busiest_rank_sets_the_expert_reads():
+    """Expert parallel over two ranks: one token's 10 experts land 5 per
+    rank on average, hypergeometric variance 10 x 1/2 x 1/2 x 502/511, and
+    the busier of two ranks is E[max of 2 normals] = 1/sqrt(pi) deviations
+    above the mean. A 1,024-token chunk touches (nearly) all 512: 256 a
+    rank, no spread. Control: a mean-only model (5) is what the step would
+    take if the ranks never waited for each other."""
+    model = _model()
+    busiest = 5 + math.sqrt(10 * 0.25 * 502 / 511) / math.sqrt(math.pi)
+    assert model._busiest_rank_experts(1) == pytest.approx(busiest)
+    assert model._busiest_rank_experts(1) > 5.8
+    assert model._busiest_rank_experts(1024) == pytest.approx(256, abs=1e-3)
+    assert expected_max_of_normals(4) == pytest.approx(
+        1.029375, abs=1e-5
+    )  # tables of normal order statistics
 
 
 def test_qsa_reads_compressed_keys_and_the_top_k():

@@ -2,12 +2,13 @@
 simulations: one cold request on the rig's serving settings per prompt
 shape, and kvsim's figure beside the rig's. No twin in vLLM.
 
-Prefill figures are given twice: as the synchronous engine times them (one
-chunk after the other through both stages) and as the rig's engine loop
-runs them (``engine.mode: async``: the batch queue on the two-stage
-pipeline clock, consecutive chunks of one prompt overlapping across the
-stages). A decode step of one request cannot overlap its successor, so
-decode figures are the same both ways and come from the synchronous run.
+Prefill and aggregate figures are given twice: as the synchronous engine
+times them (one step after the other through both stages) and as the rig's
+engine loop runs them (``engine.mode: async``: the batch queue on the
+two-stage pipeline clock, consecutive chunks of one prompt, or the
+micro-batches of many streams, overlapping across the stages). A decode
+step of one request cannot overlap its successor, so single-stream decode
+figures are the same both ways and come from the synchronous run.
 """
 
 from __future__ import annotations
@@ -25,18 +26,30 @@ from sim.config import ConfigError, StrictModel, read_yaml, validate
 from sim.engine import Recording, Simulation
 from sim.paths import DEFAULT_MODEL, SCENARIOS_DIR
 from sim.pipeline_clock import SerialClock
+from sim.rig import AcceptanceProfile
 from sim.scenario import Scenario
 from sim.sched.output import SchedulerOutput
 from sim.step_time import StepTimeModel
 
 PUBLISHED = SCENARIOS_DIR / "rig" / "published.yaml"
-Metric = Literal["decode_interval_ms", "tokens_per_step", "decode_tok_s", "ttft_s", "prefill_tok_s"]
+Metric = Literal[
+    "decode_interval_ms",
+    "tokens_per_step",
+    "decode_tok_s",
+    "ttft_s",
+    "prefill_tok_s",
+    "aggregate_tok_s",
+    "pool_tokens",
+]
 # The fork's serving settings (benchmarks/2026-09-17/BENCH-CARD.md, fingerprint).
 RIG_SCHEDULER = {"max_num_batched_tokens": 1024}
 # The card's deployment (2026-09-17, v2): the planner's computed block
 # (pool 806,792), hits on the block, no RecoverSSM; not the scenario
-# defaults (v2.5.1's block flags).
+# defaults (v2.5.1's block flags). A figure's ``settings`` change it.
 RIG_DEPLOYMENT = {"max_num_seqs": 8, "block_size": None, "prefix_match_unit": None, "use_replayssm": False}
+# The aggregate bench (2026-09-05 card, protocol): a 1K prompt, 512 tokens
+# with ignore_eos, every stream arriving together.
+AGGREGATE_PROMPT_TOKENS = 1024
 
 
 class Figure(StrictModel):
@@ -45,17 +58,42 @@ class Figure(StrictModel):
     rig: float = Field(gt=0)
     prompt_tokens: int = Field(gt=0)
     output_tokens: int = Field(gt=1)
-    acceptance: str
+    # An acceptance profile by name, or the tokens per step the card
+    # measured in the figure's cell (MTP K=3), turned into rates the same way.
+    acceptance: str | float
     layout: Literal["off", "on"]
     card: str
     date: str
     release: str
     note: bool = False  # in the shared note (held to the bound in CI)
     fitted: str | None = None
+    # Scenario keys the figure's deployment differs by (dotted, as --set).
+    settings: dict[str, Any] = {}
+    concurrency: int = Field(1, gt=0)  # streams at once (aggregate figures)
+    # The card's run-to-run range of the figure [min, max] (over boots, or
+    # sends where that is all it gives); None: one boot, no range printed.
+    spread: tuple[float, float] | None = None
+    # A lever: ``rig`` is the metric with these settings over the metric
+    # without them (the card's arm over its control), and so is kvsim's.
+    lever: dict[str, Any] = {}
 
     @property
-    def shape(self) -> tuple[int, int, str, str]:
-        return (self.prompt_tokens, self.output_tokens, self.acceptance, self.layout)
+    def shape(self) -> tuple[Any, ...]:
+        return (
+            self.prompt_tokens,
+            self.output_tokens,
+            self.acceptance,
+            self.layout,
+            self.concurrency,
+            tuple(sorted((k, str(v)) for k, v in self.settings.items())),
+        )
+
+    @property
+    def spread_pct(self) -> float | None:
+        """Half the card's range over the figure, in %."""
+        if self.spread is None:
+            return None
+        return 100 * (self.spread[1] - self.spread[0]) / 2 / self.rig
 
 
 def load_figures(path: Path = PUBLISHED) -> list[Figure]:
@@ -64,35 +102,61 @@ def load_figures(path: Path = PUBLISHED) -> list[Figure]:
     if not isinstance(data, dict) or not isinstance(data.get("figures"), list):
         raise ConfigError(f"{path}: expected 'defaults' and a list of 'figures'")
     defaults = data.get("defaults") or {}
-    return [
+    figures = [
         validate(Figure, {**defaults, **entry}, f"{path}: figures[{index}]")
         for index, entry in enumerate(data["figures"])
     ]
+    return figures
 
 
 def rig_scenario(
     figure: Figure, step_time: dict[str, Any] | None = None, engine_mode: str = "sync"
 ) -> Scenario:
-    """One cold request of the figure's shape on the rig's settings."""
+    """One cold request of the figure's shape on the rig's settings (or
+    ``concurrency`` of them arriving together), with the figure's own."""
+    prompt = AGGREGATE_PROMPT_TOKENS if figure.metric == "aggregate_tok_s" else figure.prompt_tokens
     data = {
         "engine": {"mode": engine_mode},
         "name": f"published-{figure.id}",
         "model": str(DEFAULT_MODEL),
         "layouts": [figure.layout],
-        "deployment": RIG_DEPLOYMENT,
-        "scheduler": RIG_SCHEDULER,
-        "mtp": {"acceptance_profile": figure.acceptance},
-        "step_time": step_time or {},
+        "deployment": dict(RIG_DEPLOYMENT),
+        "scheduler": dict(RIG_SCHEDULER),
+        "mtp": _acceptance(figure),
+        "step_time": dict(step_time or {}),
         "workload": {
             "trace": "synthetic",
-            "num_requests": 1,
-            "arrival": {"process": "constant", "rate_per_s": 1.0},
-            "prompt": {"distribution": "fixed", "tokens": figure.prompt_tokens},
+            "num_requests": figure.concurrency,
+            # Streams of an aggregate arrive together (a microsecond apart).
+            "arrival": {"process": "constant", "rate_per_s": 1.0 if figure.concurrency == 1 else 1e6},
+            "prompt": {"distribution": "fixed", "tokens": prompt},
             "output": {"distribution": "fixed", "tokens": figure.output_tokens},
         },
         "simulation": {"sample_interval_s": None},
     }
+    for key, value in figure.settings.items():
+        _set_dotted(data, key, value)
     return validate(Scenario, data, f"published figure {figure.id}")
+
+
+def _acceptance(figure: Figure) -> dict[str, Any]:
+    """The scenario's mtp section: the profile, or the rates of the
+    measured tokens per step (one rate per draft of the figure's K)."""
+    if isinstance(figure.acceptance, str):
+        return {"acceptance_profile": figure.acceptance}
+    rate = AcceptanceProfile(tokens_per_step=figure.acceptance, num_speculative_tokens=3).acceptance_rates()[
+        0
+    ]
+    drafts = {**figure.settings}.get("mtp.num_speculative_tokens", 3)
+    return {"acceptance_rates": [rate] * max(drafts, 1)}
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """``data[a][b] = value`` for the key ``a.b`` (as ``--set`` does)."""
+    *path, last = key.split(".")
+    for part in path:
+        data = data.setdefault(part, {})
+    data[last] = value
 
 
 @dataclass
@@ -111,36 +175,58 @@ class _Recorder:
 
 def measure(figure: Figure, step_time: dict[str, Any] | None = None) -> dict[str, float]:
     """Every metric of the figure's shape: kvsim's as the synchronous engine
-    runs it, and ``pipelined_*`` for the prefill metrics as the rig's loop
-    (the async engine) runs them."""
+    runs it, and ``pipelined_*`` for the prefill and aggregate metrics as
+    the rig's loop (the async engine) runs them."""
     scenario = rig_scenario(figure, step_time)
     sim = Simulation(scenario, figure.layout, scenario_workload(scenario))
     recorder = _Recorder(sim.step_time)
     sim.clock = SerialClock(recorder.step_time_s)  # the synchronous engine's clock, timing through it
     recording = sim.run()
-    decode_s = [s for out, s in recorder.steps if not out.num_prefill_tokens]
+    n = figure.concurrency
+    decode_s = [s for out, s in recorder.steps if not out.num_prefill_tokens and len(out.scheduled) == n]
     if not decode_s:
-        raise ConfigError(f"{figure.id}: the request never decoded")
-    ttft_s = _ttft_s(recording)
-    pipelined_s = _async_ttft_s(figure, step_time)
-    tokens_per_step = (figure.output_tokens - 1) / len(decode_s)
+        raise ConfigError(f"{figure.id}: the requests never decoded together")
+    # Per stream: tokens after the first over the steps that decoded them.
+    tokens_per_step = (
+        n
+        * (figure.output_tokens - 1)
+        / sum(len(out.scheduled) for out, _ in recorder.steps if not out.num_prefill_tokens)
+    )
     interval_s = statistics.median(decode_s)
-    return {
+    values = {
         "decode_interval_ms": interval_s * 1e3,
         "tokens_per_step": tokens_per_step,
         "decode_tok_s": tokens_per_step / interval_s,
-        "ttft_s": ttft_s,
-        "prefill_tok_s": figure.prompt_tokens / ttft_s,
-        "pipelined_ttft_s": pipelined_s,
-        "pipelined_prefill_tok_s": figure.prompt_tokens / pipelined_s,
+        "aggregate_tok_s": n * tokens_per_step / interval_s,
+        "pool_tokens": float(sim.plan.kv_cache_tokens),
     }
+    pipelined = _async_run(figure, step_time)
+    if n == 1:
+        ttft_s, pipelined_s = _ttft_s(recording), _ttft_s(pipelined)
+        values |= {
+            "ttft_s": ttft_s,
+            "prefill_tok_s": figure.prompt_tokens / ttft_s,
+            "pipelined_ttft_s": pipelined_s,
+            "pipelined_prefill_tok_s": figure.prompt_tokens / pipelined_s,
+        }
+    values["pipelined_aggregate_tok_s"] = _aggregate_tok_s(pipelined, figure.output_tokens)
+    return values
 
 
-def _async_ttft_s(figure: Figure, step_time: dict[str, Any] | None) -> float:
-    """The time to first token of the figure's request on the rig's engine
-    loop (``engine.mode: async``)."""
+def _async_run(figure: Figure, step_time: dict[str, Any] | None) -> Recording:
+    """The figure's requests on the rig's engine loop (``engine.mode:
+    async``: the batch queue keeps pp + 1 steps in flight, so a batch of
+    streams fills both stages)."""
     scenario = rig_scenario(figure, step_time, engine_mode="async")
-    return _ttft_s(Simulation(scenario, figure.layout, scenario_workload(scenario)).run())
+    return Simulation(scenario, figure.layout, scenario_workload(scenario)).run()
+
+
+def _aggregate_tok_s(recording: Recording, output_tokens: int) -> float:
+    """Streams x tokens after the first over each stream's mean decode
+    span (first token to last): the rate while every stream decodes."""
+    requests = list(recording.requests.values())
+    spans = [float(r["finished_s"] - r["first_token_s"]) for r in requests]
+    return len(requests) * (output_tokens - 1) / statistics.fmean(spans)
 
 
 def _ttft_s(recording: Recording) -> float:
@@ -151,23 +237,35 @@ def _ttft_s(recording: Recording) -> float:
 
 def published_table(figures: list[Figure], step_time: dict[str, Any] | None = None) -> pd.DataFrame:
     """One row per figure: the rig's value, kvsim's (pipelined for prefill
-    metrics), the synchronous engine's, and the error of kvsim's in %."""
-    measured: dict[tuple[int, int, str, str], dict[str, float]] = {}
-    rows = []
-    for figure in figures:
+    metrics), the synchronous engine's, the error of kvsim's in %, and the
+    card's run-to-run spread in % (half its range) where it gives one. A
+    lever's row is its arm over its control, both run here."""
+    measured: dict[tuple[Any, ...], dict[str, float]] = {}
+
+    def value(figure: Figure) -> tuple[float, float]:
         if figure.shape not in measured:
             measured[figure.shape] = measure(figure, step_time)
         values = measured[figure.shape]
         engine = values[figure.metric]
-        kvsim = values.get(f"pipelined_{figure.metric}", engine)
+        return values.get(f"pipelined_{figure.metric}", engine), engine
+
+    rows = []
+    for figure in figures:
+        kvsim, engine = value(figure)
+        if figure.lever:
+            arm = figure.model_copy(update={"settings": {**figure.settings, **figure.lever}, "lever": {}})
+            arm_kvsim, arm_engine = value(arm)
+            kvsim, engine = arm_kvsim / kvsim, arm_engine / engine
         rows.append(
             {
                 "figure": figure.id,
-                "metric": figure.metric,
+                "metric": figure.metric + (" ratio" if figure.lever else ""),
                 "prompt_tokens": figure.prompt_tokens,
                 "rig": figure.rig,
                 "kvsim": kvsim,
                 "error_pct": 100 * (kvsim / figure.rig - 1),
+                "spread_pct": figure.spread_pct,
+                "verdict": verdict(100 * (kvsim / figure.rig - 1), figure.spread_pct),
                 "sync_engine": engine,
                 "fitted": figure.fitted or "",
                 "note": figure.note,
@@ -175,6 +273,14 @@ def published_table(figures: list[Figure], step_time: dict[str, Any] | None = No
             }
         )
     return pd.DataFrame(rows)
+
+
+def verdict(error_pct: float, spread_pct: float | None, bound_pct: float = 10.0) -> str:
+    """``ok`` within the bound; a miss inside the card's own run-to-run
+    spread is ``in spread``; else ``miss``."""
+    if abs(error_pct) <= bound_pct:
+        return "ok"
+    return "in spread" if spread_pct is not None and abs(error_pct) <= spread_pct else "miss"
 
 
 def published_figure(table: pd.DataFrame) -> Any:

@@ -42,8 +42,9 @@ def cmd_published(args: argparse.Namespace) -> int:
     table = published_table(figures)
     shown = table.drop(columns=["card", "note"])
     print(shown.to_string(index=False, float_format=lambda v: f"{v:,.3f}"))
-    print("kvsim: prefill figures on the rig's engine loop (engine.mode async, chunks overlapping);")
-    print("       sync_engine: as kvsim's synchronous engine runs them")
+    print("kvsim: prefill and aggregate figures on the rig's engine loop (engine.mode async, steps")
+    print("       overlapping across the stages); sync_engine: as kvsim's synchronous engine runs them;")
+    print("       spread_pct: half the card's run-to-run range (boots, sends or prompts), where it gives one")
     if args.plot:
         for path in write_figure(published_figure(table), Path(args.plot)):
             print(f"kvsim: wrote {path}")
