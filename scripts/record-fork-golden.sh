@@ -32,6 +32,13 @@ for layout in on off; do
   record prefix-hits scenarios/conformance/prefix-hits.yaml "$layout"
 done
 record fork-mooncake-8seqs scenarios/conformance/fork-mooncake.yaml on --set deployment.max_num_seqs=8
+# The rig's engine: the fork's batch queue (pp + 1 micro-batches, every
+# free fenced behind the steps in flight: 0018, 0023, 0096's deferred path).
+for layout in on off; do
+  record agent-sessions-150s-async scenarios/agent-sessions.yaml "$layout" --engine async \
+    --set workload.sessions.duration_s=150
+done
+record heavy-preemption-async scenarios/conformance/heavy-preemption.yaml on --engine async --set fork.base=fork
 # Prefix caching off: the fork retains no checkpoint (and reserves none).
 record heavy-preemption-nocache scenarios/conformance/heavy-preemption.yaml on \
   --set fork.base=fork --set allocator.enable_prefix_caching=false

@@ -161,11 +161,15 @@ class PinningKVCacheManager(KVCacheManager):
 
     # ------------------------------------------------------------------ frees
     def free(self, request: Request) -> None:
-        # The grace ref goes on before the table's refs go, so the hashed
-        # blocks never pass through the free queue; the free order is kept.
-        self.release_pinned_hit(request.request_id)
         if self._grace_eligible(request):
-            self._take_grace_pin(request)
+            # 0097: the fork frees a graced turn as the deferred path does, in
+            # one call over pop_blocks_for_free's list (its grace ref on
+            # first, so the hashed blocks never pass through the free queue),
+            # not group by group: one call puts the unhashed blocks at the
+            # queue's head in that list's order (kvsim conform --fork).
+            self.block_pool.free_blocks(reversed(self.pop_blocks_for_free(request)))
+            return
+        self.release_pinned_hit(request.request_id)
         super().free(request)
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:

@@ -203,3 +203,38 @@ def test_a_child_that_reports_an_error_is_one_line(tmp_path):
             fork_backend.ForkUnavailable, match="the fork's scheduler failed: init: ValueError: no"
         ):
             child.call("init", timeout_s=30)
+
+
+def _fake_vllm_wheel(folder: Path) -> Path:
+    """A 'vllm 0.30.0' wheel holding only the one file the diffs touch, so pip
+    installs it from a local folder (no index) as it would the real one."""
+    import zipfile
+
+    folder.mkdir()
+    wheel = folder / "vllm-0.30.0-py3-none-any.whl"
+    info = "vllm-0.30.0.dist-info"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(FILE, BASE)
+        archive.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: vllm\nVersion: 0.30.0\n")
+        archive.writestr(
+            f"{info}/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: kvsim-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
+        archive.writestr(f"{info}/RECORD", "")
+    return folder
+
+
+def test_a_diff_against_another_base_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    """Through the command and pip (offline, from a local wheel): the diff's
+    blob is not the base's file; nothing half-built is kept."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("KVSIM_FORK_CACHE", str(cache))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(_fake_vllm_wheel(tmp_path / "wheels")))
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    diff = tmp_path / "other.diff"
+    diff.write_text(_diff("1234567890", fork_venv.git_blob_id(PATCHED)[:10]))
+    assert main(["conform", SCENARIO, "--fork", str(diff)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "the diff's blob 1234567890 is not vLLM 0.30.0's file" in err and len(err.splitlines()) == 1
+    assert list(cache.iterdir()) == []

@@ -51,6 +51,9 @@ def test_the_golden_frames_are_there():
         for layout in ("on", "off"):
             assert f"{shape}-{layout}.jsonl.gz" in names
     assert {"fork-mooncake-8seqs-on.jsonl.gz", "heavy-preemption-nocache-on.jsonl.gz"} <= names
+    # The rig's engine: the fork's own batch queue over its AsyncScheduler.
+    assert {"agent-sessions-150s-async-on.jsonl.gz", "agent-sessions-150s-async-off.jsonl.gz"} <= names
+    assert "heavy-preemption-async-on.jsonl.gz" in names
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name.removesuffix(".jsonl.gz"))
@@ -89,9 +92,10 @@ def _first_step_where(golden: GoldenFrames, shows) -> int:
 # first step a grace or a waiter pin exists (nothing differs before it), or
 # (retention, whose admission reserve may part the schedules sooner) at
 # the latest the first step a checkpoint is retained. 0023 (deferred-free
-# eviction order) orders blocks freed behind a fence; stepped one call at a
-# time every request's fence passes with its own step, so no synchronous
-# recording reaches it (docs/conformance.md).
+# eviction order) orders blocks freed behind a fence: stepped one call at a
+# time every request's fence passes with its own step, so only the batch
+# queue's recording reaches it, at the latest where the fork's frames first
+# hold fenced blocks of a request.
 CONTROLS = {
     "grace_pins": ("fork-mooncake-on", lambda c: bool(c["graces"]), "exactly"),
     "waiter_pins": ("fork-mooncake-on", lambda c: bool(c["pinned_waiters"]), "exactly"),
@@ -101,12 +105,12 @@ CONTROLS = {
     # caps it at the 4,096-token threshold (one 3,200-token block).
     "threshold_caps_lone_request": ("long-chunked-on", None, "step 1"),
     "caches_at_allocation_only": ("heavy-preemption-on", None, None),
+    "deferred_free_eviction_order": ("heavy-preemption-async-on", None, None),
 }
-SYNC_UNREACHABLE = {"deferred_free_eviction_order"}
 
 
 def test_every_modelled_patch_has_a_control():
-    assert set(CONTROLS) | SYNC_UNREACHABLE == set(ForkPatches.names())
+    assert set(CONTROLS) == set(ForkPatches.names())
 
 
 @pytest.mark.parametrize("patch", sorted(CONTROLS))
@@ -171,3 +175,11 @@ def test_retention_without_prefix_caching_leaves_the_golden_frames(monkeypatch):
     assert first_difference(golden, kvsim_against_golden(golden)) is None
     monkeypatch.setattr(kv_cache_manager, "patches_with_caching", lambda fork, enable_caching: fork)
     assert first_difference(golden, kvsim_against_golden(golden)) is not None
+
+
+def test_the_coverage_table_in_the_docs_is_the_recordings():
+    from sim.conformance.golden import coverage_table
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "fork-patches.md").read_text()
+    block = doc.split("<!-- golden-coverage -->\n")[1].split("<!-- /golden-coverage -->")[0]
+    assert block.strip() == coverage_table(GOLDEN), "run scripts/fork_golden_table.py into docs/fork-patches.md"

@@ -641,7 +641,10 @@ def _tiny_scenario(tmp_path, unit: int | None, fork: dict):
             "num_requests": 12,
             "arrival": {"process": "constant", "rate_per_s": 20.0},
             "prompt": {"distribution": "fixed", "tokens": 150},
-            "output": {"distribution": "fixed", "tokens": 4},
+            # Long enough that later arrivals wait while the first decode
+            # (with 4 output tokens the rig's clock since issue 39 admits
+            # every arrival before the prefix is cached: no pin).
+            "output": {"distribution": "fixed", "tokens": 40},
             "shared_prefix_tokens": 96,
             "prefix_unit": 8,
         },

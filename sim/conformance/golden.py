@@ -114,3 +114,48 @@ def kvsim_against_golden(golden: GoldenFrames, overrides: tuple[str, ...] = ()) 
         workload.follow_ups_until_s,
         header["engine"],
     )
+
+
+COVERAGE_COLUMNS = (
+    "recording",
+    "engine",
+    "steps",
+    "admitted",
+    "preempted",
+    "resumed",
+    "finished",
+    "hit tokens",
+    "max graces",
+    "max waiter pins",
+    "max retained",
+    "max fenced blocks",
+)
+
+
+def coverage_row(name: str, golden: GoldenFrames) -> tuple[Any, ...]:
+    """What the fork's frames of one recording show at work (for the table
+    in ``docs/fork-patches.md``)."""
+    steps = golden.steps
+    fork = [dict(step["fork_state"]) for step in steps]
+    return (
+        name,
+        golden.header["engine"],
+        len(steps),
+        sum(len(s["admitted"]) for s in steps),
+        sum(len(s["preempted"]) for s in steps),
+        sum(len(s["resumed"]) for s in steps),
+        sum(len(s["finished"]) for s in steps),
+        sum(s["prefix_cache_hits_tokens"] for s in steps),
+        max(len(f["graces"]) for f in fork),
+        max(len(f["pinned_waiters"]) for f in fork),
+        max(max(f["retained"], default=0) for f in fork),
+        max(f["num_deferred_frees"] for f in fork),
+    )
+
+
+def coverage_table(folder: Path) -> str:
+    """One markdown row per recording in ``folder``."""
+    rows = [COVERAGE_COLUMNS, tuple("---" for _ in COVERAGE_COLUMNS)]
+    for path in sorted(folder.glob("*.jsonl.gz")):
+        rows.append(coverage_row(path.name.removesuffix(".jsonl.gz"), read_golden(path)))
+    return "\n".join("| " + " | ".join(f"{v:,}" if isinstance(v, int) else str(v) for v in row) + " |" for row in rows)
