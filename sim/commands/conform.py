@@ -181,7 +181,7 @@ def _conform_fork(scenario: Any, args: argparse.Namespace) -> int:
     if args.record is not None:
         from sim.conformance.golden import write_golden
 
-        write_golden(args.record, _golden_header(args, sections), fork)
+        write_golden(args.record, _golden_header(args, scenario, sections), fork)
         print(f"  golden frames of the fork's {len(fork.steps)} steps written to {args.record}")
     print(
         f"identical steps: {comparison.num_identical_steps} of {comparison.num_steps} "
@@ -206,24 +206,37 @@ def _on(flag: bool) -> str:
     return "on" if flag else "off"
 
 
-def _golden_header(args: argparse.Namespace, sections: list[Any]) -> dict[str, Any]:
-    scenario_file = Path(args.scenario).resolve()
-    try:
-        scenario_file = scenario_file.relative_to(PROJECT_ROOT)
-    except ValueError:
-        pass
+def _golden_header(args: argparse.Namespace, scenario: Any, sections: list[Any]) -> dict[str, Any]:
+    """The recording's provenance and the resolved scenario it ran (every
+    key, so a later edit of the scenario file or its defaults changes no
+    replay; paths inside the project kept relative to it)."""
+    from sim.scenario import scenario_to_dict
+
     overrides = list(args.set or ())
-    command = ["kvsim", "conform", str(scenario_file), "--fork", "FORK", "--layout", args.layout]
+    scenario_file = _project_relative(Path(args.scenario).resolve())
+    command = ["kvsim", "conform", scenario_file, "--fork", "FORK", "--layout", args.layout]
     command += ["--engine", args.engine] if args.engine else []
     command += [item for override in overrides for item in ("--set", override)]
+    record = scenario_to_dict(scenario)
+    record["model"], record["base_dir"] = _project_relative(Path(record["model"])), _project_relative(
+        Path(record["base_dir"])
+    )
     return {
-        "scenario_file": str(scenario_file),
+        "scenario_file": scenario_file,
         "overrides": overrides,
+        "scenario": record,
         "layout": args.layout,
         "engine": args.engine or "sync",
         "fork_files": {s.path: [s.old_blob, s.new_blob] for s in sections},
         "command": " ".join(shlex.quote(part) for part in [*command, "--record", str(args.record)]),
     }
+
+
+def _project_relative(path: Path) -> str:
+    try:
+        return str(path.relative_to(PROJECT_ROOT))
+    except ValueError:
+        return str(path)
 
 
 def _print_difference(comparison: Any) -> None:

@@ -3,8 +3,8 @@ conform --fork ... --record FILE`` and committed as test data (figures the
 fork produced, not its code), so CI checks kvsim's fork mode against the
 fork step by step without building the fork.
 
-A file is gzip'd JSON lines: a header (the scenario file and overrides it was
-recorded on, the layout, the engine mode, the fork's scheduler-side blob ids,
+A file is gzip'd JSON lines: a header (the resolved scenario it ran, every
+key, and the file and overrides it came from, the layout, the engine mode, the fork's scheduler-side blob ids,
 the command, the clock's answers in the order they were asked), then one
 object per executed step (engine call, for the batch queue). The waiting queue, which can hold
 hundreds of ids, is kept as its length and a digest; every other column is
@@ -96,15 +96,19 @@ def _pairs(
 
 
 def kvsim_against_golden(golden: GoldenFrames, overrides: tuple[str, ...] = ()) -> Trajectory:
-    """kvsim's fork mode on the recording's scenario, layout, engine and
-    clock (``overrides``: more ``--set`` items, e.g. a patch turned off)."""
+    """kvsim's fork mode on the recording's own scenario record, layout,
+    engine and clock (``overrides``: ``--set`` items on top, e.g. a patch
+    turned off)."""
     from sim.analysis.runs import scenario_workload
+    from sim.config import apply_overrides
     from sim.conformance.fork_conformance import ClockTape, kvsim_trajectory
     from sim.paths import PROJECT_ROOT
-    from sim.scenario import load_scenario
+    from sim.scenario import scenario_from_record
 
     header = golden.header
-    scenario = load_scenario(str(PROJECT_ROOT / header["scenario_file"]), [*header["overrides"], *overrides])
+    data = dict(header["scenario"])
+    data["model"], data["base_dir"] = str(PROJECT_ROOT / data["model"]), str(PROJECT_ROOT / data["base_dir"])
+    scenario = scenario_from_record(apply_overrides(data, list(overrides)), "golden frames")
     workload = scenario_workload(scenario)
     return kvsim_trajectory(
         scenario,
