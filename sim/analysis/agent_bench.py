@@ -24,12 +24,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
 from sim.analysis.frames import followup_figures, step_values
 from sim.scenario import Scenario, SideCacheSwitch, load_scenario
+
+if TYPE_CHECKING:
+    from sim.analysis.runs import RunResult
 
 # The card's "full re-prefill": a follow-up with under this much cached.
 FULL_REPREFILL_CACHED_FRACTION = 0.5
@@ -61,7 +65,7 @@ class CardColumn:
     overrides: tuple[str, ...] = ()
 
 
-CARD_SOURCE = "halt95/qwen38-flash-next-3090s benchmarks/2026-10-06/BENCH-CARD.md, section 5"
+CARD_SOURCE = "the fork's benchmarks/2026-10-06/BENCH-CARD.md, section 5"
 CARD_V251 = CardColumn(
     "v2.5.1",
     {
@@ -222,27 +226,63 @@ def seed_rows(
     ``column`` is its layout unless one is named."""
     from sim.analysis.runs import run_scenario  # imports vLLM: only where runs run
 
-    result = run_scenario(scenario, layouts)
-    rows = bench_rows(result.steps, result.requests, scenario.seed)
+    return run_rows(run_scenario(scenario, layouts), column)
+
+
+def run_rows(result: RunResult, column: str | None = None) -> list[dict]:
+    rows = bench_rows(result.steps, result.requests, result.scenario.seed)
     return [{**row, "column": column or row["layout"]} for row in rows]
 
 
-def bench_over_seeds(
-    ref: str,
-    overrides: Sequence[str],
-    seeds: Sequence[int],
-    *,
-    first: list[dict] | None = None,
-    earlier: CardColumn | None = None,
-) -> pd.DataFrame:
-    """The bench figures of ``ref`` under both layouts for every seed (the
-    rows of the first seed's run may be given), and, given ``earlier``,
-    under ``on`` as that release ran, in a column named after it."""
-    rows = list(first or [])
-    for seed in seeds[1 if first else 0 :]:
+@dataclass(frozen=True)
+class Headline:
+    """The agent bench's figures of a scenario over seeds, and the card's
+    columns (None where the scenario has no card)."""
+
+    scenario: Scenario
+    seeds: tuple[int, ...]
+    rows: pd.DataFrame
+    card: CardColumn | None
+    earlier: CardColumn | None
+
+    def table(self) -> pd.DataFrame:
+        columns = [("off", None), ("on", self.card)]
+        if self.earlier is not None:
+            columns.append((self.earlier.release, self.earlier))
+        return headline_table(self.rows, columns)
+
+
+def bench_headline(
+    ref: str, overrides: Sequence[str], num_seeds: int, *, first: RunResult | None = None
+) -> Headline:
+    """Both layouts on ``num_seeds`` seeds from the scenario's own, and,
+    where the scenario has a card, ``on`` as the earlier release ran it.
+    ``first``: the run of the first seed under both layouts, if made."""
+    scenario = load_scenario(ref, list(overrides))
+    seeds = tuple(scenario.seed + i for i in range(num_seeds))
+    card, earlier = CARDS.get(scenario.name, (None, None))
+    rows = run_rows(first) if first is not None else []
+    for seed in seeds[1 if first is not None else 0 :]:
         rows += seed_rows(load_scenario(ref, [*overrides, f"seed={seed}"]), ("off", "on"))
     if earlier is not None:
         for seed in seeds:
-            scenario = load_scenario(ref, [*overrides, *earlier.overrides, f"seed={seed}"])
-            rows += seed_rows(scenario, ("on",), earlier.release)
-    return pd.DataFrame.from_records(rows)
+            release = load_scenario(ref, [*overrides, *earlier.overrides, f"seed={seed}"])
+            rows += seed_rows(release, ("on",), earlier.release)
+    return Headline(scenario, seeds, pd.DataFrame.from_records(rows), card, earlier)
+
+
+def headline_text(headline: Headline) -> str:
+    """What ``kvsim compare`` prints of a closed loop: the table and what it is."""
+    seeds = headline.seeds
+    span = f"seeds {seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else f"seed {seeds[0]}"
+    lines = [
+        f"kvsim: {headline.scenario.name}: {headline.scenario.description}",
+        headline.table().to_string(index_names=False),
+        f"kvsim: median [lowest-highest] over {span}; the frames and figures are seed {seeds[0]}'s",
+    ]
+    if headline.card is not None:
+        lines.append(
+            f"card: {CARD_SOURCE}: one run (one boot) of each release"
+            + (f"; kvsim's {headline.earlier.release} is `on` as the fork ran it" if headline.earlier else "")
+        )
+    return "\n".join(lines)
