@@ -88,3 +88,28 @@ def test_capacity_refuses_a_cap_out_of_range(capsys):
 
     assert main(["capacity", "--max-num-seqs-up-to", "0"]) == 2
     assert capsys.readouterr().err == "kvsim: error: --max-num-seqs-up-to: expected 1 to 256, got 0\n"
+
+
+@pytest.mark.parametrize(
+    ("summary", "verdict"),
+    [
+        ({"num_preemptions": 0, "mean_waiting": 1.0}, True),  # one waiting on average: not growing
+        ({"num_preemptions": 1, "mean_waiting": 0.0}, False),  # a preemption
+        ({"num_preemptions": 0, "mean_waiting": 1.5}, False),  # a growing queue
+    ],
+)
+def test_a_cap_holds_without_preemption_or_a_growing_queue(summary, verdict):
+    from sim.analysis.residency import holds
+
+    assert holds(summary) is verdict
+
+
+def test_the_cap_search_finds_the_threshold_in_few_runs():
+    """Holding up to 11 of 64: found in 1 + 1 + log2(64) runs at most;
+    control: a threshold one higher is found one higher."""
+    from sim.analysis.residency import largest_holding
+
+    asked: list[int] = []
+    assert largest_holding(lambda n: asked.append(n) or n <= 11, 64) == 11
+    assert len(asked) <= 8
+    assert largest_holding(lambda n: n <= 12, 64) == 12

@@ -16,6 +16,7 @@ the free queue) at the step where the most run. No twin in vLLM.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sim.scenario import SideCacheSwitch, load_scenario
@@ -141,14 +142,26 @@ def holds(summary: dict) -> bool:
 
 def largest_holding_cap(ref: str, overrides: list[str], layout: SideCacheSwitch, hi: int) -> int | None:
     """The largest ``max_num_seqs`` in [1, hi] at which ``ref`` holds
-    under ``layout``, by bisection (a larger cap admits more at once, so
-    past some cap the pool preempts); None when 1 does not hold."""
+    under ``layout`` (``largest_holding``); None when 1 does not hold."""
     from sim.analysis.runs import run_scenario  # imports vLLM: only where runs run
 
     def holds_at(cap: int) -> bool:
         scenario = load_scenario(ref, [*overrides, f"deployment.max_num_seqs={cap}", f"layouts=[{layout}]"])
         return holds(run_scenario(scenario).summary.iloc[0].to_dict())
 
+    return largest_holding(holds_at, hi)
+
+
+def largest_holding(holds_at: Callable[[int], bool], hi: int) -> int | None:
+    """Bisection for the largest n in [1, hi] with ``holds_at(n)``, which
+    is assumed true up to a threshold and false past it (a larger cap
+    admits more at once, so past some cap the pool preempts).
+
+    >>> largest_holding(lambda n: n <= 11, 64), largest_holding(lambda n: True, 64)
+    (11, 64)
+    >>> largest_holding(lambda n: False, 64) is None
+    True
+    """
     if not holds_at(1):
         return None
     if holds_at(hi):
