@@ -140,16 +140,27 @@ def holds(summary: dict) -> bool:
     return summary["num_preemptions"] == 0 and summary["mean_waiting"] <= GROWING_QUEUE_MEAN_WAITING
 
 
-def largest_holding_cap(ref: str, overrides: list[str], layout: SideCacheSwitch, hi: int) -> int | None:
-    """The largest ``max_num_seqs`` in [1, hi] at which ``ref`` holds
-    under ``layout`` (``largest_holding``); None when 1 does not hold."""
+def largest_holding_cap(
+    ref: str, overrides: list[str], layout: SideCacheSwitch, hi: int
+) -> tuple[int | None, bool]:
+    """The largest ``max_num_seqs`` in [1, hi] at which ``ref`` runs under
+    ``layout`` without preemption (None when even 1 preempts), and whether
+    it holds there (no growing queue too). A larger cap preempts sooner and
+    queues less, so if the queue grows at that cap no cap holds."""
     from sim.analysis.runs import run_scenario  # imports vLLM: only where runs run
 
-    def holds_at(cap: int) -> bool:
-        scenario = load_scenario(ref, [*overrides, f"deployment.max_num_seqs={cap}", f"layouts=[{layout}]"])
-        return holds(run_scenario(scenario).summary.iloc[0].to_dict())
+    summaries: dict[int, dict] = {}
 
-    return largest_holding(holds_at, hi)
+    def summary(cap: int) -> dict:
+        if cap not in summaries:
+            scenario = load_scenario(
+                ref, [*overrides, f"deployment.max_num_seqs={cap}", f"layouts=[{layout}]"]
+            )
+            summaries[cap] = run_scenario(scenario).summary.iloc[0].to_dict()
+        return summaries[cap]
+
+    cap = largest_holding(lambda n: summary(n)["num_preemptions"] == 0, hi)
+    return cap, cap is not None and holds(summary(cap))
 
 
 def largest_holding(holds_at: Callable[[int], bool], hi: int) -> int | None:

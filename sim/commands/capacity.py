@@ -69,8 +69,10 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                 print(f"{tokens:>9,} {'on' if mtp else 'off':>4} {layout:>6}  {residency_words(found)}")
     if cap_limit is not None:
         for layout in ("off", "on"):
-            cap = largest_holding_cap(args.scenario, args.set, layout, cap_limit)
-            print(f"largest max_num_seqs that holds [{layout}]: {cap if cap is not None else 'none'}")
+            cap, holds = largest_holding_cap(args.scenario, args.set, layout, cap_limit)
+            print(
+                f"largest max_num_seqs to {cap_limit} without preemption [{layout}]: {cap_words(cap, holds)}"
+            )
     return 0
 
 
@@ -79,3 +81,10 @@ def residency_words(found: Any) -> str:
     beyond = "max_num_seqs" if found.one_more is None else f"{found.num_resident + 1} do not"
     blocks = f"{found.fits.blocks_in_use} of {found.fits.num_gpu_blocks}" if found.fits else "-"
     return f"{found.num_resident:>3} ({beyond}){'':<4}{blocks}"
+
+
+def cap_words(cap: int | None, holds: bool) -> str:
+    """``12, and no growing queue`` / ``4, but its queue grows: no cap holds``."""
+    if cap is None:
+        return "none (one sequence preempts)"
+    return f"{cap}, and no growing queue" if holds else f"{cap}, but its queue grows there: no cap holds"
