@@ -136,8 +136,8 @@ def logged_peak(steps: pd.DataFrame, interval_s: float = LOG_INTERVAL_S) -> floa
     """
     ordered = steps.sort_values("time_s", kind="stable")
     times_s = ordered["time_s"].to_numpy(float)
-    log_times_s = np.arange(interval_s, times_s[-1] + interval_s, interval_s) if len(times_s) else []
-    values = step_values(times_s, ordered["kv_cache_usage_perc"].to_numpy(float), np.asarray(log_times_s))
+    log_times_s = np.arange(interval_s, times_s[-1] + interval_s, interval_s) if len(times_s) else np.zeros(0)
+    values = step_values(times_s, ordered["kv_cache_usage_perc"].to_numpy(float), log_times_s)
     return float(np.nanmax(values)) if len(values) and not np.isnan(values).all() else math.nan
 
 

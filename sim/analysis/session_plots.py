@@ -11,6 +11,8 @@ which layout is ahead from the figures themselves. No twin in vLLM.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
@@ -27,7 +29,7 @@ def _layouts(requests: pd.DataFrame) -> list[str]:
     return [layout for layout in layouts_of(requests) if layout in LAYOUT_COLORS]
 
 
-def ahead(counts: dict[str, float], noun: str, *, more_is_better: bool = True) -> str:
+def ahead(counts: Mapping[str, float], noun: str, *, more_is_better: bool = True) -> str:
     """Which layout is ahead on a count, in words taken from the counts.
 
     >>> ahead({"off": 77, "on": 102}, "turns")

@@ -8,10 +8,12 @@ import argparse
 from typing import Any
 
 from sim.commands.common import MAIN_SCENARIO, CLIError, add_override_argument
+from sim.scenario import SideCacheSwitch
 
 # The fork's published residency lengths (its README, "The KV budget").
 DEFAULT_SESSION_TOKENS = (131_072, 262_144)
 MAX_CAP = 256
+LAYOUTS: tuple[SideCacheSwitch, ...] = ("off", "on")
 
 
 def register(subparsers: Any) -> None:
@@ -64,11 +66,11 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     print(f"{'L tokens':>9} {'MTP':>4} {'layout':>6}  resident  blocks in use once all run")
     for tokens in args.sessions_of:
         for mtp in (True, False):
-            for layout in ("off", "on"):
+            for layout in LAYOUTS:
                 found = sessions_resident(args.scenario, args.set, tokens, layout, mtp=mtp)
                 print(f"{tokens:>9,} {'on' if mtp else 'off':>4} {layout:>6}  {residency_words(found)}")
     if cap_limit is not None:
-        for layout in ("off", "on"):
+        for layout in LAYOUTS:
             cap, holds = largest_holding_cap(args.scenario, args.set, layout, cap_limit)
             print(
                 f"largest max_num_seqs to {cap_limit} without preemption [{layout}]: {cap_words(cap, holds)}"
