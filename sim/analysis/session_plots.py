@@ -124,6 +124,7 @@ def closed_loop_gain_figure(requests: pd.DataFrame) -> Figure:
     _draw_turns(axes[0, 0], requests)
     _draw_ttft(axes[1, 0], requests)
     _draw_reuse(axes[2, 0], requests)
+    axes[2, 0].set_xlim(axes[0, 0].get_xlim())  # one time axis for turns and re-prefills
     handles = [Line2D([], [], color=LAYOUT_COLORS[name], label=_label(name)) for name in _layouts(requests)]
     title = (
         f"{scenario_of(requests)}: closed-loop gain of the side-cache layout (turns, follow-up TTFT, reuse)"
