@@ -37,7 +37,7 @@ METRICS = {
     "output_throughput_tokens_per_s": "throughput (tok/s)",
 }
 # The default and three gates (their own horizons, 32 sequences).
-SYNC_VS_ASYNC = ("default", "gates/long-prompts", "gates/prefix-shared", "gates/overload")
+SYNC_VS_ASYNC = ("chat-slice", "gates/long-prompts", "gates/prefix-shared", "gates/overload")
 LOOPS = ("sync", "async")
 TIMELINE_PROMPT_TOKENS = 8192
 
@@ -53,7 +53,7 @@ def _cell(value: float) -> str:
 
 def before_after() -> str:
     """The default comparison on the old defaults and on the rig's."""
-    old, new = (run_scenario(_load(name)).summary.set_index("layout") for name in ("old-defaults", "default"))
+    old, new = (run_scenario(_load(name)).summary.set_index("layout") for name in ("old-defaults", "chat-slice"))
     lines = [
         "| metric | before, off | before, on | after, off | after, on |",
         "|---|---:|---:|---:|---:|",
@@ -152,7 +152,7 @@ def async_timeline(path: Path) -> str:
     )
     ttft = {}
     for mode in ("sync", "async"):
-        scenario = _load("default", [f"engine.mode={mode}", "simulation.sample_interval_s=null"])
+        scenario = _load("chat-slice", [f"engine.mode={mode}", "simulation.sample_interval_s=null"])
         scenario = scenario.model_copy(update={"workload": workload})
         sim = Simulation(scenario, "on", scenario_workload(scenario))
         if mode == "async":

@@ -31,7 +31,7 @@ def default_run_checked():
     from sim.analysis.runs import run_scenario
     from sim.scenario import load_scenario
 
-    return run_scenario(load_scenario("default", ["simulation.check_invariants=true"]))
+    return run_scenario(load_scenario("chat-slice", ["simulation.check_invariants=true"]))
 
 
 @pytest.fixture

@@ -255,7 +255,7 @@ def test_every_engine_step_is_identical_on_the_rigs_block_flags():
     from sim.analysis.runs import scenario_workload
     from sim.scenario import load_scenario
 
-    scenario = load_scenario("default", ["fork=upstream", "workload.max_requests=6"])
+    scenario = load_scenario("chat-slice", ["fork=upstream", "workload.max_requests=6"])
     assert (scenario.deployment.block_size, scenario.deployment.prefix_match_unit) == (4096, 64)
     comparison = run_async_conformance(scenario, "on", scenario_workload(scenario).requests)
     assert comparison.num_steps > 0

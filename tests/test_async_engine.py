@@ -121,7 +121,7 @@ def test_an_async_run_is_deterministic_and_keeps_the_allocator_sound():
     ],
 )
 def test_an_engine_mode_the_deployment_cannot_run_is_one_line_and_exit_2(overrides, key, capsys, tmp_path):
-    args = ["run", "default", "--out", str(tmp_path / "out")]
+    args = ["run", "chat-slice", "--out", str(tmp_path / "out")]
     for override in overrides:
         args += ["--set", override]
     assert main(args) == 2

@@ -22,6 +22,43 @@ TINY = {
 }
 
 
+SESSIONS = {
+    "trace": "sessions",
+    "shared_prefix_tokens": 1024,
+    "prefix_unit": 64,
+    "sessions": {
+        "num_sessions": 2,
+        "first_history": {"distribution": "uniform", "lo": 2000, "hi": 4000},
+        "reply": {"distribution": "fixed", "tokens": 20},
+        "tool_result": {"distribution": "fixed", "tokens": 500},
+        "think_s": [0.5, 1.0],
+        "max_context_tokens": 8000,
+    },
+}
+
+
+def test_compare_of_a_closed_loop_prints_the_bench_figures_over_seeds(tmp_path, capsys):
+    """Sessions: the agent bench's figures, off and on, median over the
+    seeds asked for; no card column (the scenario has no card), and the
+    gain figure is the closed loop's."""
+    path = write_scenario(tmp_path, workload=SESSIONS)
+    assert main(["compare", str(path), "--out", str(tmp_path / "out"), "--seeds", "2"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1].split() == ["off", "on"]
+    assert printed[2].split()[0] == "requests" and "follow-ups" in printed[3]
+    assert "over seeds 0-1" in printed[10]
+    assert not any(line.startswith("card:") for line in printed)
+
+
+@pytest.mark.parametrize("seeds", ["0", "x", "101"])
+def test_compare_refuses_a_seed_count_out_of_range(seeds, capsys):
+    """argparse's own exit (status 2, the usage and one error line)."""
+    with pytest.raises(SystemExit) as stop:
+        main(["compare", "--seeds", seeds])
+    assert stop.value.code == 2
+    assert "argument --seeds: expected a whole number of seeds from 1 to 100" in capsys.readouterr().err
+
+
 def test_compare_writes_both_layouts_and_prints_the_gain(tmp_path, capsys):
     path = write_scenario(tmp_path, workload=TINY)
     out = tmp_path / "out"
@@ -100,7 +137,7 @@ def test_no_traceback_from_the_installed_command(tmp_path):
     assert "Traceback" not in done.stderr and "unknown key 'bogus'" in done.stderr
 
 
-@pytest.mark.parametrize("name", ["default", "reference"])
+@pytest.mark.parametrize("name", ["chat-slice", "reference"])
 def test_shipped_scenarios_load(name):
     from sim.scenario import load_scenario
 
@@ -198,7 +235,7 @@ def test_bench_ratios_are_per_step_cpu_cost_within_one_run():
 
 def test_bench_says_where_the_speed_targets_stand():
     """saturated-decode's target is 300 simulated s per CPU s: 300 s in
-    1 CPU s meets it exactly, 299.9 s misses; default's is 1,000; a path
+    1 CPU s meets it exactly, 299.9 s misses; chat-slice's is 1,000; a path
     names its scenario by its stem. vLLM at 8x kvsim's per-step cost meets
     the step-cost target."""
     from sim.bench import BenchFigures, target_lines
@@ -212,11 +249,13 @@ def test_bench_says_where_the_speed_targets_stand():
         "target >= 300x simulated s per CPU s [off]: 299.9x, missed",
         "target >= 8x fewer CPU us per step than vllm [on]: 8.0x, met",
     ]
-    assert target_lines("default", [kvsim]) == ["target >= 1000x simulated s per CPU s [on]: 300.0x, missed"]
+    assert target_lines("chat-slice", [kvsim]) == [
+        "target >= 1000x simulated s per CPU s [on]: 300.0x, missed"
+    ]
 
 
 def test_bench_says_a_missed_target_is_out_of_reach_where_the_allocators_calls_leave_no_room():
-    """default's target is 1,000x: kvsim at 300 simulated s in 1 CPU s
+    """chat-slice's target is 1,000x: kvsim at 300 simulated s in 1 CPU s
     misses it; 0.5 s inside the allocator's calls allows at most 600x (out
     of reach), 0.2 s allows 1,500x (within reach). vLLM at 40,000 us a step
     against kvsim's 10,000 is 4x; 5,000 us a step in the allocator allows
@@ -229,7 +268,7 @@ def test_bench_says_a_missed_target_is_out_of_reach_where_the_allocators_calls_l
     floor = BenchFigures(
         layout="on", backend="allocator", simulated_s=300.0, cpu_s=1.1, allocator_s=0.5, **common
     )
-    assert target_lines("default", [kvsim, vllm, floor]) == [
+    assert target_lines("chat-slice", [kvsim, vllm, floor]) == [
         "target >= 1000x simulated s per CPU s [on]: 300.0x, missed "
         "(out of reach: the allocator's calls alone allow at most 600.0x)",
         "target >= 8x fewer CPU us per step than vllm [on]: 4.0x, missed "
@@ -238,29 +277,29 @@ def test_bench_says_a_missed_target_is_out_of_reach_where_the_allocators_calls_l
     low = BenchFigures(
         layout="on", backend="allocator", simulated_s=300.0, cpu_s=1.1, allocator_s=0.2, **common
     )
-    assert target_lines("default", [kvsim, low])[0].endswith(
+    assert target_lines("chat-slice", [kvsim, low])[0].endswith(
         "(within reach: the allocator's calls alone allow at most 1500.0x)"
     )
     # Another layout's floor says nothing of this one; the allocator is no compared backend.
     other = BenchFigures(
         layout="off", backend="allocator", simulated_s=300.0, cpu_s=1.1, allocator_s=0.5, **common
     )
-    assert target_lines("default", [kvsim, other]) == [
+    assert target_lines("chat-slice", [kvsim, other]) == [
         "target >= 1000x simulated s per CPU s [on]: 300.0x, missed"
     ]
-    table = format_bench("default", [kvsim, floor])
+    table = format_bench("chat-slice", [kvsim, floor])
     assert "the allocator's calls take 5000 of kvsim's 10000 CPU us per step [on]" in table
     assert table.count("the allocator's calls take") == 1  # kvsim's own figures time nothing
     assert "than allocator" not in table
     # A target met exactly says nothing of reach; a floor of no time gives no ceiling.
     met = BenchFigures(layout="on", backend="kvsim", simulated_s=1000.0, cpu_s=1.0, **common)
-    assert target_lines("default", [met, floor]) == [
+    assert target_lines("chat-slice", [met, floor]) == [
         "target >= 1000x simulated s per CPU s [on]: 1000.0x, met"
     ]
     empty = BenchFigures(
         layout="on", backend="allocator", simulated_s=300.0, cpu_s=1.1, allocator_s=0.0, **common
     )
-    assert target_lines("default", [kvsim, empty]) == [
+    assert target_lines("chat-slice", [kvsim, empty]) == [
         "target >= 1000x simulated s per CPU s [on]: 300.0x, missed"
     ]
 
@@ -375,12 +414,12 @@ def test_bench_repeats_each_measurement_in_turn_and_keeps_its_least_disturbed_ru
 
 
 def test_bench_rejects_no_repeats(capsys):
-    assert main(["bench", "default", "--repeat", "0"]) == 2
+    assert main(["bench", "chat-slice", "--repeat", "0"]) == 2
     assert "--repeat 0" in capsys.readouterr().err
 
 
 def test_bench_rejects_an_unknown_backend(capsys):
-    assert main(["bench", "default", "--against", "sglang"]) == 2
+    assert main(["bench", "chat-slice", "--against", "sglang"]) == 2
     assert "--against 'sglang'" in capsys.readouterr().err
 
 

@@ -300,7 +300,7 @@ def test_every_gate_scenario_gives_the_same_frames_with_and_without_the_fast_pat
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_the_default_scenario_gives_the_same_frames_with_and_without_the_fast_path(mode):
     """The shipped default (its first 150 requests: the check, not the load)."""
-    scenario = load_scenario("default", ["workload.max_requests=150", f"engine.mode={mode}"])
+    scenario = load_scenario("chat-slice", ["workload.max_requests=150", f"engine.mode={mode}"])
     assert frames_with_fast_path(scenario, "on", True) == frames_with_fast_path(scenario, "on", False)
 
 

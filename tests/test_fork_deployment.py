@@ -200,7 +200,7 @@ def test_a_partial_deployment_section_keeps_the_rigs_block_flags(tmp_path):
 def test_the_default_scenario_spells_out_the_defaults(tmp_path):
     """scenarios/default.yaml names every rig setting it runs, and they are
     the scenario defaults; old-defaults.yaml is the control."""
-    default, bare = load_scenario("default"), load_scenario(str(write_scenario(tmp_path, rig=True)))
+    default, bare = load_scenario("chat-slice"), load_scenario(str(write_scenario(tmp_path, rig=True)))
     assert _sections(default) == _sections(bare) == RIG
     assert default.mtp == bare.mtp
     old = load_scenario("old-defaults")

@@ -276,7 +276,7 @@ def test_a_gate_names_a_shipped_scenario_or_a_file_beside_it(tmp_path: Path) -> 
     path = write_gates(tmp_path)
     spec = load_gates(path).gates["tiny"]
     assert gates.gate_scenario(path, "tiny", spec).name == "tiny"
-    shipped = spec.model_copy(update={"scenario": "default", "set": ("seed=7",)})
+    shipped = spec.model_copy(update={"scenario": "chat-slice", "set": ("seed=7",)})
     assert gates.gate_scenario(path, "g", shipped).seed == 7
     broken = spec.model_copy(update={"scenario": "nowhere.yaml"})
     with pytest.raises(ConfigError, match=rf"^{path}: gate g: .*nowhere.yaml"):

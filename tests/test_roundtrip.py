@@ -131,9 +131,9 @@ def test_every_workload_kind_round_trips_and_builds_the_same_requests(tmp_path, 
 def test_the_record_of_a_trace_scenario_names_the_synthetic_defaults():
     """The bug this guards: the record names ``prefix_unit`` (a synthetic
     key) at its default for a Mooncake trace; the loader must take it."""
-    recorded = scenario_to_dict(load_scenario("default"))
+    recorded = scenario_to_dict(load_scenario("chat-slice"))
     assert recorded["workload"]["prefix_unit"] == 16 and recorded["workload"]["hash_chunk_tokens"] == 16
-    assert record_and_reload(load_scenario("default")).workload.prefix_unit == 16
+    assert record_and_reload(load_scenario("chat-slice")).workload.prefix_unit == 16
 
 
 @pytest.mark.parametrize(
@@ -154,11 +154,11 @@ def test_a_value_the_format_cannot_use_is_still_refused(workload, message):
 
 
 def test_a_record_changed_by_hand_is_refused_naming_the_key(tmp_path):
-    data = scenario_to_dict(load_scenario("default"))
+    data = scenario_to_dict(load_scenario("chat-slice"))
     data["workload"]["prefix_unit"] = 64
     with pytest.raises(ConfigError, match=r"^r/scenario.json: workload: prefix_unit: not used by mooncake"):
         scenario_from_record(data, "r/scenario.json")
-    data = scenario_to_dict(load_scenario("default"))
+    data = scenario_to_dict(load_scenario("chat-slice"))
     # The default's rates come from the rig's profile: rates by hand drop it.
     data["mtp"].update(acceptance_rates=[0.5], acceptance_profile=None)
     with pytest.raises(ConfigError, match="r/scenario.json: mtp.acceptance_rates: 1 rates given"):
@@ -278,7 +278,7 @@ def test_generated_scenarios_round_trip(tmp_path, data):
 def test_a_record_without_base_dir_loads_as_a_scenario_file(tmp_path):
     """A record is also a scenario file a user can copy and edit: written as
     YAML without ``base_dir`` (the file's folder gives it), it loads equal."""
-    scenario = load_scenario("default")
+    scenario = load_scenario("chat-slice")
     data = scenario_to_dict(scenario)
     del data["base_dir"]
     copy = tmp_path / "copy.yaml"

@@ -75,6 +75,23 @@ def time_weighted(series: pd.Series) -> float:
     return float(np.dot(series.to_numpy(float)[:-1], durations) / durations.sum())
 
 
+def step_values(
+    times_s: np.ndarray, values: np.ndarray, grid_s: np.ndarray, before: float = np.nan
+) -> np.ndarray:
+    """A step series read at ``grid_s``: the last value at or before each
+    grid time (``before`` where no step has ended yet). ``times_s`` ascend.
+
+    >>> times_s, values = np.array([1.0, 3.0]), np.array([5, 7])
+    >>> step_values(times_s, values, np.array([0.0, 1.0, 2.0, 3.0, 9.0]), before=0)
+    array([0., 5., 5., 7., 7.])
+    """
+    index = np.searchsorted(times_s, grid_s, side="right") - 1
+    if not len(values):
+        return np.full(len(grid_s), before, dtype=float)
+    picked = np.asarray(values, dtype=float)[np.clip(index, 0, None)]
+    return np.where(index >= 0, picked, before)
+
+
 def time_weighted_mean(steps: pd.DataFrame, column: str) -> float:
     """Mean of a gauge over time: each step's value holds until the next."""
     if steps.empty:  # a run that scheduled nothing has no gauge columns

@@ -27,7 +27,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from sim.analysis.frames import time_weighted
+from sim.analysis.frames import step_values, time_weighted
 from sim.config import FIGURE_FORMATS
 from sim.results import atomic_write
 
@@ -65,23 +65,6 @@ def layouts_of(frame: pd.DataFrame) -> list[str]:
 def scenario_of(frame: pd.DataFrame) -> str:
     names = list(dict.fromkeys(frame["scenario"])) if "scenario" in frame else []
     return ", ".join(str(name) for name in names) or "kvsim"
-
-
-def step_values(
-    times_s: np.ndarray, values: np.ndarray, grid_s: np.ndarray, before: float = np.nan
-) -> np.ndarray:
-    """A step series read at ``grid_s``: the last value at or before each
-    grid time (``before`` where no step has ended yet). ``times_s`` ascend.
-
-    >>> times_s, values = np.array([1.0, 3.0]), np.array([5, 7])
-    >>> step_values(times_s, values, np.array([0.0, 1.0, 2.0, 3.0, 9.0]), before=0)
-    array([0., 5., 5., 7., 7.])
-    """
-    index = np.searchsorted(times_s, grid_s, side="right") - 1
-    if not len(values):
-        return np.full(len(grid_s), before, dtype=float)
-    picked = np.asarray(values, dtype=float)[np.clip(index, 0, None)]
-    return np.where(index >= 0, picked, before)
 
 
 def time_grid(steps: pd.DataFrame) -> np.ndarray:
@@ -248,7 +231,9 @@ def eviction_figure(steps: pd.DataFrame) -> Figure:
 @_styled
 def gain_figure(steps: pd.DataFrame, *, ratio: bool = True) -> Figure:
     """Running requests on - off over time (and on / off): where the new
-    layout runs more requests at once than the old one."""
+    layout runs more requests at once than the old one. The gain of an
+    open loop, where both layouts get the same arrivals; a closed loop's
+    is ``session_plots.closed_loop_gain_figure``."""
     table = concurrency_gain(steps)
     fig, axes = _axes(2 if ratio else 1, height_in=3.0)
     _draw_gain(axes[0, 0], table["gain"])
@@ -257,7 +242,7 @@ def gain_figure(steps: pd.DataFrame, *, ratio: bool = True) -> Figure:
     handles = [
         Patch(color=_color(name), alpha=0.4, label=f"{name} runs more requests") for name in ("on", "off")
     ]
-    title = f"{scenario_of(steps)}: concurrency gain of the side-cache layout"
+    title = f"{scenario_of(steps)}: open-loop gain of the side-cache layout (requests running at once)"
     return _finish(fig, axes, title, handles)
 
 
@@ -453,15 +438,25 @@ def measured_figure(samples: pd.DataFrame) -> Figure:
 
 
 def standard_figures(frames: dict[str, pd.DataFrame]) -> dict[str, Figure]:
-    """Admission and eviction for any run; the gain when both layouts ran;
-    a replay (no steps frame) gets its measured curves."""
+    """Admission and eviction for any run; the gain when both layouts ran
+    (a closed loop's in turns completed, follow-up TTFT and reuse); a
+    replay (no steps frame) gets its measured curves."""
     if "steps" not in frames:
         return {"measured": measured_figure(frames["samples"])}
     steps = with_panel_columns(frames["steps"])
     figures = {"admission": admission_figure(steps), "eviction": eviction_figure(steps)}
     if {"off", "on"} <= set(steps["layout"]):
-        figures["gain"] = gain_figure(steps)
+        figures["gain"] = _gain_of(steps, frames.get("requests"))
     return figures
+
+
+def _gain_of(steps: pd.DataFrame, requests: pd.DataFrame | None) -> Figure:
+    from sim.analysis.agent_bench import is_closed_loop
+    from sim.analysis.session_plots import closed_loop_gain_figure  # it builds on this module
+
+    if requests is not None and is_closed_loop(requests):
+        return closed_loop_gain_figure(requests)
+    return gain_figure(steps)
 
 
 def write_standard_figures(

@@ -12,6 +12,7 @@ A new command is a new module here plus one line in ``COMMAND_MODULES``.
 COMMAND_MODULES: tuple[str, ...] = (
     "layout",
     "run",
+    "capacity",
     "plot",
     "gate",
     "sweep",

@@ -94,7 +94,17 @@ def model_and_deployment(args: argparse.Namespace) -> tuple[ModelConfig, Deploym
     return model, deployment
 
 
-def add_scenario_argument(parser: argparse.ArgumentParser, *, default: str | None = "default") -> None:
+# The main job's scenario (``kvsim run`` and ``compare``): the fork's own agent
+# bench, closed loop. Commands that send requests at fixed times (serve,
+# replay, export-trace) or time the simulator (bench) default to the chat
+# slice, open loop: kvsim's default scenario before the agent bench.
+MAIN_SCENARIO = "agent-sessions"
+OPEN_LOOP_SCENARIO = "chat-slice"
+
+
+def add_scenario_argument(
+    parser: argparse.ArgumentParser, *, default: str | None = OPEN_LOOP_SCENARIO
+) -> None:
     if default is None:
         parser.add_argument("scenario", help="a scenario file, or the name of one in scenarios/")
         return
@@ -108,7 +118,7 @@ def add_scenario_argument(parser: argparse.ArgumentParser, *, default: str | Non
 
 def add_scenario_flags(parser: argparse.ArgumentParser) -> None:
     """The scenario, ``--set``, ``--out`` and ``--progress``: run and compare."""
-    add_scenario_argument(parser)
+    add_scenario_argument(parser, default=MAIN_SCENARIO)
     add_override_argument(parser)
     parser.add_argument("--out", metavar="DIR", help="results directory (default results/SCENARIO)")
     add_progress_flag(parser)

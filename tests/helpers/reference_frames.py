@@ -28,7 +28,7 @@ GATES = SCENARIOS_DIR / "gates.yaml"
 def reference_scenarios() -> dict[str, Scenario]:
     gates = load_gates(GATES)
     scenarios = {name: gate_scenario(GATES, name, gate) for name, gate in gates.gates.items()}
-    scenarios["default"] = load_scenario("default")
+    scenarios["chat-slice"] = load_scenario("chat-slice")
     return scenarios
 
 
