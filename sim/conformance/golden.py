@@ -14,9 +14,12 @@ kept as is.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import hashlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sim.conformance.backends import StepState
@@ -61,6 +64,33 @@ class GoldenFrames:
     @property
     def stalled(self) -> bool:
         return bool(self.header["stalled"])
+
+
+def write_golden(path: Path, header: dict[str, Any], trajectory: Trajectory) -> None:
+    """Written whole to a temporary name, then renamed (never half a file)."""
+    first = {
+        "format": FORMAT,
+        **header,
+        "stalled": trajectory.stalled,
+        "steps": len(trajectory.steps),
+        "clock_tape": list(trajectory.clock_tape),
+    }
+    lines = [json.dumps(first), *(json.dumps(record) for record in encoded_steps(trajectory))]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    with gzip.open(partial, "wt", encoding="utf-8") as out:
+        out.write("\n".join(lines) + "\n")
+    partial.replace(path)
+
+
+def read_golden(path: Path) -> GoldenFrames:
+    """A complete recording, or a ValueError naming the file."""
+    with gzip.open(path, "rt", encoding="utf-8") as lines:
+        header = json.loads(next(lines))
+        steps = tuple(json.loads(line) for line in lines)
+    if header.get("format") != FORMAT or len(steps) != header.get("steps"):
+        raise ValueError(f"{path}: not a complete golden-frames file")
+    return GoldenFrames(header=header, steps=steps)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,4 +192,6 @@ def coverage_table(folder: Path) -> str:
     rows = [COVERAGE_COLUMNS, tuple("---" for _ in COVERAGE_COLUMNS)]
     for path in sorted(folder.glob("*.jsonl.gz")):
         rows.append(coverage_row(path.name.removesuffix(".jsonl.gz"), read_golden(path)))
-    return "\n".join("| " + " | ".join(f"{v:,}" if isinstance(v, int) else str(v) for v in row) + " |" for row in rows)
+    return "\n".join(
+        "| " + " | ".join(f"{v:,}" if isinstance(v, int) else str(v) for v in row) + " |" for row in rows
+    )
