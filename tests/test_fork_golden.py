@@ -182,4 +182,4 @@ def test_the_coverage_table_in_the_docs_is_the_recordings():
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "fork-patches.md").read_text()
     block = doc.split("<!-- golden-coverage -->\n")[1].split("<!-- /golden-coverage -->")[0]
-    assert block.strip() == coverage_table(GOLDEN), "run scripts/fork_golden_table.py into docs/fork-patches.md"
+    assert block.strip() == coverage_table(GOLDEN), "python scripts/fork_golden_table.py: into the docs"

@@ -471,7 +471,7 @@ def fork_state(scheduler: Any) -> dict[str, Any]:
         "graces": graces,
         "num_grace_pinned_blocks": int(getattr(manager, "num_grace_pinned_blocks", 0)),
         "retained": _retained_checkpoints(manager),
-        "num_deferred_frees": num_fenced_blocks(entry[1] for entry in getattr(scheduler, "deferred_frees", ())),
+        "num_deferred_frees": num_fenced_blocks(e[1] for e in getattr(scheduler, "deferred_frees", ())),
         "free_queue": free_queue_digest(manager.block_pool),
     }
 
