@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 
+from sim.serving import ARRIVAL_HEADER
 from sim.serving.server_metrics import SCRAPED, parse_metrics
 from sim.workloads import RequestSpec
 
@@ -52,6 +53,7 @@ class RequestRecord:
     prompt_tokens: int
     output_tokens: int
     sent_s: float = math.nan
+    server_arrival_s: float = math.nan  # the server's own clock (kvsim serve's ARRIVAL_HEADER)
     first_token_s: float = math.nan
     last_token_s: float = math.nan
     generated_tokens: int = 0
@@ -95,6 +97,15 @@ def _mix64(value: int) -> int:
     value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return value ^ (value >> 31)
+
+
+def _header_seconds(value: str | None) -> float:
+    """A header's seconds; NaN when absent (vLLM) or not a finite number."""
+    try:
+        seconds = float(value) if value is not None else math.nan
+    except ValueError:
+        return math.nan
+    return seconds if math.isfinite(seconds) else math.nan
 
 
 def _one_line(text: str, limit: int = 200) -> str:
@@ -244,6 +255,7 @@ class Replay:
                     body = await response.text()
                     record.error = f"HTTP {response.status}: {_one_line(body)}"
                     return
+                record.server_arrival_s = _header_seconds(response.headers.get(ARRIVAL_HEADER))
                 await self._read_stream(response, record)
         except asyncio.CancelledError:
             record.error = "cancelled: the replay was stopped before the request finished"

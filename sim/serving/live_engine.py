@@ -66,6 +66,7 @@ class _Stream:
     queue: asyncio.Queue[TokenDelta] = field(default_factory=asyncio.Queue)
     num_sent: int = 0
     prompt_len: int = 0
+    arrival_s: float = 0.0
 
 
 class PromptTooLong(ValueError):
@@ -139,7 +140,7 @@ class LiveEngine:
                 f"This model's maximum context length is {self.scheduler.config.max_model_len} tokens. "
                 f"However, your request has {len(token_ids)} input tokens."
             )
-        stream = _Stream(prompt_len=len(token_ids))
+        stream = _Stream(prompt_len=len(token_ids), arrival_s=spec.arrival_s)
         self._streams[request_id] = stream
         self._publish_gauges()
         self._wakeup.set()
@@ -160,6 +161,11 @@ class LiveEngine:
         self._publish_gauges()
         self._wakeup.set()  # an idle engine lets the fences pass
         return True
+
+    def arrival_s(self, request_id: str) -> float:
+        """When the engine took the request in (its virtual seconds): the
+        order and times a replay needs to simulate what this server saw."""
+        return self._streams[request_id].arrival_s
 
     @property
     def num_unfinished(self) -> int:
