@@ -35,6 +35,7 @@ import numpy as np
 import pandas as pd
 
 from sim.analysis.calibrate_error import (
+    LATENCY_FLOOR_S,
     MIN_SENSITIVITY,
     BudgetSpent,
     RequestTimeError,
@@ -58,8 +59,9 @@ from sim.analysis.calibrate_intervals import (
     half_widths,
     jacobian,
     noise,
+    phase_reason,
     reason_alike,
-    reason_not_identified,
+    reason_weak,
 )
 from sim.analysis.frames import steps_frame
 from sim.analysis.replayed_arrivals import REORDER_WALL_S, replay_target
@@ -156,6 +158,7 @@ def calibrate(
     error = RequestTimeError(
         scenario, target.measured, names, start, time.monotonic() + max_seconds, max_simulations,
         workloads=target.workloads, burst_of=target.burst_of,
+        floor_s=max(LATENCY_FLOOR_S, target.floor_s),
     )  # fmt: skip
     try:
         rms_start = rms(error(np.zeros(len(names))))
@@ -177,10 +180,12 @@ def calibrate(
 
 
 class _Fit:
-    """The fit's phases: coefficients without effect, or that even an exact
-    replay could not bound within x2 (intervals at the noise floor, from
-    the screen), are set aside before the fit; after it, the widest whose interval is too
-    wide is set aside and the rest refitted, until every one left is bound.
+    """The fit's phases: coefficients without effect, the weaker of two
+    that act alike, and those even an exact replay could not bound within
+    x2 (intervals at the noise floor, from the screen) are set aside before
+    the fit; the rest join it one by one (``_add_one_by_one``); after it,
+    the widest whose interval is too wide is set aside and the rest
+    refitted, until every one left is bound.
     A coefficient set aside stays at its start: the best evaluation is
     always one that did not move it (``_best_with``)."""
 
@@ -202,19 +207,83 @@ class _Fit:
         self.widths = np.full(len(self.names), math.inf)
         self.best, self.residuals = np.zeros(len(self.names)), np.zeros(0)
         self._busy: BusyTime | None = None
+        # The simplex stops once its squared errors differ by less than a
+        # part in 10^4 of the start's (or 1e-6): finer is below any noise,
+        # and a piecewise error (a step end that crosses an arrival) would
+        # keep it polishing to the budget.
+        self.fatol = max(1e-6, 1e-4 * float(np.sum(error(np.zeros(len(self.names))) ** 2)))
 
     def run(self) -> None:
         for i in range(len(self.names)):
             if i not in self.free:
                 self._set_aside(i, NOISE_FLOOR)
+        self._set_aside_alike()
         self._set_aside_wide(self.screened[:, self.free], NOISE_FLOOR, HOPELESS_HALF_WIDTH, refit=False)
-        if self.free:
-            self.budget_spent = fit_free(self.error, self.free, self.bounds)
+        # The fits leave two simulations per coefficient for the last intervals.
+        total = self.error.max_simulations
+        self.error.max_simulations = max(total - 2 * len(self.free), len(self.error.evaluations))
+        try:
+            self._add_one_by_one()
+        finally:
+            self.error.max_simulations = total
         while True:
             self.best, self.residuals = best_with(self.error, self.free)
             self.sigma = noise(self.residuals, len(self.free))
-            if not self._set_aside_wide(self._jacobian(), self.sigma, MAX_HALF_WIDTH, refit=True):
+            derivatives = self._jacobian()
+            if not self._set_aside_wide(derivatives, self.sigma, MAX_HALF_WIDTH, refit=True):
+                self._set_aside_unconverged(derivatives)
                 return
+
+    def _half_widths(self, derivatives: np.ndarray, free: list[int], sigma: float) -> np.ndarray:
+        """The wider of the intervals from ``derivatives`` and from the
+        screen's (+-10 % at the start): a finite difference that straddles
+        a jump of the error (a step end crossing an arrival) takes the jump
+        for a slope and would make a coefficient look pinned down."""
+        return np.maximum(half_widths(derivatives, sigma), half_widths(self.screened[:, free], sigma))
+
+    def _set_aside_unconverged(self, derivatives: np.ndarray) -> None:
+        """A fit the budget stopped is no minimum: a coefficient whose
+        Gauss-Newton step from the best point is more than half its
+        interval is not where the replay puts it, whatever its interval."""
+        if not self.budget_spent or not self.free:
+            return
+        step = np.linalg.lstsq(derivatives, -self.residuals, rcond=None)[0]
+        for i, move in zip(list(self.free), step, strict=True):
+            if abs(move) > self.widths[i] / 2 and not self._at_bound(i):
+                self._set_aside(i, self.sigma)
+        self.best, self.residuals = best_with(self.error, self.free)
+
+    def _add_one_by_one(self) -> None:
+        """Fit the most sensitive coefficient alone, then add the others,
+        most sensitive first, each only if the intervals the fit would then
+        have (Gauss-Newton's prediction at the best point so far) all close
+        within ``MAX_HALF_WIDTH``: a coefficient the replay cannot pin down
+        is never let loose to wander along a flat valley with the others."""
+        queue = sorted(self.free, key=lambda i: -rms(self.effects[self.names[i]]))
+        self.free = queue[:1]
+        if self.free:
+            self.budget_spent = fit_free(self.error, self.free, self.bounds, fatol=self.fatol)
+        for candidate in queue[1:]:
+            if self.budget_spent:
+                self._set_aside(candidate, self.sigma)
+                continue
+            best, residuals = best_with(self.error, self.free)
+            trial = [*self.free, candidate]
+            try:
+                derivatives = jacobian(self.error, best, trial, self.bounds)
+            except BudgetSpent:
+                self.budget_spent = True
+                self._set_aside(candidate, self.sigma)
+                continue
+            step = np.linalg.lstsq(derivatives, -residuals, rcond=None)[0]
+            self.sigma = noise(residuals + derivatives @ step, len(trial))
+            widths = self._half_widths(derivatives, trial, self.sigma)
+            self.widths[trial] = widths
+            if np.all(widths <= MAX_HALF_WIDTH):
+                self.free = trial
+                self.budget_spent = fit_free(self.error, self.free, self.bounds, best, self.fatol)
+            else:
+                self._set_aside(candidate, self.sigma)
 
     def _jacobian(self) -> np.ndarray:
         """At the best point; the screen's at the start once the budget is spent."""
@@ -230,7 +299,7 @@ class _Fit:
         repeatedly when no refit follows; True if one was."""
         columns = {i: k for k, i in enumerate(self.free)}
         while self.free:
-            widths = half_widths(derivatives[:, [columns[i] for i in self.free]], sigma)
+            widths = self._half_widths(derivatives[:, [columns[i] for i in self.free]], self.free, sigma)
             self.widths[self.free] = widths
             wide = [i for i, w in zip(self.free, widths, strict=True) if w > limit]
             wide = [i for i in wide if not self._at_bound(i)]
@@ -239,29 +308,43 @@ class _Fit:
             self._set_aside(max(wide, key=lambda i: self.widths[i]), sigma)
             if refit:
                 if self.free and not self.budget_spent:
-                    self.budget_spent = fit_free(self.error, self.free, self.bounds, self.best)
+                    self.budget_spent = fit_free(self.error, self.free, self.bounds, self.best, self.fatol)
                 return True
         return False
 
     def _set_aside(self, i: int, sigma: float) -> None:
+        """``i`` out of the fit, with its reason: the phase it acts on is
+        the lesser; it moves the times as a coefficient still fitted does;
+        the budget ran out before its interval closed; or its effect is
+        small against the noise."""
         if i in self.free:
             self.free.remove(i)
         name = self.names[i]
-        for first, second, cosine in alike_pairs(self.effects):
-            other = second if first == name else first if second == name else None
-            if other is not None and self.names.index(other) in self.free:
-                self.reasons[i] = reason_alike(other, cosine)
-                return
-        if self.budget_spent and math.isfinite(self.widths[i]):
-            self.reasons[i] = (
+        sensitivity = rms(self.effects[name])
+        reason = phase_reason(name, self.busy()) or self._alike_reason(name)
+        if reason is None and self.budget_spent and math.isfinite(self.widths[i]):
+            reason = (
                 f"the fit's budget ran out with its interval at +-{100 * math.expm1(self.widths[i]):.3g} %; "
                 "allow more simulations"
             )
-            return
-        sensitivity = rms(self.effects[name])
-        if sensitivity < MIN_SENSITIVITY:
-            sensitivity = 0.0  # below what the screen resolves
-        self.reasons[i] = reason_not_identified(name, self.busy(), sensitivity, sigma)
+        # Below what the screen resolves: no effect.
+        self.reasons[i] = reason or reason_weak(sensitivity if sensitivity >= MIN_SENSITIVITY else 0.0, sigma)
+
+    def _alike_reason(self, name: str) -> str | None:
+        for first, second, cosine in alike_pairs(self.effects):
+            other = second if first == name else first if second == name else None
+            if other is not None and self.names.index(other) in self.free:
+                return reason_alike(other, cosine)
+        return None
+
+    def _set_aside_alike(self) -> None:
+        """Of two free coefficients that move the times alike, the replay
+        fixes only their combination: the less sensitive one is set aside."""
+        for first, second, _ in alike_pairs(self.effects):
+            pair = [self.names.index(first), self.names.index(second)]
+            if all(i in self.free for i in pair):
+                weaker = min(pair, key=lambda i: rms(self.effects[self.names[i]]))
+                self._set_aside(weaker, NOISE_FLOOR)
 
     def busy(self) -> BusyTime:
         """Where the simulation at the start spent its time (for reasons)."""

@@ -94,11 +94,13 @@ def finished_times(requests: pd.DataFrame) -> pd.DataFrame:
     )
 
 
-def relative_residuals(simulated: pd.DataFrame, measured: pd.DataFrame) -> np.ndarray:
+def relative_residuals(
+    simulated: pd.DataFrame, measured: pd.DataFrame, floor_s: float = LATENCY_FLOOR_S
+) -> np.ndarray:
     """One residual per measured request and time (TTFT, then e2e): the
     same length whatever the simulation finished, so candidates compare."""
     aligned = simulated.reindex(measured.index)
-    scale = np.maximum(measured.to_numpy(float), LATENCY_FLOOR_S)
+    scale = np.maximum(measured.to_numpy(float), floor_s)
     residuals = (aligned.to_numpy(float) - measured.to_numpy(float)) / scale
     return np.nan_to_num(residuals, nan=MISSING_RESIDUAL).ravel(order="F")
 
@@ -126,6 +128,7 @@ class RequestTimeError:
     evaluations: dict[tuple[float, ...], np.ndarray] = field(default_factory=dict)
     workloads: dict[str, Workload] | None = None
     burst_of: pd.Series | None = None
+    floor_s: float = LATENCY_FLOOR_S  # the residuals' scale below which a time is compared absolutely
 
     def __post_init__(self) -> None:
         self.layouts = tuple(dict.fromkeys(self.measured.index.get_level_values(0)))
@@ -141,7 +144,8 @@ class RequestTimeError:
         if key not in self.evaluations:
             if time.monotonic() > self.deadline_s or len(self.evaluations) >= self.max_simulations:
                 raise BudgetSpent
-            self.evaluations[key] = relative_residuals(self.simulated_times(self.values(x)), self.measured)
+            simulated = self.simulated_times(self.values(x))
+            self.evaluations[key] = relative_residuals(simulated, self.measured, self.floor_s)
         return self.evaluations[key]
 
     def simulated_times(self, values: dict[str, float]) -> pd.DataFrame:
@@ -199,6 +203,7 @@ def fit_free(
     free: list[int],
     bounds: list[tuple[float, float]],
     start: np.ndarray | None = None,
+    fatol: float = 1e-6,
 ) -> bool:
     """Nelder-Mead over the free coefficients, the others at their start;
     True if the budget stopped it.
@@ -223,7 +228,7 @@ def fit_free(
             x0,
             method="Nelder-Mead",
             bounds=[bounds[i] for i in free],
-            options={"initial_simplex": simplex, "xatol": X_TOLERANCE, "fatol": 1e-6, "maxfev": 10**6},
+            options={"initial_simplex": simplex, "xatol": X_TOLERANCE, "fatol": fatol, "maxfev": 10**6},
         )
     except BudgetSpent:
         return True

@@ -35,8 +35,9 @@ import pandas as pd
 NOISE_FLOOR = 0.005
 # Two-sided 95 % (normal).
 Z95 = 1.96
-# Fitted only when the 95 % interval is within +-10 % of the value.
-MAX_HALF_WIDTH = math.log(1.10)
+# Fitted only when the 95 % interval is within +-5 % of the value: what
+# kvsim's figures are asked to match, a coefficient must be known to.
+MAX_HALF_WIDTH = math.log(1.05)
 # Set aside before the fit: even a replay as exact as the floor would leave
 # the interval wider than x2 either way (fitting it would only wander).
 HOPELESS_HALF_WIDTH = math.log(2.0)
@@ -124,8 +125,9 @@ def busy_time(steps: pd.DataFrame, step_overhead_s: float) -> BusyTime:
     return BusyTime(float(time_s.sum()), prefill_s, len(steps), len(steps) * step_overhead_s)
 
 
-def reason_not_identified(name: str, busy: BusyTime, sensitivity: float, sigma: float) -> str:
-    """One line, from the replay itself, saying why ``name`` is not fitted."""
+def phase_reason(name: str, busy: BusyTime) -> str | None:
+    """Why ``name`` cannot be identified, from where the engine spent its
+    time; None when the phase it acts on is not the lesser one."""
     prefill = 100 * busy.prefill_share
     if name == "memory_efficiency" and prefill >= 50:
         return f"prefill is {prefill:.0f} % of busy time; decode steps cannot identify memory_efficiency"
@@ -136,6 +138,10 @@ def reason_not_identified(name: str, busy: BusyTime, sensitivity: float, sigma: 
             f"the step overhead is {100 * busy.overhead_share:.1f} % of busy time ({busy.num_steps} steps); "
             "too little to identify step_overhead_s"
         )
+    return None
+
+
+def reason_weak(sensitivity: float, sigma: float) -> str:
     if sensitivity == 0:
         return "moving it 10 % moves no request time"
     return (

@@ -13,17 +13,20 @@ What can be known:
 - ``kvsim serve`` reports when its engine took each request in
   (``server_arrival_s``, its own clock; ``sim.serving.ARRIVAL_HEADER``).
   Moved onto the client's clock (the smallest transit is taken as 0), those
-  are the arrivals to simulate: order and times, so every request can be
-  matched by its id.
+  are the arrivals to simulate, in the server's order.
 - vLLM reports neither (random response ids, a log stamped in whole
-  seconds; only its OpenTelemetry traces hold each request's arrival). The
-  client's send times are known, not the order inside a burst: requests
-  sent within the reorder window of one another form a burst, compared by
-  figures a reorder inside it does not move: its last first token and its
-  last finish, from its first arrival (the prefills and the whole work of a
-  burst take the same time in any order). A request alone is its own burst:
-  its TTFT and end-to-end latency.
+  seconds; only its OpenTelemetry traces hold each request's arrival): the
+  client's send times are simulated, in the order sent.
 - A simulated stand-in (no ``sent_s``) arrived at its stamps.
+
+Even in the server's order, which step a request of a burst joins depends
+on milliseconds of the server's event loop (a request read just after the
+engine woke waits for the next step: a whole prefill at a burst's start).
+So requests that arrive within the reorder window of one another form a
+burst, compared by figures neither a reorder nor that jitter moves: its
+last first token and its last finish, from its first arrival (a burst's
+prefills, and its whole work, take the same time in any order). A request
+alone is its own burst: its TTFT and end-to-end latency, matched by id.
 
 No twin in vLLM.
 """
@@ -43,10 +46,15 @@ from sim.workloads import Workload
 
 REQUEST_COLUMNS = ("layout", "request_id", "arrival_s", "first_token_s", "finished_s")
 
-# A server may take two requests in either order when they are sent closer
-# than this (wall seconds): reading and parsing a long prompt's JSON body
-# and the event loop's hop (a 40K-token body takes tens of milliseconds).
-REORDER_WALL_S = 0.05
+# A server may take two requests in either order, or in one step or two,
+# when they reach it closer than this (wall seconds): reading and parsing a
+# long prompt's JSON body and the event loop's hop take milliseconds.
+REORDER_WALL_S = 0.02
+# A replay's clock is good to about the reorder window (a request's transit
+# and the client's event loop): a latency shorter than this many windows is
+# compared on that scale, not relative to itself (a decode-heavy load's
+# first tokens come within a few windows, and would weigh as noise).
+FLOOR_WINDOWS = 10
 
 
 # Where a replay's arrivals come from (``replayed_arrival_s``).
@@ -89,12 +97,15 @@ def bursts(arrival_s: pd.Series, window_s: float) -> pd.Series:
     return first.reindex(arrival_s.index)
 
 
-def dense_fraction(arrival_s: pd.Series, window_s: float) -> float:
-    """The share of requests that arrived within ``window_s`` of another."""
-    if len(arrival_s) < 2:
-        return 0.0
-    burst = bursts(arrival_s, window_s)
-    return float(burst.map(burst.value_counts()).gt(1).mean())
+def arrivals_and_bursts(requests: pd.DataFrame, window_s: float) -> tuple[pd.Series, pd.Series, str]:
+    """One layout's replayed arrivals (``replayed_arrival_s``), each
+    request's burst (by id) and where the arrivals come from. A simulated
+    stand-in ran at its own stamps, in the simulation's order: every
+    request is its own burst."""
+    arrival, source = replayed_arrival_s(requests)
+    if source == TRACE_STAMPS:
+        return arrival, pd.Series(arrival.index, index=arrival.index), source
+    return arrival, bursts(arrival, window_s), source
 
 
 def replayed_workload(workload: Workload, arrival_s: pd.Series) -> Workload:
@@ -146,6 +157,7 @@ class ReplayTarget:
     burst_of: pd.Series  # (layout, request id) -> burst (first request's id)
     measured: pd.DataFrame  # burst_times of the replay
     arrivals: dict[str, str]  # per layout: SERVER_ARRIVALS, SENT_TIMES or TRACE_STAMPS
+    floor_s: float  # latencies below it compare on its scale (FLOOR_WINDOWS; 0 for a simulation)
 
     def describe(self) -> str:
         """One line: which arrivals were simulated and what was compared."""
@@ -171,15 +183,14 @@ def replay_target(scenario: Scenario, requests: pd.DataFrame, reorder_window_s: 
     base = scenario_workload(scenario)
     workloads, sources, parts, measured = {}, {}, [], []
     for layout, rows in requests.groupby("layout", sort=False):
-        arrival, source = replayed_arrival_s(rows)
+        arrival, burst, source = arrivals_and_bursts(rows, reorder_window_s)
         workloads[str(layout)], sources[str(layout)] = replayed_workload(base, arrival), source
-        if source == SENT_TIMES:
-            burst = bursts(arrival, reorder_window_s)
-        else:  # the order is known: every request is matched by itself
-            burst = pd.Series(arrival.index, index=arrival.index)
         parts.append(pd.Series(burst.to_numpy(), index=pd.MultiIndex.from_product([[layout], burst.index])))
         ids = rows["request_id"].astype(str)
         measured.append(rows[ids.isin(arrival.index)].assign(arrival_s=ids.map(arrival)))
     burst_of = pd.concat(parts) if parts else pd.Series(dtype=object)
     times = burst_times(pd.concat(measured), burst_of) if measured else pd.DataFrame()
-    return ReplayTarget(workloads, burst_of, times, sources)
+    timed = any(source != TRACE_STAMPS for source in sources.values())
+    return ReplayTarget(
+        workloads, burst_of, times, sources, FLOOR_WINDOWS * reorder_window_s if timed else 0.0
+    )

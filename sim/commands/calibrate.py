@@ -51,7 +51,7 @@ def register(subparsers: Any) -> None:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from sim.analysis.calibrate import calibrate
     from sim.analysis.calibrate_error import check_coefficients, with_step_time
-    from sim.commands.validate import read_replays
+    from sim.commands.validate import read_replays, reorder_window_s
     from sim.results import write_text
 
     check_coefficients(args.fit)
@@ -65,40 +65,27 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"kvsim: calibrating {', '.join(args.fit)} to {', '.join(map(str, replay_dirs))} "
         f"({scenario.name}, {', '.join(layouts)})"
     )
-    _print_validation("before (the scenario's step_time)", scenario, layouts, replay)
+    window_s = reorder_window_s(replay_dirs)
+    _print_validation("before (the scenario's step_time)", scenario, layouts, replay, window_s)
     result = calibrate(
         scenario,
         replay["requests"],
         args.fit,
         max_simulations=args.max_simulations,
         max_seconds=args.max_seconds,
-        reorder_window_s=reorder_window_s(replay_dirs),
+        reorder_window_s=window_s,
     )
     _print_fit(result)
     if not result.fitted:
         raise ConfigError(f"--fit: {', '.join(args.fit)}: none is identifiable from this replay")
-    _print_validation("after (fitted step_time)", with_step_time(scenario, result.fitted), layouts, replay)
+    fitted = with_step_time(scenario, result.fitted)
+    _print_validation("after (fitted step_time)", fitted, layouts, replay, window_s)
     out = Path(args.out) if args.out else replay_dir / "step-time.yaml"
     fragment = _fragment(replay_dirs, result)
     write_text(out, fragment)
     print(fragment.rstrip())
     print(f"kvsim: step_time block written to {out}")
     return 0
-
-
-def reorder_window_s(replay_dirs: list[Path]) -> float:
-    """Scenario seconds within which the server may have taken two requests
-    in either order: ``REORDER_WALL_S`` times the replay's ``--speed``."""
-    from sim.analysis.replayed_arrivals import REORDER_WALL_S
-    from sim.results import read_manifest
-
-    speeds = []
-    for path in replay_dirs:
-        speed = read_manifest(path).get("speed", 1.0)  # a stand-in replay ran at 1
-        if isinstance(speed, bool) or not isinstance(speed, int | float) or not speed > 0:
-            raise ConfigError(f"{path}/manifest.json: speed: expected a number > 0, got {speed!r}")
-        speeds.append(float(speed))
-    return REORDER_WALL_S * max(speeds)
 
 
 def _replayed_scenario(replay_dir: Path, replay: dict[str, pd.DataFrame], data: dict[str, Any]) -> Any:
@@ -115,13 +102,13 @@ def _replayed_scenario(replay_dir: Path, replay: dict[str, pd.DataFrame], data: 
 
 
 def _print_validation(
-    title: str, scenario: Any, layouts: tuple[Any, ...], replay: dict[str, pd.DataFrame]
+    title: str, scenario: Any, layouts: tuple[Any, ...], replay: dict[str, pd.DataFrame], window_s: float
 ) -> None:
     from sim.analysis.runs import run_scenario
     from sim.commands.validate import print_validation
 
     print(f"--- {title} ---")
-    print_validation(run_scenario(scenario, layouts).frames(), replay)
+    print_validation(run_scenario(scenario, layouts).frames(), replay, window_s)
 
 
 def _print_fit(result: Any) -> None:
