@@ -157,3 +157,57 @@ def test_a_replay_without_its_scenario_is_a_one_line_error(tmp_path, capsys):
     assert main(["calibrate", str(replay), "--fit", "step_overhead_s", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvsim: error: ") and "no scenario recorded" in err and not out.exists()
+
+
+PREFILL_ONLY = {
+    "trace": "synthetic",
+    "num_requests": 8,
+    "arrival": {"process": "poisson", "rate_per_s": 1.0},
+    "prompt": {"distribution": "uniform", "lo": 4000, "hi": 12000},
+    "output": {"distribution": "uniform", "lo": 2, "hi": 8},
+}
+
+
+@pytest.mark.parametrize(
+    ("workload", "identifiable", "not_identifiable", "reason"),
+    [
+        (
+            DECODE_ONLY,
+            "memory_efficiency",
+            "compute_efficiency",
+            "prefills cannot identify compute_efficiency",
+        ),
+        (
+            PREFILL_ONLY,
+            "compute_efficiency",
+            "memory_efficiency",
+            "decode steps cannot identify memory_efficiency",
+        ),
+    ],
+)
+def test_plan_tells_which_replay_identifies_which_coefficient(
+    tmp_path, capsys, workload, identifiable, not_identifiable, reason
+):
+    """``--plan``: no rig, no fit. A decode-only load pins down the memory
+    efficiency and not the compute efficiency; a prefill-only load the
+    reverse; each coefficient not identifiable comes with its reason and
+    what to replay instead (the load that does identify it)."""
+    path = tmp_path / "planned.yaml"
+    path.write_text(yaml.safe_dump({"name": "planned", "workload": workload}))
+    assert main(["calibrate", "--plan", str(path), "--speed", "4"]) == 0
+    printed = capsys.readouterr().out
+    rows = {
+        line.split()[0]: line for line in printed.splitlines() if line.split()[:1] and "_" in line.split()[0]
+    }
+    assert rows[identifiable].endswith(" identifiable") and "not identifiable" not in rows[identifiable]
+    assert rows[not_identifiable].endswith("not identifiable")
+    remedy = "decode-heavy slice" if not_identifiable == "memory_efficiency" else "cold long prompt"
+    line = next(line for line in printed.splitlines() if line.startswith(f"kvsim: {not_identifiable}: "))
+    assert reason in line and remedy in line
+
+
+def test_plan_and_replay_dirs_are_exclusive(tmp_path, capsys):
+    assert main(["calibrate", "--plan", "default", str(tmp_path)]) == 2
+    assert "--plan: takes a scenario, not REPLAY_DIR" in capsys.readouterr().err
+    assert main(["calibrate"]) == 2
+    assert "name a REPLAY_DIR, or --plan SCENARIO" in capsys.readouterr().err

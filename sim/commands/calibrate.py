@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from sim.config import ConfigError
+from sim.scenario import add_override_argument
 
 if TYPE_CHECKING:  # pandas costs a second at start-up: imported where used
     import pandas as pd
@@ -25,10 +26,22 @@ def register(subparsers: Any) -> None:
     calibrate = subparsers.add_parser("calibrate", help="fit the step-time model to a replay")
     calibrate.add_argument(
         "replay_dirs",
-        nargs="+",
+        nargs="*",
         metavar="REPLAY_DIR",
         help="results of kvsim replay of one scenario (one per layout, or one with both)",
     )
+    calibrate.add_argument(
+        "--plan",
+        metavar="SCENARIO",
+        help="no fit: which coefficients a replay of SCENARIO would identify (before rig time is spent)",
+    )
+    calibrate.add_argument(
+        "--layout", choices=["on", "off"], default="on", help="--plan: the layout to replay (default on)"
+    )
+    calibrate.add_argument(
+        "--speed", type=float, default=1.0, metavar="X", help="--plan: the replay's --speed (default 1)"
+    )
+    add_override_argument(calibrate, " (--plan)")
     calibrate.add_argument(
         "--fit",
         type=_names,
@@ -55,6 +68,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from sim.results import write_text
 
     check_coefficients(args.fit)
+    if args.plan is not None:
+        return _cmd_plan(args)
+    if not args.replay_dirs:
+        raise ConfigError("calibrate: name a REPLAY_DIR, or --plan SCENARIO")
     if args.max_simulations < 1 or not args.max_seconds > 0:
         raise ConfigError("--max-simulations and --max-seconds: must be positive")
     replay_dirs = [Path(path) for path in args.replay_dirs]
@@ -85,6 +102,30 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     write_text(out, fragment)
     print(fragment.rstrip())
     print(f"kvsim: step_time block written to {out}")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    """Which coefficients a replay of the scenario would identify, and what
+    to replay for the others; fits nothing, needs no rig."""
+    from sim.analysis.calibrate_plan import plan, plan_table
+    from sim.scenario import load_scenario
+
+    if args.replay_dirs:
+        raise ConfigError("--plan: takes a scenario, not REPLAY_DIR")
+    if not args.speed > 0:
+        raise ConfigError(f"--speed: expected > 0, got {args.speed}")
+    scenario = load_scenario(args.plan, args.set)
+    planned, busy = plan(scenario, args.fit, args.layout, args.speed)
+    print(
+        f"kvsim: a replay of {scenario.name} [{args.layout}] at --speed {args.speed:g}: prefill "
+        f"{100 * busy.prefill_share:.0f} % of busy time, decode {100 - 100 * busy.prefill_share:.0f} %, "
+        f"{busy.num_steps} steps"
+    )
+    print(plan_table(planned).to_string())
+    for p in planned:
+        if not p.identifiable:
+            print(f"kvsim: {p.name}: not identifiable from this replay: {p.reason}; replay {p.remedy}")
     return 0
 
 

@@ -116,6 +116,15 @@ class LiveEngine:
     def now_s(self) -> float:
         return (self._clock() - self._start_wall) * self.speed
 
+    def _arrival_s(self) -> float:
+        """When the engine takes a request in. A busy engine's next step
+        starts at its clock's time (when the last step landed); one that
+        lags the wall clock runs that step late, with every request that
+        came meanwhile: those are stamped with that step's start, so the
+        arrivals reported (``ARRIVAL_HEADER``) keep the steps' order."""
+        now_s = self.now_s()
+        return now_s if self._was_idle else min(now_s, self.sim.clock.now_s)
+
     async def _sleep_until(self, virtual_s: float) -> None:
         """Until ``virtual_s``, or a stop (a slow engine's step may last hours)."""
         wall_s = max(0.0, virtual_s / self.speed + self._start_wall - self._clock())
@@ -130,7 +139,7 @@ class LiveEngine:
         request_id = f"cmpl-{next(self._ids)}"
         spec = LiveRequestSpec(
             request_id=request_id,
-            arrival_s=self.now_s(),
+            arrival_s=self._arrival_s(),
             prompt_len=len(token_ids),
             output_len=max_tokens,
             token_ids=tuple(token_ids),

@@ -163,7 +163,10 @@ def _abort_if_client_gone(request: web.Request, answer: Answer) -> None:
 
 
 async def _whole(
-    request: web.Request, answer: Answer, queue: asyncio.Queue[TokenDelta], headers: dict[str, str]
+    request: web.Request,
+    answer: Answer,
+    queue: asyncio.Queue[TokenDelta],
+    headers: dict[str, str] | None = None,
 ) -> web.Response:
     token_ids: list[int] = []
     try:
@@ -177,10 +180,13 @@ async def _whole(
 
 
 async def _stream(
-    request: web.Request, answer: Answer, queue: asyncio.Queue[TokenDelta], headers: dict[str, str]
+    request: web.Request,
+    answer: Answer,
+    queue: asyncio.Queue[TokenDelta],
+    headers: dict[str, str] | None = None,
 ) -> web.StreamResponse:
     response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **(headers or {})}
     )
     await response.prepare(request)
 
