@@ -185,9 +185,9 @@ class _Fit:
     x2 (intervals at the noise floor, from the screen) are set aside before
     the fit; the rest join it one by one (``_add_one_by_one``); after it,
     the widest whose interval is too wide is set aside and the rest
-    refitted, until every one left is bound.
-    A coefficient set aside stays at its start: the best evaluation is
-    always one that did not move it (``_best_with``)."""
+    refitted, until every one left is bound. A coefficient set aside stays
+    at its start: the best evaluation is always one that did not move it
+    (``best_with``)."""
 
     def __init__(
         self,

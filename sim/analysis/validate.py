@@ -117,9 +117,12 @@ def _running_metrics(samples: pd.DataFrame, summary: pd.DataFrame) -> tuple[floa
     return float(series.max()), time_weighted(series)
 
 
-def run_metrics(frames: dict[str, pd.DataFrame], layout: str, burst_of: pd.Series) -> dict[str, float]:
+def run_metrics(
+    frames: dict[str, pd.DataFrame], layout: str, burst_of: pd.Series | None = None
+) -> dict[str, float]:
     """The validation metrics of one layout of one run (NaN where unknown);
-    ``burst_of``: (layout, request id) to its burst, as the replay made them."""
+    ``burst_of``: (layout, request id) to its burst, as the replay made them
+    (none: the bursts' figures are unknown)."""
     summary = _of_layout(frames["summary"], layout)
     requests = _of_layout(frames["requests"], layout)
     samples = _of_layout(frames["samples"], layout)
@@ -132,8 +135,8 @@ def run_metrics(frames: dict[str, pd.DataFrame], layout: str, burst_of: pd.Serie
     return {metric: values[metric] for metric in METRICS}
 
 
-def _burst_metrics(finished: pd.DataFrame, burst_of: pd.Series) -> dict[str, float]:
-    if finished.empty or burst_of.empty:
+def _burst_metrics(finished: pd.DataFrame, burst_of: pd.Series | None) -> dict[str, float]:
+    if burst_of is None or burst_of.empty or finished.empty or "arrival_s" not in finished:
         return dict.fromkeys(BURST_METRICS, float("nan"))
     times = burst_times(finished, burst_of)
     return dict(
@@ -148,7 +151,7 @@ def replay_bursts(
     arrivals it made: the server's, else the send times), and those
     requests with ``arrival_s`` the arrival it made."""
     requests = _of_layout(replay["requests"], layout)
-    if requests.empty or "request_id" not in requests:
+    if requests.empty or not {"request_id", "arrival_s"} <= set(requests.columns):
         return pd.Series(dtype=object), requests
     arrival, burst, _ = arrivals_and_bursts(requests, window_s)
     ids = requests["request_id"].astype(str)
@@ -185,7 +188,7 @@ def metric_table(
 
 
 def _compared(
-    layout: str, metric: str, simulated: float, measured: float, comparable: bool
+    layout: str, metric: str, simulated: float, measured: float, comparable: bool = True
 ) -> dict[str, Any]:
     error = simulated - measured if comparable else float("nan")
     relative = 100 * error / measured if measured == measured and measured != 0 else float("nan")
