@@ -101,7 +101,9 @@ def replays(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     }
 
 
-def _calibrate(replay: tuple[Path, Path], requests=None) -> tuple[c.Calibration, float]:
+def _calibrate(
+    replay: tuple[Path, Path], requests=None, max_simulations: int = 100
+) -> tuple[c.Calibration, float]:
     """The calibration of the default fit, and the RMS error of the same
     comparison at the rig's true coefficients."""
     scenario_path, replay_dir = replay
@@ -109,7 +111,9 @@ def _calibrate(replay: tuple[Path, Path], requests=None) -> tuple[c.Calibration,
     if requests is None:
         requests = read_run(replay_dir)[0]["requests"]
     window_s = reorder_window_s([replay_dir])
-    result = c.calibrate(scenario, requests, DEFAULT_FIT, reorder_window_s=window_s)
+    result = c.calibrate(
+        scenario, requests, DEFAULT_FIT, max_simulations=max_simulations, reorder_window_s=window_s
+    )
     target = replay_target(scenario, requests, window_s)
     names = tuple(RIG)
     at_truth = RequestTimeError(
@@ -162,7 +166,7 @@ def test_a_fit_that_ignores_the_intervals_goes_red(replays, monkeypatch):
     for limit in ("MAX_HALF_WIDTH", "HOPELESS_HALF_WIDTH"):
         monkeypatch.setattr(c, limit, np.inf)
     monkeypatch.setattr(c, "alike_pairs", lambda effects: ())
-    result, at_truth = _calibrate(replays["burst"])
+    result, at_truth = _calibrate(replays["burst"], max_simulations=50)
     assert _problems(result, at_truth, {"compute_efficiency"}) != []
 
 
@@ -172,7 +176,7 @@ def test_a_fit_on_per_request_ttft_in_trace_order_goes_red(replays):
     request: the error at the truth is far from 0."""
     requests = read_run(replays["burst"][1])[0]["requests"].drop(columns=["sent_s", "server_arrival_s"])
     result, at_truth = _calibrate(replays["burst"], requests)
-    assert "16 requests matched one by one" in result.arrivals or "matched one by one" in result.arrivals
+    assert "requests matched one by one" in result.arrivals
     problems = _problems(result, at_truth, {"compute_efficiency"})
     assert problems != [] and at_truth > 2 * NOISE
 
