@@ -166,7 +166,7 @@ def test_a_fit_that_ignores_the_intervals_goes_red(replays, monkeypatch):
     for limit in ("MAX_HALF_WIDTH", "HOPELESS_HALF_WIDTH"):
         monkeypatch.setattr(c, limit, np.inf)
     monkeypatch.setattr(c, "alike_pairs", lambda effects: ())
-    result, at_truth = _calibrate(replays["burst"], max_simulations=50)
+    result, at_truth = _calibrate(replays["burst"])
     assert _problems(result, at_truth, {"compute_efficiency"}) != []
 
 
