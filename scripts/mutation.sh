@@ -167,7 +167,7 @@ declare -A MODULES=(
   # the two full fits (15 s and 4 s alone, half a minute each on a shared
   # machine) are left out: each survivor would cost a minute. The fit itself
   # is pinned by the fits on a closed-form model (milliseconds).
-  [calibrate]="sim/analysis/calibrate.py|tests/test_values_calibrate.py::test_finished_times_are_ttft_and_e2e_from_arrival_of_finished_requests \
+  [calibrate]="sim/analysis/calibrate*.py|tests/test_values_calibrate.py::test_finished_times_are_ttft_and_e2e_from_arrival_of_finished_requests \
 tests/test_values_calibrate.py::test_residuals_are_relative_to_the_measurement_floored_at_ten_ms \
 tests/test_values_calibrate.py::test_rms_of_hand_residuals \
 tests/test_values_calibrate.py::test_log_bounds_are_a_decade_each_way_within_the_fields_limits \
@@ -178,8 +178,8 @@ tests/test_values_calibrate.py::test_alike_pairs_are_parallel_or_opposite_effect
 tests/test_values_calibrate.py::test_the_alike_threshold_is_a_cosine_of_095_inclusive \
 tests/test_values_calibrate.py::test_a_coefficient_the_scenario_sets_is_the_start_and_the_fit_wins_over_it \
 tests/test_values_calibrate.py::test_the_fit_recovers_the_closed_form_models_coefficients \
-tests/test_values_calibrate.py::test_a_truth_past_the_bound_is_fitted_at_the_bound \
-tests/test_values_calibrate.py::test_a_spent_budget_returns_the_best_screened_point \
+tests/test_values_calibrate.py::test_a_truth_past_the_bound_is_at_the_bound_not_fitted \
+tests/test_values_calibrate.py::test_a_spent_budget_fits_nothing_it_cannot_bound \
 tests/test_values_calibrate.py::test_a_replay_with_nothing_finished_cannot_be_calibrated \
 tests/test_values_calibrate.py::test_the_fit_list_messages_name_every_coefficient_comma_separated \
 tests/test_values_calibrate.py::test_a_sensitivity_exactly_at_the_threshold_is_fitted_and_alike_is_inclusive \

@@ -345,6 +345,7 @@ def by_vllm_name(name: str) -> list[tuple[Frame, Metric]]:
 REPLAY_ONLY: dict[Frame, tuple[Metric, ...]] = {
     "requests": (
         _m("sent_s", "s", "value", "when the replay sent the request"),
+        _m("server_arrival_s", "s", "value", "when the server took it in, its own clock (kvsim serve only)"),
         _m("finish_reason", "text", "value", "the server's finish reason (length: the output was pinned)"),
         _m("error", "text", "value", "why the request failed (HTTP status, lost connection, timeout)"),
     ),

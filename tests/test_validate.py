@@ -165,3 +165,39 @@ def test_one_replay_per_layout(runs, capsys, tmp_path):
     assert all(row["error"] in (0, None) for row in report["metrics"])
     assert main(["validate", str(runs["sim"]), str(runs["on"]), str(runs["same"])]) == 2
     assert "a layout is in more than one replay" in capsys.readouterr().err
+
+
+def test_arrivals_too_dense_for_per_request_comparison(runs, capsys):
+    """Two requests sent a millisecond apart (the server may take them in
+    either order): the reorder-sensitive percentiles are shown but not
+    compared (error NaN), the note says why and what is compared instead;
+    the bursts' figures are compared. Control: with no reorder window, the
+    same frames compare every metric."""
+    from sim.commands.validate import print_validation
+    from sim.results import read_run
+
+    sim = read_run(runs["sim"])[0]
+    replay = read_run(runs["same"])[0]
+    requests = replay["requests"].copy()
+    requests["sent_s"] = requests["arrival_s"]
+    first = requests.index[requests["request_id"] == requests["request_id"].iloc[0]]
+    second = requests.index[requests["request_id"] == requests["request_id"].iloc[1]]
+    requests.loc[second, "sent_s"] = requests.loc[first, "sent_s"].to_numpy() + 0.001
+    replay = {**replay, "requests": requests}
+    table = v.metric_table(sim, replay, 0.002).set_index(["layout", "metric"])
+    for layout in ("off", "on"):
+        for metric in v.REORDER_SENSITIVE:
+            assert not table.loc[(layout, metric), "comparable"] and math.isnan(
+                table.loc[(layout, metric), "error"]
+            )
+        for metric in ("ttft_p99_s", *v.BURST_METRICS):
+            assert table.loc[(layout, metric), "comparable"]
+            assert not math.isnan(table.loc[(layout, metric), "sim"])
+    report = v.validation_report(sim, replay, 0.002)
+    assert report["burst_share"] == {"off": 2 / 16, "on": 2 / 16}
+    control = v.metric_table(sim, replay, 0.0)
+    assert control["comparable"].all()
+    print_validation(sim, replay, 0.002)
+    printed = capsys.readouterr().out
+    assert "12 % of the requests reached the server within 0.002 s of another: too dense" in printed
+    assert "not compared: ttft_p50_s, ttft_p90_s, e2e_p50_s" in printed

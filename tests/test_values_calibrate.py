@@ -17,6 +17,7 @@ import pytest
 from helpers.scenarios import scenario as make_scenario
 
 from sim.analysis import calibrate as c
+from sim.analysis import calibrate_error as ce
 from sim.analysis.runs import run_scenario, scenario_workload
 from sim.config import ConfigError
 
@@ -32,11 +33,11 @@ def test_finished_times_are_ttft_and_e2e_from_arrival_of_finished_requests():
             "finished_s": [4.0, np.nan, 1.5],
         }
     )
-    times = c.finished_times(requests)
+    times = ce.finished_times(requests)
     assert list(times.index) == [("on", "7"), ("off", "7")]
     assert list(times["ttft_s"]) == [0.5, 0.25] and list(times["e2e_s"]) == [3.0, 1.0]
     with pytest.raises(ConfigError, match="requests: no column first_token_s, finished_s"):
-        c.finished_times(requests.drop(columns=["first_token_s", "finished_s"]))
+        ce.finished_times(requests.drop(columns=["first_token_s", "finished_s"]))
 
 
 def test_residuals_are_relative_to_the_measurement_floored_at_ten_ms():
@@ -44,13 +45,13 @@ def test_residuals_are_relative_to_the_measurement_floored_at_ten_ms():
     measured = pd.DataFrame({"ttft_s": [0.010, 0.005, 1.0], "e2e_s": [0.02, 0.5, 2.0]}, index=index)
     simulated = pd.DataFrame({"ttft_s": [0.012, 0.006, 1.0], "e2e_s": [0.01, 0.25, 2.5]}, index=index)
     expected = [0.2, 0.1, 0.0, -0.5, -0.5, 0.25]  # TTFTs first, then e2e; b's TTFT over 10 ms, not 5
-    assert c.relative_residuals(simulated, measured) == pytest.approx(expected)
-    assert c.LATENCY_FLOOR_S == 0.010 and c.MISSING_RESIDUAL == 1.0
+    assert ce.relative_residuals(simulated, measured) == pytest.approx(expected)
+    assert ce.LATENCY_FLOOR_S == 0.010 and ce.MISSING_RESIDUAL == 1.0
 
 
 def test_rms_of_hand_residuals():
-    assert c.rms(np.array([3.0, 4.0])) == pytest.approx(math.sqrt(12.5))
-    assert math.isnan(c.rms(np.array([])))
+    assert ce.rms(np.array([3.0, 4.0])) == pytest.approx(math.sqrt(12.5))
+    assert math.isnan(ce.rms(np.array([])))
 
 
 # ---------------------------------------------------------------- bounds
@@ -64,7 +65,7 @@ def test_rms_of_hand_residuals():
     ],
 )
 def test_log_bounds_are_a_decade_each_way_within_the_fields_limits(name, start, low, high):
-    low_x, high_x = c.log_bounds(name, start)
+    low_x, high_x = ce.log_bounds(name, start)
     assert start * math.exp(low_x) == pytest.approx(low, rel=1e-6)
     assert start * math.exp(high_x) == pytest.approx(high, rel=1e-6)
     assert start * math.exp(high_x) <= 1.0 or name == "step_overhead_s"
@@ -74,15 +75,15 @@ def test_a_coefficient_starting_at_zero_cannot_be_fitted():
     with pytest.raises(
         ConfigError, match="step_time: step_overhead_s: cannot fit from 0.0; start it above 0"
     ):
-        c.log_bounds("step_overhead_s", 0.0)
+        ce.log_bounds("step_overhead_s", 0.0)
 
 
 def test_the_fit_list_must_name_something():
     with pytest.raises(ConfigError, match="--fit: cannot fit nothing; choose among"):
-        c.check_coefficients(())
-    assert c.check_coefficients(["step_overhead_s"]) == ("step_overhead_s",)
-    assert "tensor_parallel_size" not in c.fittable_coefficients()
-    assert {"compute_efficiency", "memory_efficiency", "step_overhead_s"} <= set(c.fittable_coefficients())
+        ce.check_coefficients(())
+    assert ce.check_coefficients(["step_overhead_s"]) == ("step_overhead_s",)
+    assert "tensor_parallel_size" not in ce.fittable_coefficients()
+    assert {"compute_efficiency", "memory_efficiency", "step_overhead_s"} <= set(ce.fittable_coefficients())
 
 
 # ------------------------------------------------------------- the screen
@@ -100,14 +101,14 @@ class QuadraticError:
 def test_screening_moves_each_coefficient_ten_percent_each_way_within_its_bounds():
     step = math.log(1.1)
     wide = [(-1.0, 1.0), (-1.0, 1.0)]
-    effects = c.screen(QuadraticError(), wide)
+    effects = ce.screen(QuadraticError(), wide)
     assert effects["linear"] == pytest.approx([1.0, 0.0, 0.0])
     assert effects["square"] == pytest.approx([0.0, 0.0, 0.0])  # (s^2 - s^2) / 2s
     # At its lower bound (start = the bound): moved up only, (s^2 - 0) / s = s.
-    effects = c.screen(QuadraticError(), [(-1.0, 1.0), (0.0, 1.0)])
+    effects = ce.screen(QuadraticError(), [(-1.0, 1.0), (0.0, 1.0)])
     assert effects["square"] == pytest.approx([0.0, step, 0.0])
     # Pinned (both bounds at the start): no effect, not a division by zero.
-    effects = c.screen(QuadraticError(), [(0.0, 0.0), (-1.0, 1.0)])
+    effects = ce.screen(QuadraticError(), [(0.0, 0.0), (-1.0, 1.0)])
     assert effects["linear"] == pytest.approx([0.0, 0.0, 0.0])
 
 
@@ -119,7 +120,7 @@ def test_alike_pairs_are_parallel_or_opposite_effects_of_coefficients_that_act()
         "d": np.array([-1.0, -0.01]),  # nearly opposite to a: alike too
         "e": np.array([1e-6, 0.0]),  # no effect: never alike
     }
-    pairs = {(a, b): cosine for a, b, cosine in c.alike_pairs(effects)}
+    pairs = {(a, b): cosine for a, b, cosine in ce.alike_pairs(effects)}
     assert set(pairs) == {("a", "b"), ("a", "d"), ("b", "d")}
     assert pairs[("a", "b")] == pytest.approx(1.0) and pairs[("a", "d")] == pytest.approx(-0.99995, abs=1e-5)
 
@@ -129,7 +130,7 @@ def test_the_alike_threshold_is_a_cosine_of_095_inclusive():
     below = math.acos(0.95) + 1e-3
     at = {"a": np.array([1.0, 0.0]), "b": np.array([math.cos(angle - 1e-9), math.sin(angle - 1e-9)])}
     past = {"a": np.array([1.0, 0.0]), "b": np.array([math.cos(below), math.sin(below)])}
-    assert len(c.alike_pairs(at)) == 1 and c.alike_pairs(past) == ()
+    assert len(ce.alike_pairs(at)) == 1 and ce.alike_pairs(past) == ()
 
 
 # ------------------------------------------------- the scenario's own values
@@ -137,18 +138,20 @@ def test_a_coefficient_the_scenario_sets_is_the_start_and_the_fit_wins_over_it(t
     sc = make_scenario(
         tmp_path, "set", ["step_time.step_overhead_s=0.004"], workload=DECODE_ONLY, layouts=["on"]
     )
-    assert c.with_step_time(sc, {"step_overhead_s": 0.007}).step_time["step_overhead_s"] == 0.007
-    assert c.with_step_time(sc, {"compute_efficiency": 0.2}).step_time == {
+    assert ce.with_step_time(sc, {"step_overhead_s": 0.007}).step_time["step_overhead_s"] == 0.007
+    assert ce.with_step_time(sc, {"compute_efficiency": 0.2}).step_time == {
         "step_overhead_s": 0.004,
         "compute_efficiency": 0.2,
     }
     fitted = c.Calibration(
-        start={},
-        fitted={"step_overhead_s": 0.006},
-        sensitivity={},
-        unidentifiable=(),
+        coefficients={
+            "step_overhead_s": c.Coefficient(0.004, 0.006, c.FITTED, "", 0.01, 1.0),
+            # Control: one not identifiable (and one at a bound) stay out of the block.
+            "sampling_s": c.Coefficient(0.001, 0.001, c.NOT_IDENTIFIABLE, "why", math.inf, 0.0),
+            "compute_efficiency": c.Coefficient(0.5, 1.0, c.AT_BOUND, "bound", 0.01, 1.0),
+        },
         alike=(),
-        at_bound=(),
+        noise=0.005,
         rms_error_start=0.0,
         rms_error_fitted=0.0,
         num_simulations=0,
@@ -158,6 +161,7 @@ def test_a_coefficient_the_scenario_sets_is_the_start_and_the_fit_wins_over_it(t
         "step_overhead_s": 0.006,
         "memory_efficiency": 0.3,
     }
+    assert fitted.unidentifiable == ("sampling_s",) and fitted.at_bound == ("compute_efficiency",)
 
 
 # --------------------------------------------------- a fit with one unknown
@@ -190,7 +194,7 @@ def test_an_unidentifiable_coefficient_stays_at_its_start_and_the_other_is_recov
     assert result.start == {"compute_efficiency": 0.74, "step_overhead_s": 0.004}
     assert result.unidentifiable == ("compute_efficiency",)
     assert (
-        result.sensitivity["compute_efficiency"] < c.MIN_SENSITIVITY < result.sensitivity["step_overhead_s"]
+        result.sensitivity["compute_efficiency"] < ce.MIN_SENSITIVITY < result.sensitivity["step_overhead_s"]
     )
     assert set(result.fitted) == {"step_overhead_s"}
     assert result.fitted["step_overhead_s"] == pytest.approx(0.006, rel=0.03)
@@ -241,7 +245,7 @@ def _oracle_residuals(overhead, memory_efficiency, measured_overhead, measured_m
 
 @pytest.fixture
 def closed_form(tmp_path, monkeypatch):
-    monkeypatch.setattr(c.RequestTimeError, "simulated_times", _closed_form)
+    monkeypatch.setattr(ce.RequestTimeError, "simulated_times", _closed_form)
     return make_scenario(
         tmp_path,
         "closed",
@@ -276,38 +280,34 @@ def test_the_fit_recovers_the_closed_form_models_coefficients(closed_form):
     assert control.rms_error_start == 0.0 == control.rms_error_fitted
 
 
-def test_a_truth_past_the_bound_is_fitted_at_the_bound(closed_form):
-    """An overhead 25 times the start stops at 10 times (a decade), flagged;
-    the memory efficiency, inside its bounds, is not flagged."""
-    result = c.calibrate(closed_form, _measured(0.1, 0.4), FIT, max_simulations=400)
-    assert result.fitted["step_overhead_s"] == pytest.approx(0.04, rel=1e-9)
-    assert result.at_bound == ("step_overhead_s",)
+def test_a_truth_past_the_bound_is_at_the_bound_not_fitted(closed_form):
+    """An overhead 25 times the start stops at 10 times (a decade), flagged
+    and out of the fitted block (fitted alone: with the memory efficiency,
+    the misfit at the start would keep the overhead out of the fit)."""
+    result = c.calibrate(closed_form, _measured(0.1, 0.4), ["step_overhead_s"], max_simulations=400)
+    assert result.values["step_overhead_s"] == pytest.approx(0.04, rel=1e-9)
+    assert result.at_bound == ("step_overhead_s",) and "step_overhead_s" not in result.fitted
+    assert result.coefficients["step_overhead_s"].status == "at a bound"
     # A memory efficiency past 1 stops at 1 (its field's cap), a doubling
     # up from 0.5 against a decade down: flagged, the bounds being asymmetric.
-    capped = c.calibrate(closed_form, _measured(0.006, 1.5), FIT, max_simulations=400)
-    assert capped.fitted["memory_efficiency"] == pytest.approx(1.0, rel=1e-6)
+    capped = c.calibrate(closed_form, _measured(0.004, 1.5), ["memory_efficiency"], max_simulations=400)
+    assert capped.values["memory_efficiency"] == pytest.approx(1.0, rel=1e-6)
     assert capped.at_bound == ("memory_efficiency",)
 
 
-def test_a_spent_budget_returns_the_best_screened_point(closed_form):
+def test_a_spent_budget_fits_nothing_it_cannot_bound(closed_form):
     """Seven simulations screen three coefficients (1 + 2 x 3) and leave the
-    fit none: the result is the best point among the start and the free
-    coefficients' screening moves (the unidentifiable one's are excluded),
-    by the oracle's squared error."""
+    fit none. The best screened point (the overhead moved up 10 %, by the
+    oracle's squared error) still misses by 20 % and more, so no interval
+    closes: nothing is reported fitted, each free coefficient says the
+    budget ran out, and all stay at their start."""
     result = c.calibrate(closed_form, _measured(0.006, 0.4), FIT, max_simulations=7)
     assert result.budget_spent and result.num_simulations == 7
-    step = 1.1
-    points = [
-        (0.004, 0.5),
-        (0.004 / step, 0.5),
-        (0.004 * step, 0.5),
-        (0.004, 0.5 / step),
-        (0.004, 0.5 * step),
-    ]
-    errors = [float(np.sum(_oracle_residuals(o, m, 0.006, 0.4) ** 2)) for o, m in points]
-    best = points[int(np.argmin(errors))]
-    assert best == (0.004 * step, 0.5)  # the overhead moved up: the truth is above it
-    assert result.fitted == pytest.approx({"step_overhead_s": best[0], "memory_efficiency": best[1]})
+    best = _oracle_residuals(0.004 * 1.1, 0.5, 0.006, 0.4)
+    assert float(np.sqrt(np.mean(best**2))) > 0.2  # control: the misfit the intervals see
+    assert result.fitted == {} and result.values == result.start
+    for name in ("step_overhead_s", "memory_efficiency"):
+        assert result.coefficients[name].reason.startswith("the fit's budget ran out"), name
     with pytest.raises(ConfigError, match="--max-simulations: 6: at least 7 to screen 3"):
         c.calibrate(closed_form, _measured(0.006, 0.4), FIT, max_simulations=6)
     with pytest.raises(ConfigError, match="^--max-seconds: spent before the fit began; allow more$"):
@@ -331,12 +331,12 @@ def test_the_fit_list_messages_name_every_coefficient_comma_separated():
     )
     # Every float field of StepTimeConfig, in declaration order; not the
     # strings (gpu, quantization), ints (the parallelism, drafts) or optionals.
-    assert ", ".join(c.fittable_coefficients()) == allowed
+    assert ", ".join(ce.fittable_coefficients()) == allowed
     with pytest.raises(ConfigError) as unknown:
-        c.check_coefficients(["gpu", "step_overhead_s", "tensor_parallel_size"])
+        ce.check_coefficients(["gpu", "step_overhead_s", "tensor_parallel_size"])
     assert str(unknown.value) == f"--fit: cannot fit gpu, tensor_parallel_size; choose among {allowed}"
     with pytest.raises(ConfigError) as twice:
-        c.check_coefficients(["sampling_s", "sampling_s"])
+        ce.check_coefficients(["sampling_s", "sampling_s"])
     assert str(twice.value) == "--fit: a coefficient is named twice: sampling_s, sampling_s"
 
 
@@ -344,19 +344,25 @@ def test_a_sensitivity_exactly_at_the_threshold_is_fitted_and_alike_is_inclusive
     """``MIN_SENSITIVITY`` and ``ALIKE_COSINE`` are inclusive: effects of RMS
     exactly 1e-4 (one entry 1e-4: sqrt(mean(1e-8)) = 1e-4 in floats) and a
     cosine of exactly 19/20 (b = (19, 5, 3, 2, 1): |b| = 20)."""
-    assert c.rms(np.array([1e-4, 0.0, 0.0, 0.0])) == 5e-5 and c.rms(np.array([1e-4])) == c.MIN_SENSITIVITY
+    assert ce.rms(np.array([1e-4, 0.0, 0.0, 0.0])) == 5e-5 and ce.rms(np.array([1e-4])) == ce.MIN_SENSITIVITY
     exact = {"a": np.array([1.0, 0, 0, 0, 0]), "b": np.array([19.0, 5, 3, 2, 1])}
-    assert c.alike_pairs(exact) == (("a", "b", 0.95),)
+    assert ce.alike_pairs(exact) == (("a", "b", 0.95),)
     at_threshold = {"a": np.array([1e-4]), "b": np.array([2e-4])}
-    assert c.alike_pairs(at_threshold) == (("a", "b", 1.0),)
+    assert ce.alike_pairs(at_threshold) == (("a", "b", 1.0),)
 
-    # The screen replaced: compute efficiency's effect is exactly at the threshold.
+    # The screen replaced: compute efficiency's effect is exactly at the
+    # threshold (four entries of 1e-4), orthogonal to the overhead's (not alike).
+    assert ce.rms(np.full(4, 1e-4)) == ce.MIN_SENSITIVITY
+
     def screen(error, bounds):
-        return {"compute_efficiency": np.array([1e-4]), "step_overhead_s": np.array([1.0])}
+        return {"compute_efficiency": np.full(4, 1e-4), "step_overhead_s": np.array([1.0, -1.0, 0.0, 0.0])}
 
     monkeypatch.setattr(c, "screen", screen)
+    for limit in ("MAX_HALF_WIDTH", "HOPELESS_HALF_WIDTH"):  # the intervals' test is another one
+        monkeypatch.setattr(c, limit, math.inf)
     result = c.calibrate(closed_form, _measured(0.006, 0.4), ["compute_efficiency", "step_overhead_s"])
-    assert result.unidentifiable == () and set(result.fitted) == {"compute_efficiency", "step_overhead_s"}
+    # Both enter the fit (the compute efficiency, flat, may wander to its bound).
+    assert result.unidentifiable == () and "step_overhead_s" in result.fitted
 
 
 class RecordingBowl:
@@ -381,12 +387,12 @@ def test_the_fit_starts_from_a_25_percent_simplex_and_leaves_fixed_coefficients_
     default simplex (5 % of a nonzero start, 0.00025 at zero) differs."""
     bowl = RecordingBowl([0.1, 0.0, -0.1], scale=1.0)
     wide = [(-1.0, 1.0)] * 3
-    assert c._fit_free(bowl, [0, 2], wide) is False
+    assert ce.fit_free(bowl, [0, 2], wide) is False
     step = math.log(1.25)
     first = {tuple(np.round(x, 12)) for x in bowl.asked[:3]}
     assert first == {(0.0, 0.0, 0.0), (round(step, 12), 0.0, 0.0), (0.0, 0.0, round(step, 12))}
     assert all(x[1] == 0.0 for x in bowl.asked)
-    best, residuals = c._best_with(bowl, [0, 2])
+    best, residuals = ce.best_with(bowl, [0, 2])
     assert best == pytest.approx([0.1, 0.0, -0.1], abs=0.005)
     assert residuals == pytest.approx(bowl.scale * (best - bowl.minimum))
 
@@ -397,8 +403,8 @@ def test_the_fit_stops_at_half_a_percent_where_the_error_is_flat():
     the best point is within it of the minimum but not much finer.
     Control: scipy's default xatol (1e-4) would land within 2e-4."""
     bowl = RecordingBowl([0.3, -0.2], scale=1e-3)
-    c._fit_free(bowl, [0, 1], [(-1.0, 1.0)] * 2)
-    best, _ = c._best_with(bowl, [0, 1])
+    ce.fit_free(bowl, [0, 1], [(-1.0, 1.0)] * 2)
+    best, _ = ce.best_with(bowl, [0, 1])
     distance = float(np.max(np.abs(best - bowl.minimum)))
     assert 2e-4 < distance < 0.005
 
@@ -409,8 +415,8 @@ def test_the_fit_goes_on_while_the_error_moves_more_than_fatol():
     1e-6, so the fit goes on to ~1e-5; it takes more than 60 simulations
     (scipy's maxfev is 10^6 here, the budget is kvsim's)."""
     bowl = RecordingBowl([0.2, -0.3, 0.1, 0.4], scale=100.0)
-    assert c._fit_free(bowl, [0, 1, 2, 3], [(-1.0, 1.0)] * 4) is False
-    best, _ = c._best_with(bowl, [0, 1, 2, 3])
+    assert ce.fit_free(bowl, [0, 1, 2, 3], [(-1.0, 1.0)] * 4) is False
+    best, _ = ce.best_with(bowl, [0, 1, 2, 3])
     # 1e4 x d^2 spread below 1e-6: d ~ 1e-5 (scipy's default fatol, 1e-4,
     # stops near 8e-5).
     assert float(np.max(np.abs(best - bowl.minimum))) < 2e-5
@@ -432,7 +438,7 @@ def test_log_bounds_honour_every_kind_of_pydantic_limit(monkeypatch, limits, low
     from sim.step_time import StepTimeConfig
 
     monkeypatch.setattr(StepTimeConfig.model_fields["sampling_s"], "metadata", limits)
-    low_x, high_x = c.log_bounds("sampling_s", 1.0)
+    low_x, high_x = ce.log_bounds("sampling_s", 1.0)
     assert math.exp(low_x) == pytest.approx(low, rel=1e-12) and math.exp(high_x) == pytest.approx(
         high, rel=1e-12
     )
@@ -452,17 +458,17 @@ def test_times_and_residuals_are_floats_from_object_columns():
         },
         dtype=object,
     )
-    measured = c.finished_times(requests)
+    measured = ce.finished_times(requests)
     assert measured["ttft_s"].dtype == np.float64 and measured["e2e_s"].dtype == np.float64
     simulated = measured.iloc[:1].astype(object)  # request 2 unfinished
-    residuals = c.relative_residuals(simulated, measured.astype(object))
+    residuals = ce.relative_residuals(simulated, measured.astype(object))
     assert residuals.dtype == np.float64 and list(residuals) == [0.0, 1.0, 0.0, 1.0]
 
 
 def test_the_rms_of_nothing_is_nan_without_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert math.isnan(c.rms(np.array([])))
+        assert math.isnan(ce.rms(np.array([])))
 
 
 def test_the_fit_passes_scipy_only_options_it_knows():
@@ -478,4 +484,4 @@ def test_the_fit_passes_scipy_only_options_it_knows():
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert c._fit_free(Quadratic(), [0], [(-1.0, 1.0), (-1.0, 1.0)]) is False
+        assert ce.fit_free(Quadratic(), [0], [(-1.0, 1.0), (-1.0, 1.0)]) is False

@@ -82,7 +82,7 @@ DONE = dict(sent_s=1.25, first_token_s=1.5, last_token_s=3.0, generated_tokens=4
 
 def test_the_requests_frame_has_the_runs_columns_then_the_replays_own():
     """``kvsim run``'s request columns (``sim.analysis.frames``) in its
-    order, the latencies, then ``sent_s``, ``finish_reason``, ``error``,
+    order, the latencies, then ``sent_s``, ``server_arrival_s``, ``finish_reason``, ``error``,
     between the labels: scenario and layout first, source last."""
     outcome = ReplayOutcome(records=[_record("a", **DONE)], samples=[], duration_s=5.0)
     frame = requests_frame(outcome, "s", "on")
@@ -90,7 +90,7 @@ def test_the_requests_frame_has_the_runs_columns_then_the_replays_own():
         "scenario", "layout", "request_id", "arrival_s", "prompt_tokens", "output_tokens",
         "rejected", "admitted_s", "first_token_s", "finished_s", "num_preemptions",
         "prefix_hit_tokens", "generated_tokens", "turn", "admitted", "finished", "ttft_s",
-        "queue_s", "e2e_s", "sent_s", "finish_reason", "error", "source",
+        "queue_s", "e2e_s", "sent_s", "server_arrival_s", "finish_reason", "error", "source",
     ]  # fmt: skip
     row = frame.iloc[0]
     assert (row["scenario"], row["layout"], row["source"]) == ("s", "on", "replay")

@@ -28,6 +28,8 @@ def _requests(ttft_s: list[float], e2e_s: list[float]) -> dict[str, list]:
     finished = [1.0 + e for e in e2e_s]
     return {
         "request_id": [str(i) for i in range(len(ttft_s) + 2)],
+        "arrival_s": [1.0] * (len(ttft_s) + 2),
+        "first_token_s": [1.0 + t for t in [*ttft_s, 50.0, 60.0]],
         "ttft_s": [*ttft_s, 50.0, 60.0],
         "e2e_s": [*e2e_s, NAN, NAN],
         "finished_s": [*finished, NAN, NAN],
@@ -78,8 +80,18 @@ def _hand_values(side: dict, ttft_s: list[float], e2e_s: list[float], peak: floa
         "ttft_p99_s": numpy_percentile(ttft_s, 99),
         "e2e_p50_s": numpy_percentile(e2e_s, 50),
         "e2e_p99_s": numpy_percentile(e2e_s, 99),
+        # A simulated stand-in's requests are each their own burst: the
+        # means of the finished requests' TTFT and e2e.
+        "burst_last_ttft_mean_s": sum(ttft_s) / len(ttft_s),
+        "burst_last_e2e_mean_s": sum(e2e_s) / len(e2e_s),
         "output_throughput_tokens_per_s": summary["output_throughput_tokens_per_s"],
     }
+
+
+def own_bursts(layout: str, num_requests: int) -> pd.Series:
+    """Every request its own burst (by id)."""
+    ids = [str(i) for i in range(num_requests)]
+    return pd.Series(ids, index=pd.MultiIndex.from_product([[layout], ids]))
 
 
 SIM_VALUES = _hand_values(SIM, SIM_TTFT_S, SIM_E2E_S, 4, (2 * 1 + 4 * 2 + 1 * 3) / 6)
@@ -96,7 +108,7 @@ def test_the_oracle_percentiles_differ_so_a_swapped_column_or_percentile_shows()
 
 def test_run_metrics_reads_each_metric_from_its_own_column():
     frames = hand_run({"on": SIM})
-    values = v.run_metrics(frames, "on")
+    values = v.run_metrics(frames, "on", own_bursts("on", 12))
     assert list(values) == list(v.METRICS)
     assert values == pytest.approx(SIM_VALUES)
 
@@ -125,7 +137,8 @@ def test_a_missing_summary_column_is_nan_not_zero():
 
 def test_the_table_error_is_simulated_minus_measured_relative_to_the_measurement():
     table = v.metric_table(hand_run({"on": SIM}), hand_run({"on": REPLAY}))
-    assert list(table.columns) == ["layout", "metric", "sim", "replay", "error", "error_perc"]
+    assert list(table.columns) == ["layout", "metric", "sim", "replay", "error", "error_perc", "comparable"]
+    assert table["comparable"].all()
     assert list(table["metric"]) == list(v.METRICS) and set(table["layout"]) == {"on"}
     for row in table.itertuples():
         simulated, measured = SIM_VALUES[row.metric], REPLAY_VALUES[row.metric]
@@ -175,7 +188,7 @@ def test_each_layout_is_read_from_its_own_rows():
         "samples": {"time_s": [0.0, 1.0], "num_requests_running": [9, 9]},
     }
     frames = hand_run({"off": other, "on": SIM})
-    assert v.run_metrics(frames, "on") == pytest.approx(SIM_VALUES)
+    assert v.run_metrics(frames, "on", own_bursts("on", 12)) == pytest.approx(SIM_VALUES)
     off = v.run_metrics(frames, "off")
     assert (off["num_admitted"], off["ttft_p50_s"], off["peak_running"], off["mean_running"]) == (
         7,
@@ -241,7 +254,9 @@ def test_the_report_is_json_with_nan_as_null():
         "replay": 11,
         "error": 1,
         "error_perc": pytest.approx(100 / 11),
+        "comparable": True,
     }
+    assert report["burst_share"] == {"on": 0.0} and report["reorder_window_s"] == 0.0
     assert [row["curve"] for row in report["curves"]] == ["running", "kv_cache_usage"]
 
 
@@ -295,6 +310,7 @@ def test_tables_of_runs_without_a_common_layout_keep_their_columns():
         "replay",
         "error",
         "error_perc",
+        "comparable",
     ]
     assert list(v.curve_table(sim, replay).columns) == [
         "layout",

@@ -10,12 +10,17 @@ relative errors, ``(simulated - measured) / max(measured, 10 ms)``, so a
 request that waited a minute counts no more than one served at once; a
 request the measurement finished and the simulation did not counts 1 (100 %).
 
-A coefficient that does not move the simulated request times (an efficiency
-of a bound the load never reaches: compute on a decode-only load) cannot be
-fitted: it is found before the fit, by moving it 10 % each way, reported as
-unidentifiable and left at its start, never "recovered". The fit is bounded
-in simulations and in wall time; what it has at the limit is returned and
-marked.
+The simulations run at the arrivals the replay made, and compare what a
+reorder inside a burst does not move (``sim.analysis.replayed_arrivals``).
+
+Every coefficient comes out with a status (``sim.analysis.calibrate_intervals``):
+``fitted``, with its 95 % interval; ``not identifiable from this replay``,
+left at its start with a one-line reason drawn from the replay (it moves no
+request time; it moves them as another coefficient does; or its interval
+is too wide: "prefill is 93 % of busy time; decode steps cannot identify
+memory_efficiency"); ``at a bound``, where the fit ran to a tenth or ten
+times its start or to its field's limit. The fit is bounded in simulations
+and in wall time; what it has at the limit is returned and marked.
 """
 
 from __future__ import annotations
@@ -23,192 +28,108 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from sim.analysis.frames import requests_frame
-from sim.analysis.runs import scenario_workload
+from sim.analysis.calibrate_error import (
+    LATENCY_FLOOR_S,
+    MIN_SENSITIVITY,
+    BudgetSpent,
+    RequestTimeError,
+    alike_pairs,
+    best_with,
+    check_coefficients,
+    fit_free,
+    log_bounds,
+    rms,
+    screen,
+)
+from sim.analysis.calibrate_intervals import (
+    AT_BOUND,
+    FITTED,
+    HOPELESS_HALF_WIDTH,
+    MAX_HALF_WIDTH,
+    NOISE_FLOOR,
+    NOT_IDENTIFIABLE,
+    BusyTime,
+    busy_time,
+    half_widths,
+    jacobian,
+    noise,
+    phase_reason,
+    reason_alike,
+    reason_weak,
+)
+from sim.analysis.frames import steps_frame
+from sim.analysis.replayed_arrivals import REORDER_WALL_S, replay_target
 from sim.config import ConfigError
-from sim.engine import simulate
 from sim.scenario import Scenario
-from sim.step_time import StepTimeConfig
-
-LATENCY_FLOOR_S = 0.010
-MISSING_RESIDUAL = 1.0
-# The fit moves each coefficient within [start / RANGE, start * RANGE].
-RANGE = 10.0
-# Screening moves a coefficient by this much in log space (about 10 %).
-SCREEN_STEP = math.log(1.1)
-# Below this RMS change of the relative residuals per unit of log
-# coefficient, a coefficient does not move the request times.
-MIN_SENSITIVITY = 1e-4
-# Two coefficients whose effects have a cosine beyond this are "alike".
-ALIKE_COSINE = 0.95
-# The fit's first simplex spans +25 % on each coefficient; it stops when
-# the simplex has shrunk to 0.5 % (log space).
-SIMPLEX_STEP = math.log(1.25)
-X_TOLERANCE = 0.005
 
 
-def fittable_coefficients() -> tuple[str, ...]:
-    """The float coefficients (counts and the parallelism are not fitted)."""
-    return tuple(
-        name
-        for name, info in StepTimeConfig.model_fields.items()
-        if info.annotation is float and name not in ("tensor_parallel_size", "pipeline_parallel_size")
-    )
+@dataclass(frozen=True)
+class Coefficient:
+    """One coefficient's outcome. ``value``: fitted, at its bound, or (not
+    identifiable) its start. ``half_width``: the 95 % interval's, in log
+    space (infinite where the replay does not bound it)."""
 
+    start: float
+    value: float
+    status: str  # FITTED, NOT_IDENTIFIABLE or AT_BOUND
+    reason: str  # one line from the replay; "" when fitted
+    half_width: float
+    sensitivity: float  # RMS residual change per unit log change, at the start
 
-def check_coefficients(names: Sequence[str]) -> tuple[str, ...]:
-    """``names`` if each can be fitted; else a one-line error."""
-    allowed = fittable_coefficients()
-    unknown = [name for name in names if name not in allowed]
-    if unknown or not names:
-        raise ConfigError(
-            f"--fit: cannot fit {', '.join(unknown) or 'nothing'}; choose among {', '.join(allowed)}"
-        )
-    if len(set(names)) != len(names):
-        raise ConfigError(f"--fit: a coefficient is named twice: {', '.join(names)}")
-    return tuple(names)
-
-
-def log_bounds(name: str, start: float) -> tuple[float, float]:
-    """Bounds of ``log(value / start)``: a decade each way, within the field's own limits."""
-    if not start > 0:
-        raise ConfigError(f"step_time: {name}: cannot fit from {start}; start it above 0")
-    low, high = start / RANGE, start * RANGE
-    for limit in StepTimeConfig.model_fields[name].metadata:  # pydantic's Le, Lt, Ge, Gt
-        upper, lower = (
-            getattr(limit, "le", getattr(limit, "lt", None)),
-            getattr(limit, "ge", getattr(limit, "gt", None)),
-        )
-        if upper is not None:
-            high = min(high, float(upper) * (1 - 1e-9))
-        if lower is not None:
-            low = max(low, float(lower) * (1 + 1e-9))
-    return math.log(low / start), max(math.log(high / start), 0.0)
-
-
-REQUEST_COLUMNS = ("layout", "request_id", "arrival_s", "first_token_s", "finished_s")
-
-
-def finished_times(requests: pd.DataFrame) -> pd.DataFrame:
-    """TTFT and end-to-end latency of each finished request, by (layout, request_id)."""
-    missing = [column for column in REQUEST_COLUMNS if column not in requests]
-    if missing:
-        raise ConfigError(f"requests: no column {', '.join(missing)}: cannot time the requests")
-    finished = requests[requests["finished_s"].notna()]
-    ttft = finished["first_token_s"] - finished["arrival_s"]
-    e2e = finished["finished_s"] - finished["arrival_s"]
-    return pd.DataFrame(
-        {"ttft_s": ttft.to_numpy(float), "e2e_s": e2e.to_numpy(float)},
-        index=pd.MultiIndex.from_arrays([finished["layout"], finished["request_id"].astype(str)]),
-    )
-
-
-def relative_residuals(simulated: pd.DataFrame, measured: pd.DataFrame) -> np.ndarray:
-    """One residual per measured request and time (TTFT, then e2e): the
-    same length whatever the simulation finished, so candidates compare."""
-    aligned = simulated.reindex(measured.index)
-    scale = np.maximum(measured.to_numpy(float), LATENCY_FLOOR_S)
-    residuals = (aligned.to_numpy(float) - measured.to_numpy(float)) / scale
-    return np.nan_to_num(residuals, nan=MISSING_RESIDUAL).ravel(order="F")
-
-
-class BudgetSpent(Exception):
-    """The fit reached its limit of simulations or of wall time."""
-
-
-@dataclass
-class RequestTimeError:
-    """The residuals of a scenario's simulation, as a function of the fitted
-    coefficients in log space; remembers every evaluation and the best."""
-
-    scenario: Scenario
-    measured: pd.DataFrame
-    names: tuple[str, ...]
-    start: dict[str, float]
-    deadline_s: float = math.inf
-    max_simulations: int = 1_000_000
-    evaluations: dict[tuple[float, ...], np.ndarray] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.workload = scenario_workload(self.scenario)
-        self.layouts = tuple(dict.fromkeys(self.measured.index.get_level_values(0)))
-
-    def values(self, x: np.ndarray) -> dict[str, float]:
-        return {name: self.start[name] * math.exp(float(v)) for name, v in zip(self.names, x, strict=True)}
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        key = tuple(np.round(np.asarray(x, float), 12))
-        if key not in self.evaluations:
-            if time.monotonic() > self.deadline_s or len(self.evaluations) >= self.max_simulations:
-                raise BudgetSpent
-            self.evaluations[key] = relative_residuals(self.simulated_times(self.values(x)), self.measured)
-        return self.evaluations[key]
-
-    def simulated_times(self, values: dict[str, float]) -> pd.DataFrame:
-        scenario = with_step_time(self.scenario, values)
-        frames = [requests_frame(simulate(scenario, layout, self.workload)) for layout in self.layouts]
-        return finished_times(pd.concat(frames, ignore_index=True))
-
-
-def with_step_time(scenario: Scenario, values: dict[str, float]) -> Scenario:
-    return scenario.model_copy(update={"step_time": {**scenario.step_time, **values}})
-
-
-def rms(residuals: np.ndarray) -> float:
-    return float(np.sqrt(np.mean(residuals**2))) if len(residuals) else float("nan")
+    @property
+    def interval(self) -> tuple[float, float]:
+        return self.value * math.exp(-self.half_width), self.value * math.exp(self.half_width)
 
 
 @dataclass(frozen=True)
 class Calibration:
-    start: dict[str, float]
-    fitted: dict[str, float]  # the identifiable coefficients only
-    sensitivity: dict[str, float]  # RMS residual change per unit log change
-    unidentifiable: tuple[str, ...]
+    coefficients: dict[str, Coefficient]
     alike: tuple[tuple[str, str, float], ...]  # (a, b, cosine): only a combination is fitted
-    at_bound: tuple[str, ...]
+    noise: float  # the residuals' noise the intervals assume
     rms_error_start: float
     rms_error_fitted: float
     num_simulations: int
     budget_spent: bool  # stopped by --max-simulations or --max-seconds
+    arrivals: str = ""  # what the simulations' arrivals were (ReplayTarget.describe)
+
+    def _with(self, status: str) -> dict[str, Coefficient]:
+        return {name: c for name, c in self.coefficients.items() if c.status == status}
+
+    @property
+    def start(self) -> dict[str, float]:
+        return {name: c.start for name, c in self.coefficients.items()}
+
+    @property
+    def fitted(self) -> dict[str, float]:
+        """The fitted coefficients only: what the ``step_time:`` block holds."""
+        return {name: c.value for name, c in self._with(FITTED).items()}
+
+    @property
+    def values(self) -> dict[str, float]:
+        """Every coefficient as the best simulation had it."""
+        return {name: c.value for name, c in self.coefficients.items()}
+
+    @property
+    def sensitivity(self) -> dict[str, float]:
+        return {name: c.sensitivity for name, c in self.coefficients.items()}
+
+    @property
+    def unidentifiable(self) -> tuple[str, ...]:
+        return tuple(self._with(NOT_IDENTIFIABLE))
+
+    @property
+    def at_bound(self) -> tuple[str, ...]:
+        return tuple(self._with(AT_BOUND))
 
     def step_time(self, base: dict[str, Any]) -> dict[str, Any]:
         """The scenario's ``step_time:`` block with the fitted values."""
         return {**base, **self.fitted}
-
-
-def screen(error: RequestTimeError, bounds: list[tuple[float, float]]) -> dict[str, np.ndarray]:
-    """Each coefficient's effect on the residuals, per unit of its log:
-    moved ~10 % each way (within its bounds)."""
-    effects = {}
-    for index, name in enumerate(error.names):
-        low, high = max(-SCREEN_STEP, bounds[index][0]), min(SCREEN_STEP, bounds[index][1])
-        moved = [np.zeros(len(error.names)) for _ in range(2)]
-        moved[0][index], moved[1][index] = low, high
-        change = error(moved[1]) - error(moved[0])
-        effects[name] = change / (high - low) if high > low else np.zeros_like(change)
-    return effects
-
-
-def alike_pairs(effects: dict[str, np.ndarray]) -> tuple[tuple[str, str, float], ...]:
-    """Pairs of coefficients whose effects on the request times are (nearly)
-    parallel, with the cosine between them: the replay then pins down a
-    combination of the two, not each (e.g. the peak FLOPs and the compute
-    efficiency only ever act as their product: cosine 1)."""
-    names = [name for name, effect in effects.items() if rms(effect) >= MIN_SENSITIVITY]
-    pairs = []
-    for i, first in enumerate(names):
-        for second in names[i + 1 :]:
-            a, b = effects[first], effects[second]
-            cosine = float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
-            if abs(cosine) >= ALIKE_COSINE:
-                pairs.append((first, second, cosine))
-    return tuple(pairs)
 
 
 def calibrate(
@@ -218,81 +139,238 @@ def calibrate(
     *,
     max_simulations: int = 100,
     max_seconds: float = 600.0,
+    reorder_window_s: float = REORDER_WALL_S,
 ) -> Calibration:
-    """Fit ``names`` so the scenario's simulation reproduces the measured
-    requests' TTFT and end-to-end latency (see the module docstring)."""
+    """Fit ``names`` so the scenario's simulation, at the arrivals the
+    replay made, reproduces the measured request times (see the module
+    docstring); each coefficient with its interval and status."""
     names = check_coefficients(names)
-    measured = finished_times(measured_requests)
-    if measured.empty:
+    target = replay_target(scenario, measured_requests, reorder_window_s)
+    if target.measured.empty:
         raise ConfigError("replay: no finished request to calibrate against")
     config = scenario.step_time_config()
     start = {name: float(getattr(config, name)) for name in names}
     bounds = [log_bounds(name, start[name]) for name in names]
-    error = RequestTimeError(
-        scenario, measured, names, start, time.monotonic() + max_seconds, max_simulations
-    )
     if max_simulations < 1 + 2 * len(names):
         raise ConfigError(
             f"--max-simulations: {max_simulations}: at least {1 + 2 * len(names)} to screen {len(names)}"
         )
+    error = RequestTimeError(
+        scenario, target.measured, names, start, time.monotonic() + max_seconds, max_simulations,
+        workloads=target.workloads, burst_of=target.burst_of,
+        floor_s=max(LATENCY_FLOOR_S, target.floor_s),
+    )  # fmt: skip
     try:
         rms_start = rms(error(np.zeros(len(names))))
         effects = screen(error, bounds)
     except BudgetSpent:
         raise ConfigError("--max-seconds: spent before the fit began; allow more") from None
-    sensitivity = {name: rms(effect) for name, effect in effects.items()}
-    free = [i for i, name in enumerate(names) if sensitivity[name] >= MIN_SENSITIVITY]
-    budget_spent = bool(free) and _fit_free(error, free, bounds)
-    best, residuals = _best_with(error, free)
-    fitted = {names[i]: start[names[i]] * math.exp(best[i]) for i in free}
-    at_bound = tuple(names[i] for i in free if min(abs(best[i] - b) for b in bounds[i]) < 1e-6)
+    fit = _Fit(error, bounds, effects, config.step_overhead_s)
+    fit.run()
     return Calibration(
-        start=start,
-        fitted=fitted,
-        sensitivity=sensitivity,
-        unidentifiable=tuple(name for name in names if sensitivity[name] < MIN_SENSITIVITY),
+        coefficients=fit.coefficients(),
         alike=alike_pairs(effects),
-        at_bound=at_bound,
+        noise=fit.sigma,
         rms_error_start=rms_start,
-        rms_error_fitted=rms(residuals),
+        rms_error_fitted=rms(fit.residuals),
         num_simulations=len(error.evaluations),
-        budget_spent=budget_spent,
+        budget_spent=fit.budget_spent,
+        arrivals=target.describe(),
     )
 
 
-def _fit_free(error: RequestTimeError, free: list[int], bounds: list[tuple[float, float]]) -> bool:
-    """Nelder-Mead over the free coefficients, the others at their start;
-    True if the budget stopped it.
+class _Fit:
+    """The fit's phases: coefficients without effect, the weaker of two
+    that act alike, and those even an exact replay could not bound within
+    x2 (intervals at the noise floor, from the screen) are set aside before
+    the fit; the rest join it one by one (``_add_one_by_one``); after it,
+    the widest whose interval is too wide is set aside and the rest
+    refitted, until every one left is bound. A coefficient set aside stays
+    at its start: the best evaluation is always one that did not move it
+    (``best_with``)."""
 
-    Derivative-free on purpose: the error is piecewise smooth (a step end
-    that moves past an arrival changes the next batch), and a finite-
-    difference gradient takes those jumps for slopes; least squares (trf)
-    stalled on them in trials, where the simplex walked over them."""
-    from scipy.optimize import minimize
+    def __init__(
+        self,
+        error: RequestTimeError,
+        bounds: list[tuple[float, float]],
+        effects: dict[str, np.ndarray],
+        step_overhead_s: float,
+    ) -> None:
+        self.error, self.bounds, self.effects = error, bounds, effects
+        self.names = error.names
+        self.screened = np.column_stack([effects[name] for name in self.names])
+        self.step_overhead_s = step_overhead_s
+        self.reasons: dict[int, str] = {}
+        self.free = [i for i, name in enumerate(self.names) if rms(effects[name]) >= MIN_SENSITIVITY]
+        self.budget_spent = False
+        self.sigma = NOISE_FLOOR
+        self.widths = np.full(len(self.names), math.inf)
+        self.best, self.residuals = np.zeros(len(self.names)), np.zeros(0)
+        self._busy: BusyTime | None = None
+        # The simplex stops once its squared errors differ by less than a
+        # part in 10^4 of the start's (or 1e-6): finer is below any noise,
+        # and a piecewise error (a step end that crosses an arrival) would
+        # keep it polishing to the budget.
+        self.fatol = max(1e-6, 1e-4 * float(np.sum(error(np.zeros(len(self.names))) ** 2)))
 
-    def embedded(x_free: np.ndarray) -> np.ndarray:
-        x = np.zeros(len(error.names))
-        x[free] = x_free
-        return x
+    def run(self) -> None:
+        for i in range(len(self.names)):
+            if i not in self.free:
+                self._set_aside(i, NOISE_FLOOR)
+        self._set_aside_alike()
+        self._set_aside_wide(self.screened[:, self.free], NOISE_FLOOR, HOPELESS_HALF_WIDTH, refit=False)
+        # The fits leave two simulations per coefficient for the last intervals.
+        total = self.error.max_simulations
+        self.error.max_simulations = max(total - 2 * len(self.free), len(self.error.evaluations))
+        try:
+            self._add_one_by_one()
+        finally:
+            self.error.max_simulations = total
+        while True:
+            self.best, self.residuals = best_with(self.error, self.free)
+            self.sigma = noise(self.residuals, len(self.free))
+            derivatives = self._jacobian()
+            if not self._set_aside_wide(derivatives, self.sigma, MAX_HALF_WIDTH, refit=True):
+                self._set_aside_unconverged(derivatives)
+                return
 
-    simplex = np.vstack([np.zeros(len(free)), SIMPLEX_STEP * np.eye(len(free))])
-    try:
-        minimize(
-            lambda x_free: float(np.sum(error(embedded(x_free)) ** 2)),
-            np.zeros(len(free)),
-            method="Nelder-Mead",
-            bounds=[bounds[i] for i in free],
-            options={"initial_simplex": simplex, "xatol": X_TOLERANCE, "fatol": 1e-6, "maxfev": 10**6},
-        )
-    except BudgetSpent:
-        return True
-    return False
+    def _half_widths(self, derivatives: np.ndarray, free: list[int], sigma: float) -> np.ndarray:
+        """The wider of the intervals from ``derivatives`` and from the
+        screen's (+-10 % at the start): a finite difference that straddles
+        a jump of the error (a step end crossing an arrival) takes the jump
+        for a slope and would make a coefficient look pinned down."""
+        return np.maximum(half_widths(derivatives, sigma), half_widths(self.screened[:, free], sigma))
 
+    def _set_aside_unconverged(self, derivatives: np.ndarray) -> None:
+        """A fit the budget stopped is no minimum: a coefficient whose
+        Gauss-Newton step from the best point is more than half its
+        interval is not where the replay puts it, whatever its interval."""
+        if not self.budget_spent or not self.free:
+            return
+        step = np.linalg.lstsq(derivatives, -self.residuals, rcond=None)[0]
+        for i, move in zip(list(self.free), step, strict=True):
+            if abs(move) > self.widths[i] / 2 and not self._at_bound(i):
+                self._set_aside(i, self.sigma)
+        self.best, self.residuals = best_with(self.error, self.free)
 
-def _best_with(error: RequestTimeError, free: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """The best evaluation that moved only free coefficients (screening
-    also moved the unidentifiable ones, which stay at their start)."""
-    fixed = [i for i in range(len(error.names)) if i not in free]
-    candidates = {k: r for k, r in error.evaluations.items() if all(k[i] == 0 for i in fixed)}
-    key = min(candidates, key=lambda k: float(np.sum(candidates[k] ** 2)))
-    return np.array(key), candidates[key]
+    def _add_one_by_one(self) -> None:
+        """Fit the most sensitive coefficient alone, then add the others,
+        most sensitive first, each only if the intervals the fit would then
+        have (Gauss-Newton's prediction at the best point so far) all close
+        within ``MAX_HALF_WIDTH``: a coefficient the replay cannot pin down
+        is never let loose to wander along a flat valley with the others."""
+        queue = sorted(self.free, key=lambda i: -rms(self.effects[self.names[i]]))
+        self.free = queue[:1]
+        if self.free:
+            self.budget_spent = fit_free(self.error, self.free, self.bounds, fatol=self.fatol)
+        for candidate in queue[1:]:
+            if self.budget_spent:
+                self._set_aside(candidate, self.sigma)
+                continue
+            best, residuals = best_with(self.error, self.free)
+            trial = [*self.free, candidate]
+            try:
+                derivatives = jacobian(self.error, best, trial, self.bounds)
+            except BudgetSpent:
+                self.budget_spent = True
+                self._set_aside(candidate, self.sigma)
+                continue
+            step = np.linalg.lstsq(derivatives, -residuals, rcond=None)[0]
+            self.sigma = noise(residuals + derivatives @ step, len(trial))
+            widths = self._half_widths(derivatives, trial, self.sigma)
+            self.widths[trial] = widths
+            if np.all(widths <= MAX_HALF_WIDTH):
+                self.free = trial
+                self.budget_spent = fit_free(self.error, self.free, self.bounds, best, self.fatol)
+            else:
+                self._set_aside(candidate, self.sigma)
+
+    def _jacobian(self) -> np.ndarray:
+        """At the best point; the screen's at the start once the budget is spent."""
+        try:
+            return jacobian(self.error, self.best, self.free, self.bounds)
+        except BudgetSpent:
+            self.budget_spent = True
+            return self.screened[:, self.free]
+
+    def _set_aside_wide(self, derivatives: np.ndarray, sigma: float, limit: float, *, refit: bool) -> bool:
+        """Set aside the free coefficient with the widest interval past
+        ``limit`` (not one at a bound: its interval is one-sided),
+        repeatedly when no refit follows; True if one was."""
+        columns = {i: k for k, i in enumerate(self.free)}
+        while self.free:
+            widths = self._half_widths(derivatives[:, [columns[i] for i in self.free]], self.free, sigma)
+            self.widths[self.free] = widths
+            wide = [i for i, w in zip(self.free, widths, strict=True) if w > limit]
+            wide = [i for i in wide if not self._at_bound(i)]
+            if not wide:
+                return False
+            self._set_aside(max(wide, key=lambda i: self.widths[i]), sigma)
+            if refit:
+                if self.free and not self.budget_spent:
+                    self.budget_spent = fit_free(self.error, self.free, self.bounds, self.best, self.fatol)
+                return True
+        return False
+
+    def _set_aside(self, i: int, sigma: float) -> None:
+        """``i`` out of the fit, with its reason: the phase it acts on is
+        the lesser; it moves the times as a coefficient still fitted does;
+        the budget ran out before its interval closed; or its effect is
+        small against the noise."""
+        if i in self.free:
+            self.free.remove(i)
+        name = self.names[i]
+        sensitivity = rms(self.effects[name])
+        reason = phase_reason(name, self.busy()) or self._alike_reason(name)
+        if reason is None and self.budget_spent and math.isfinite(self.widths[i]):
+            reason = (
+                f"the fit's budget ran out with its interval at +-{100 * math.expm1(self.widths[i]):.3g} %; "
+                "allow more simulations"
+            )
+        # Below what the screen resolves: no effect.
+        self.reasons[i] = reason or reason_weak(sensitivity if sensitivity >= MIN_SENSITIVITY else 0.0, sigma)
+
+    def _alike_reason(self, name: str) -> str | None:
+        for first, second, cosine in alike_pairs(self.effects):
+            other = second if first == name else first if second == name else None
+            if other is not None and self.names.index(other) in self.free:
+                return reason_alike(other, cosine)
+        return None
+
+    def _set_aside_alike(self) -> None:
+        """Of two free coefficients that move the times alike, the replay
+        fixes only their combination: the less sensitive one is set aside."""
+        for first, second, _ in alike_pairs(self.effects):
+            pair = [self.names.index(first), self.names.index(second)]
+            if all(i in self.free for i in pair):
+                weaker = min(pair, key=lambda i: rms(self.effects[self.names[i]]))
+                self._set_aside(weaker, NOISE_FLOOR)
+
+    def busy(self) -> BusyTime:
+        """Where the simulation at the start spent its time (for reasons)."""
+        if self._busy is None:
+            recordings = self.error.simulate(self.error.start)
+            steps = pd.concat([steps_frame(r) for r in recordings], ignore_index=True)
+            self._busy = busy_time(steps, self.step_overhead_s)
+        return self._busy
+
+    def _at_bound(self, i: int) -> bool:
+        return min(abs(self.best[i] - b) for b in self.bounds[i]) < 1e-6
+
+    def coefficients(self) -> dict[str, Coefficient]:
+        outcome = {}
+        for i, name in enumerate(self.names):
+            start = self.error.start[name]
+            status = NOT_IDENTIFIABLE if i in self.reasons else AT_BOUND if self._at_bound(i) else FITTED
+            reason = self.reasons.get(i, "")
+            if status == AT_BOUND:
+                reason = "the fit ran to its bound: the replay asks for a value past it"
+            outcome[name] = Coefficient(
+                start=start,
+                value=start * math.exp(self.best[i]),
+                status=status,
+                reason=reason,
+                half_width=math.inf if status == NOT_IDENTIFIABLE else float(self.widths[i]),
+                sensitivity=rms(self.effects[name]),
+            )
+        return outcome

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from sim.analysis.frames import time_weighted
+from sim.analysis.replayed_arrivals import arrivals_and_bursts, burst_times
 
 SOURCE_SIM = "sim"
 SOURCE_REPLAY = "replay"
@@ -43,6 +44,14 @@ LATENCY_METRICS = (
     ("e2e_p50_s", "e2e_s", 50),
     ("e2e_p99_s", "e2e_s", 99),
 )
+# Per burst of requests that reached the server within the reorder window
+# of one another (``sim.analysis.replayed_arrivals``): its last first token
+# and its last finish from its first arrival, averaged over bursts. A
+# reorder inside a burst moves neither; a request alone is its own burst.
+BURST_METRICS = ("burst_last_ttft_mean_s", "burst_last_e2e_mean_s")
+# What a reorder inside a burst moves: compared only where no request
+# reached the server within the reorder window of another.
+REORDER_SENSITIVE = ("ttft_p50_s", "ttft_p90_s", "e2e_p50_s")
 METRICS = (
     "num_admitted",
     "num_finished",
@@ -51,6 +60,7 @@ METRICS = (
     "num_preemptions",
     "prefix_cache_hit_rate",
     *(name for name, _, _ in LATENCY_METRICS),
+    *BURST_METRICS,
     "output_throughput_tokens_per_s",
 )
 # (curve, samples column): the gauges compared over time.
@@ -107,8 +117,12 @@ def _running_metrics(samples: pd.DataFrame, summary: pd.DataFrame) -> tuple[floa
     return float(series.max()), time_weighted(series)
 
 
-def run_metrics(frames: dict[str, pd.DataFrame], layout: str) -> dict[str, float]:
-    """The validation metrics of one layout of one run (NaN where unknown)."""
+def run_metrics(
+    frames: dict[str, pd.DataFrame], layout: str, burst_of: pd.Series | None = None
+) -> dict[str, float]:
+    """The validation metrics of one layout of one run (NaN where unknown);
+    ``burst_of``: (layout, request id) to its burst, as the replay made them
+    (none: the bursts' figures are unknown)."""
     summary = _of_layout(frames["summary"], layout)
     requests = _of_layout(frames["requests"], layout)
     samples = _of_layout(frames["samples"], layout)
@@ -117,21 +131,66 @@ def run_metrics(frames: dict[str, pd.DataFrame], layout: str) -> dict[str, float
     finished = _finished(requests)
     for metric, column, q in LATENCY_METRICS:
         values[metric] = _percentile(finished[column], q) if column in finished else float("nan")
+    values.update(_burst_metrics(finished, burst_of))
     return {metric: values[metric] for metric in METRICS}
 
 
-def metric_table(sim: dict[str, pd.DataFrame], replay: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """One row per (layout, metric): sim, replay, error, error_perc."""
+def _burst_metrics(finished: pd.DataFrame, burst_of: pd.Series | None) -> dict[str, float]:
+    if burst_of is None or burst_of.empty or finished.empty or "arrival_s" not in finished:
+        return dict.fromkeys(BURST_METRICS, float("nan"))
+    times = burst_times(finished, burst_of)
+    return dict(
+        zip(BURST_METRICS, (float(times["ttft_s"].mean()), float(times["e2e_s"].mean())), strict=True)
+    )
+
+
+def replay_bursts(
+    replay: dict[str, pd.DataFrame], layout: str, window_s: float
+) -> tuple[pd.Series, pd.DataFrame]:
+    """The replay's requests of ``layout`` grouped in bursts (by the
+    arrivals it made: the server's, else the send times), and those
+    requests with ``arrival_s`` the arrival it made."""
+    requests = _of_layout(replay["requests"], layout)
+    if requests.empty or not {"request_id", "arrival_s"} <= set(requests.columns):
+        return pd.Series(dtype=object), requests
+    arrival, burst, _ = arrivals_and_bursts(requests, window_s)
+    ids = requests["request_id"].astype(str)
+    index = pd.MultiIndex.from_product([[layout], burst.index])
+    arrived = requests[ids.isin(arrival.index)].assign(arrival_s=ids.map(arrival))
+    return pd.Series(burst.to_numpy(), index=index), arrived
+
+
+def dense_share(burst_of: pd.Series) -> float:
+    """The share of requests in a burst of more than one."""
+    if burst_of.empty:
+        return 0.0
+    return float(burst_of.map(burst_of.value_counts()).gt(1).mean())
+
+
+def metric_table(
+    sim: dict[str, pd.DataFrame], replay: dict[str, pd.DataFrame], reorder_window_s: float = 0.0
+) -> pd.DataFrame:
+    """One row per (layout, metric): sim, replay, error, error_perc, and
+    ``comparable``: False for a reorder-sensitive metric (its error NaN)
+    where requests reached the server within ``reorder_window_s`` of one
+    another (the simulation ran them in the trace's order)."""
     rows = []
     for layout in layouts_in_both(sim, replay):
-        simulated, measured = run_metrics(sim, layout), run_metrics(replay, layout)
+        burst_of, arrived = replay_bursts(replay, layout, reorder_window_s)
+        simulated = run_metrics(sim, layout, burst_of)
+        measured = run_metrics({**replay, "requests": arrived}, layout, burst_of)
+        dense = dense_share(burst_of) > 0
         for metric in METRICS:
-            rows.append(_compared(layout, metric, simulated[metric], measured[metric]))
-    return pd.DataFrame(rows, columns=["layout", "metric", "sim", "replay", "error", "error_perc"])
+            comparable = not (dense and metric in REORDER_SENSITIVE)
+            rows.append(_compared(layout, metric, simulated[metric], measured[metric], comparable))
+    columns = ["layout", "metric", "sim", "replay", "error", "error_perc", "comparable"]
+    return pd.DataFrame(rows, columns=columns)
 
 
-def _compared(layout: str, metric: str, simulated: float, measured: float) -> dict[str, Any]:
-    error = simulated - measured
+def _compared(
+    layout: str, metric: str, simulated: float, measured: float, comparable: bool = True
+) -> dict[str, Any]:
+    error = simulated - measured if comparable else float("nan")
     relative = 100 * error / measured if measured == measured and measured != 0 else float("nan")
     return {
         "layout": layout,
@@ -140,6 +199,7 @@ def _compared(layout: str, metric: str, simulated: float, measured: float) -> di
         "replay": measured,
         "error": error,
         "error_perc": relative,
+        "comparable": comparable,
     }
 
 
@@ -223,11 +283,19 @@ def curve_table(sim: dict[str, pd.DataFrame], replay: dict[str, pd.DataFrame]) -
     return pd.DataFrame(rows, columns=columns)
 
 
-def validation_report(sim: dict[str, pd.DataFrame], replay: dict[str, pd.DataFrame]) -> dict[str, Any]:
-    """Both tables as plain records (NaN as None: valid JSON)."""
+def validation_report(
+    sim: dict[str, pd.DataFrame], replay: dict[str, pd.DataFrame], reorder_window_s: float = 0.0
+) -> dict[str, Any]:
+    """Both tables as plain records (NaN as None: valid JSON), and per
+    layout the share of requests that came in bursts."""
+    layouts = layouts_in_both(sim, replay)
     return {
-        "layouts": layouts_in_both(sim, replay),
-        "metrics": _records(metric_table(sim, replay)),
+        "layouts": layouts,
+        "reorder_window_s": reorder_window_s,
+        "burst_share": {
+            layout: dense_share(replay_bursts(replay, layout, reorder_window_s)[0]) for layout in layouts
+        },
+        "metrics": _records(metric_table(sim, replay, reorder_window_s)),
         "curves": _records(curve_table(sim, replay)),
     }
 

@@ -53,6 +53,21 @@ def read_replays(replay_dirs: list[Path]) -> tuple[dict[str, pd.DataFrame], dict
     return stacked, scenario
 
 
+def reorder_window_s(replay_dirs: list[Path]) -> float:
+    """Scenario seconds within which the server may have taken two requests
+    in either order: ``REORDER_WALL_S`` times the replay's ``--speed``."""
+    from sim.analysis.replayed_arrivals import REORDER_WALL_S
+    from sim.results import read_manifest
+
+    speeds = []
+    for path in replay_dirs:
+        speed = read_manifest(path).get("speed", 1.0)  # a stand-in replay ran at 1
+        if isinstance(speed, bool) or not isinstance(speed, int | float) or not speed > 0:
+            raise ConfigError(f"{path}/manifest.json: speed: expected a number > 0, got {speed!r}")
+        speeds.append(float(speed))
+    return REORDER_WALL_S * max(speeds)
+
+
 def read_pair(
     sim_dir: Path, replay_dirs: list[Path]
 ) -> tuple[dict[str, pd.DataFrame], dict[str, pd.DataFrame]]:
@@ -74,14 +89,19 @@ def _layouts(frames: dict[str, pd.DataFrame]) -> str:
     return ", ".join(str(name) for name in dict.fromkeys(frames["summary"]["layout"])) or "none"
 
 
-def print_validation(sim: dict[str, pd.DataFrame], replay: dict[str, pd.DataFrame]) -> None:
+def print_validation(
+    sim: dict[str, pd.DataFrame], replay: dict[str, pd.DataFrame], reorder_window_s: float = 0.0
+) -> None:
     """Per layout: each metric simulated, measured, error and error %, then
-    the curves' RMSE and MAPE. NaN (not measured) prints as "-"."""
+    the curves' RMSE and MAPE. NaN (not measured) prints as "-"; a metric a
+    reorder inside a burst moves, where the replay has bursts, prints its
+    values and no error, after a note saying why."""
     from sim.analysis.validate import curve_table, metric_table
 
-    metrics = metric_table(sim, replay)
+    metrics = metric_table(sim, replay, reorder_window_s)
     for layout, rows in metrics.groupby("layout", sort=False):
         print(f"layout {layout}: simulated vs measured")
+        _note_bursts(replay, str(layout), reorder_window_s, rows)
         table = rows.set_index("metric")[["sim", "replay", "error", "error_perc"]]
         print(
             table.astype(float).to_string(formatters=dict.fromkeys(table.columns, format_number), na_rep="-")
@@ -89,6 +109,21 @@ def print_validation(sim: dict[str, pd.DataFrame], replay: dict[str, pd.DataFram
     curves = curve_table(sim, replay).set_index(["layout", "curve"])[["rmse", "mape_perc", "num_points"]]
     print("curves (common time grid; MAPE over points where the measurement is not 0)")
     print(curves.astype(float).to_string(formatters=dict.fromkeys(curves.columns, _format_curve), na_rep="-"))
+
+
+def _note_bursts(replay: dict[str, pd.DataFrame], layout: str, window_s: float, rows: pd.DataFrame) -> None:
+    from sim.analysis.validate import dense_share, replay_bursts
+
+    share = dense_share(replay_bursts(replay, layout, window_s)[0])
+    if share == 0:
+        return
+    skipped = ", ".join(rows.loc[~rows["comparable"].astype(bool), "metric"])
+    print(
+        f"kvsim: note: {100 * share:.0f} % of the requests reached the server within {window_s:.3g} s "
+        "of another: too dense for per-request comparison (the server may have taken them in another "
+        f"order, or step, than the simulation); not compared: {skipped}; compared instead: each "
+        "burst's last first token and last finish (burst_last_*), the p99s, counts, throughput, curves"
+    )
 
 
 def _format_curve(value: float) -> str:
@@ -103,12 +138,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     sim_dir, replay_dirs = Path(args.sim_dir), [Path(path) for path in args.replay_dirs]
     sim, replay = read_pair(sim_dir, replay_dirs)
     _note_sources(sim, replay)
-    print_validation(sim, replay)
+    window_s = reorder_window_s(replay_dirs)
+    print_validation(sim, replay, window_s)
     out_dir = Path(args.out) if args.out else replay_dirs[0] / "validate"
     report = {
         "sim_dir": str(sim_dir),
         "replay_dirs": [str(path) for path in replay_dirs],
-        **validation_report(sim, replay),
+        **validation_report(sim, replay, window_s),
     }
     write_json(out_dir / "validate.json", report)
     layouts = layouts_in_both(sim, replay)

@@ -16,3 +16,10 @@ real KV pool).
 Layer: above ``sim.analysis`` (it uses its frame functions); the simulator
 (engine, scheduler, allocator) never imports this package.
 """
+
+# ``kvsim serve`` answers each request with this header: when its engine took
+# the request in (the server's virtual seconds). A replay records it, so a
+# calibration simulates the order and times the server saw, not the trace's
+# (a burst's bodies are read in another order than sent). vLLM reports no such
+# thing: its response ids are random and its log stamps whole seconds.
+ARRIVAL_HEADER = "X-Kvsim-Arrival-S"

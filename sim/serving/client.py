@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
+from sim.serving import ARRIVAL_HEADER
 from sim.serving.server_metrics import SCRAPED, parse_metrics
 from sim.workloads import RequestSpec
 
@@ -52,6 +53,7 @@ class RequestRecord:
     prompt_tokens: int
     output_tokens: int
     sent_s: float = math.nan
+    server_arrival_s: float = math.nan  # the server's own clock (kvsim serve's ARRIVAL_HEADER)
     first_token_s: float = math.nan
     last_token_s: float = math.nan
     generated_tokens: int = 0
@@ -95,6 +97,29 @@ def _mix64(value: int) -> int:
     value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return value ^ (value >> 31)
+
+
+# A body goes out in pieces of this size, the event loop turning between
+# them: a long prompt's body does not hold up the short ones sent just after
+# it (as a real client's large upload does not), so a server reads a burst's
+# short requests first, as it does from any client.
+BODY_CHUNK_BYTES = 64 * 1024
+JSON = {"Content-Type": "application/json"}
+
+
+async def _chunks(body: bytes) -> AsyncIterator[bytes]:
+    for start in range(0, len(body), BODY_CHUNK_BYTES):
+        yield body[start : start + BODY_CHUNK_BYTES]
+        await asyncio.sleep(0)
+
+
+def _header_seconds(value: str | None) -> float:
+    """A header's seconds; NaN when absent (vLLM) or not a finite number."""
+    try:
+        seconds = float(value) if value is not None else math.nan
+    except ValueError:
+        return math.nan
+    return seconds if math.isfinite(seconds) else math.nan
 
 
 def _one_line(text: str, limit: int = 200) -> str:
@@ -239,11 +264,13 @@ class Replay:
             total=self.config.request_timeout_s, connect=self.config.connect_timeout_s
         )
         try:
-            async with session.post("/v1/completions", json=self._payload(spec), timeout=timeout) as response:
+            data = _chunks(json.dumps(self._payload(spec)).encode())
+            async with session.post("/v1/completions", data=data, headers=JSON, timeout=timeout) as response:
                 if response.status != 200:
                     body = await response.text()
                     record.error = f"HTTP {response.status}: {_one_line(body)}"
                     return
+                record.server_arrival_s = _header_seconds(response.headers.get(ARRIVAL_HEADER))
                 await self._read_stream(response, record)
         except asyncio.CancelledError:
             record.error = "cancelled: the replay was stopped before the request finished"

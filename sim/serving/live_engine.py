@@ -66,6 +66,7 @@ class _Stream:
     queue: asyncio.Queue[TokenDelta] = field(default_factory=asyncio.Queue)
     num_sent: int = 0
     prompt_len: int = 0
+    arrival_s: float = 0.0
 
 
 class PromptTooLong(ValueError):
@@ -115,6 +116,15 @@ class LiveEngine:
     def now_s(self) -> float:
         return (self._clock() - self._start_wall) * self.speed
 
+    def _arrival_s(self) -> float:
+        """When the engine takes a request in. A busy engine's next step
+        starts at its clock's time (when the last step landed); one that
+        lags the wall clock runs that step late, with every request that
+        came meanwhile: those are stamped with that step's start, so the
+        arrivals reported (``ARRIVAL_HEADER``) keep the steps' order."""
+        now_s = self.now_s()
+        return now_s if self._was_idle else min(now_s, self.sim.clock.now_s)
+
     async def _sleep_until(self, virtual_s: float) -> None:
         """Until ``virtual_s``, or a stop (a slow engine's step may last hours)."""
         wall_s = max(0.0, virtual_s / self.speed + self._start_wall - self._clock())
@@ -129,7 +139,7 @@ class LiveEngine:
         request_id = f"cmpl-{next(self._ids)}"
         spec = LiveRequestSpec(
             request_id=request_id,
-            arrival_s=self.now_s(),
+            arrival_s=self._arrival_s(),
             prompt_len=len(token_ids),
             output_len=max_tokens,
             token_ids=tuple(token_ids),
@@ -139,7 +149,7 @@ class LiveEngine:
                 f"This model's maximum context length is {self.scheduler.config.max_model_len} tokens. "
                 f"However, your request has {len(token_ids)} input tokens."
             )
-        stream = _Stream(prompt_len=len(token_ids))
+        stream = _Stream(prompt_len=len(token_ids), arrival_s=spec.arrival_s)
         self._streams[request_id] = stream
         self._publish_gauges()
         self._wakeup.set()
@@ -160,6 +170,11 @@ class LiveEngine:
         self._publish_gauges()
         self._wakeup.set()  # an idle engine lets the fences pass
         return True
+
+    def arrival_s(self, request_id: str) -> float:
+        """When the engine took the request in (its virtual seconds): the
+        order and times a replay needs to simulate what this server saw."""
+        return self._streams[request_id].arrival_s
 
     @property
     def num_unfinished(self) -> int:

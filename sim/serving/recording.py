@@ -7,8 +7,9 @@ does not say when it admitted one, so ``admitted_s`` and ``queue_s`` are
 NaN); ``rejected`` means the request was sent and failed (HTTP error, lost
 connection, timeout): the server never finished it. ``num_preemptions`` and
 ``prefix_hit_tokens`` per request are unknown (NaN); their totals are in the
-samples' counters. Replay-only columns: ``sent_s``, ``finish_reason``,
-``error``.
+samples' counters. Replay-only columns: ``sent_s``, ``server_arrival_s``
+(when the server took the request in, on its own clock: ``kvsim serve``
+reports it, vLLM does not), ``finish_reason``, ``error``.
 """
 
 from __future__ import annotations
@@ -58,13 +59,15 @@ def requests_frame(outcome: ReplayOutcome, scenario: str, layout: str) -> pd.Dat
                 "generated_tokens": record.generated_tokens,
                 "turn": 0,  # a replay sends a timed trace: open loop
                 "sent_s": record.sent_s,
+                "server_arrival_s": record.server_arrival_s,
                 "finish_reason": record.finish_reason,
                 "error": record.error,
             }
         )
-    frame = pd.DataFrame.from_records(rows, columns=[*REQUEST_COLUMNS, "sent_s", "finish_reason", "error"])
+    extra_columns = ("sent_s", "server_arrival_s", "finish_reason", "error")
+    frame = pd.DataFrame.from_records(rows, columns=[*REQUEST_COLUMNS, *extra_columns])
     frame = frame.astype({"finish_reason": "object", "error": "object", "rejected": bool})
-    extras = frame.pop("sent_s"), frame.pop("finish_reason"), frame.pop("error")
+    extras = [frame.pop(column) for column in extra_columns]
     frame["admitted"] = frame["first_token_s"].notna()
     add_latencies(frame)
     for column in extras:

@@ -23,6 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
+from sim.serving import ARRIVAL_HEADER
 from sim.serving.live_engine import LiveEngine, PromptTooLong, TokenDelta
 from sim.serving.openai_requests import (
     MAX_BODY_BYTES,
@@ -105,8 +106,9 @@ async def _serve_request(request: web.Request, kind: Kind) -> web.StreamResponse
         )
         request_id, queue = engine.add_request(parsed.prompt_ids, parsed.max_tokens)
         answer = Answer(parsed, request_id, engine.model_name)
+        headers = {ARRIVAL_HEADER: f"{engine.arrival_s(request_id):.6f}"}
         try:
-            return await (_stream if parsed.stream else _whole)(request, answer, queue)
+            return await (_stream if parsed.stream else _whole)(request, answer, queue, headers)
         except asyncio.CancelledError:  # aiohttp cancels the handler of a client gone
             engine.abort(request_id, "client disconnected")
             raise
@@ -160,20 +162,32 @@ def _abort_if_client_gone(request: web.Request, answer: Answer) -> None:
         raise ConnectionResetError("client disconnected")
 
 
-async def _whole(request: web.Request, answer: Answer, queue: asyncio.Queue[TokenDelta]) -> web.Response:
+async def _whole(
+    request: web.Request,
+    answer: Answer,
+    queue: asyncio.Queue[TokenDelta],
+    headers: dict[str, str] | None = None,
+) -> web.Response:
     token_ids: list[int] = []
     try:
         async for delta in _deltas(request, answer, queue):
             token_ids += delta.token_ids
     except ConnectionError:  # aborted; nobody reads this answer
         return web.Response(status=499)
-    return web.json_response(answer.envelope([answer.choice(token_ids, True)], answer.usage()))
+    return web.json_response(
+        answer.envelope([answer.choice(token_ids, True)], answer.usage()), headers=headers
+    )
 
 
 async def _stream(
-    request: web.Request, answer: Answer, queue: asyncio.Queue[TokenDelta]
+    request: web.Request,
+    answer: Answer,
+    queue: asyncio.Queue[TokenDelta],
+    headers: dict[str, str] | None = None,
 ) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **(headers or {})}
+    )
     await response.prepare(request)
 
     async def send(data: Any) -> None:
