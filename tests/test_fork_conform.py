@@ -143,7 +143,6 @@ def test_no_package_index_is_one_line_exit_2_and_nothing_kept(tmp_path, capsys, 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--engine", "async"], "--fork --engine async: not run"),
         (["--mode", "lookahead"], "the fork hashes with the EAGLE drop only"),
     ],
 )

@@ -76,7 +76,7 @@ def test_the_recordings_exercise_the_forks_rules():
     assert max(len(c["pinned_waiters"]) for c in columns) >= 3  # 0095/0096
     assert max(max(c["retained"]) for c in columns) >= 2  # 0086
     sessions = read_golden(GOLDEN / "agent-sessions-150s-on.jsonl.gz")
-    assert sum(step["prefix_cache_hits_tokens"] for step in sessions.steps) > 500_000
+    assert sum(step["prefix_cache_hits_tokens"] for step in sessions.steps) > 200_000  # sub-block hits
     preemption = read_golden(GOLDEN / "heavy-preemption-on.jsonl.gz")
     assert _total(preemption, "preempted") >= 5 and _total(preemption, "resumed") >= 5
 

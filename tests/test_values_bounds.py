@@ -57,6 +57,8 @@ PP_PAST = {"deployment": {"pipeline_parallel_size": 1025, "layer_partition": [1]
 NO_UNIT = {"deployment": {"prefix_match_unit": None}}
 NO_BLOCK = {"deployment": {"block_size": None}}
 SCENARIO_BOUNDS: list[tuple[type[BaseModel], str, Any, Any, dict]] = [
+    (scenario_module.MTPSection, "mtp.num_speculative_tokens", 0, -1, {}),
+    (scenario_module.MTPSection, "mtp.num_speculative_tokens", 16, 17, {}),
     (config_module.DeploymentConfig, "deployment.tensor_parallel_size", 1, 0, {}),
     (config_module.DeploymentConfig, "deployment.tensor_parallel_size", 1024, 1025, {}),
     (

@@ -58,9 +58,10 @@ def cmd_conform(args: argparse.Namespace) -> int:
     from sim.scenario import load_scenario
 
     scenario = load_scenario(args.scenario, args.set)
-    if args.record is not None and args.fork is None:
+    fork, record = getattr(args, "fork", None), getattr(args, "record", None)
+    if record is not None and fork is None:
         raise ConfigError("--record: needs --fork (golden frames are the fork's own steps)")
-    if args.fork is not None:
+    if fork is not None:
         return _conform_fork(scenario, args)
     workload = scenario_workload(scenario)
     if (args.engine or scenario.engine.mode) == "async":

@@ -85,9 +85,6 @@ class _KvsimEngine:
     def has_work(self) -> bool:
         return self.core.has_work()
 
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
-
     def step(self) -> tuple[EngineCall, EngineStepState]:
         call = self.core.step()
         scheduled = call.scheduled
@@ -189,9 +186,6 @@ class _VllmEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_requests() or bool(self.core.batch_queue)
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.scheduler.has_unfinished_requests())
-
     def _on_schedule(self, out: Any) -> None:
         self._scheduled = converted = self._convert(out)
         self._in_flight.append(converted)
@@ -287,7 +281,7 @@ class _EngineCalls:
         return self.engine.has_work()
 
     def has_unfinished_requests(self) -> bool:
-        return self.engine.has_unfinished_requests()
+        return bool(self.engine.scheduler.has_unfinished_requests())
 
     def begin_step(self) -> EngineCall:
         call, self._state = self.engine.step()

@@ -317,6 +317,9 @@ class ForkEngine:
         )
         self._in_flight: deque[SchedulerOutput] = deque()
         self._has_work = self._has_unfinished = False
+        # The engine loop's adapter asks the scheduler whether requests are
+        # unfinished; the fork's answers come with each call.
+        self.scheduler = self
 
     def add_request(self, spec: RequestSpec) -> bool:
         if spec.prompt_len >= self.max_model_len:

@@ -219,8 +219,7 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
         return output
 
     def _long_prefill_threshold(self) -> int:
-        # 0.33.0: a lone request has nobody to starve, it may use the whole
-        # budget; 0.30.0, the fork's base, caps it all the same.
+        # A lone request may use the whole budget (0.33.0; 0.30.0 caps it).
         eligible = len(self.running) + len(self.waiting)
         spared = eligible <= 1 and not self.config.threshold_caps_lone_request
         return 0 if spared else self.config.long_prefill_token_threshold

@@ -166,7 +166,7 @@ class SteadyDecode:
         if num_spec:
             tally.num_draft_tokens += num_kept * num_spec
             tally.num_accepted_tokens += num_accepted_kept
-        if self.fast_path.audit:
+        if self.fast_path.audit and self.scheduler.config.caches_after_sampling:
             self._audit_caching(taken)
         return tally.outcome()
 
@@ -231,7 +231,8 @@ class SteadyDecode:
         if span is None or bounds is None or bounds[0] > span[0]:
             return None
         limit = bounds[1] - (span[1] - span[0])
-        if num_spec:  # then the step caches at computed + 1 .. computed + 1 + K
+        if num_spec and self.scheduler.config.caches_after_sampling:
+            # then the step caches at computed + 1 .. computed + 1 + K
             bounds = fast_path.caching.bounds(request.request_id)
             if bounds is None or bounds[0] > computed + 1:
                 return None

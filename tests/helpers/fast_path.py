@@ -29,7 +29,12 @@ def one_request(tmp_path: Path, prompt: int, output: int, *overrides: str) -> Si
     }
     scenario = scenarios.scenario(
         tmp_path,
-        overrides=["mtp.acceptance_rates=[0, 0, 0]", "simulation.sample_interval_s=null", *overrides],
+        overrides=[
+            "mtp.acceptance_rates=[0, 0, 0]",
+            "simulation.sample_interval_s=null",
+            CACHES_AFTER_SAMPLING,
+            *overrides,
+        ],
         workload=workload,
     )
     return Simulation(scenario, "off", scenario_workload(scenario))
@@ -53,7 +58,18 @@ def audited(simulation: Simulation, *, lane: bool) -> AuditCounts:
     return fast_path.audited
 
 
+# The fast path's caching rule (rule 1 for ``cache_blocks``) acts where the
+# scheduler caches after each sampled step: vLLM 0.33.0's synchronous
+# scheduler and both versions' async ones. The fork's synchronous Scheduler
+# (0.30.0) caches at allocation only (``fork.caches_at_allocation_only``, on
+# in fork mode), which leaves the rule nothing to skip; these checks pin the
+# rule where it runs. Fork mode's sync lane is checked by the golden frames
+# (tests/test_fork_golden.py, fast path on) and test_steady.
+CACHES_AFTER_SAMPLING = "fork.caches_at_allocation_only=false"
+
+
 def checked_simulation(name: str, overrides: list[str], layout: str, tmp_path: Path) -> Simulation:
+    overrides = [CACHES_AFTER_SAMPLING, *overrides]
     if name == "decode-across-boundaries":
         scenario = scenarios.scenario(tmp_path, name, overrides, workload=DECODE_ACROSS_BOUNDARIES)
     else:
