@@ -60,6 +60,22 @@ MISSED_LOOKUP_TESTS = (
     "tests/test_fast_path.py::test_the_check_catches_a_pin_lookup_memo_blind_to_new_hashes",
     "tests/test_fast_path.py::test_every_skipped_call_changes_nothing[saturated-decode--off-sync]",
 )
+WAITING_MEMO_TESTS = (
+    "tests/test_steady.py::test_the_waiting_memo_holds_only_for_the_same_inputs_and_allocator",
+    "tests/test_steady.py::test_the_waiting_memo_keeps_idle_loops_of_other_inputs_while_the_allocator_stays",
+    "tests/test_steady.py::test_an_arrival_voids_the_waiting_memo",
+    "tests/test_steady.py::test_the_check_catches_a_waiting_loop_wrongly_skipped",
+    "tests/test_steady.py::test_a_head_that_found_nothing_stays_refused_while_running_requests_only_take_blocks",
+    "tests/test_steady.py::test_a_head_whose_own_hash_is_inserted_is_looked_up_again",
+    "tests/test_steady.py::test_a_head_forgotten_then_remembered_again_by_a_pin_lookup_is_looked_up_again",
+    "tests/test_steady.py::test_a_refused_head_that_found_nothing_is_neither_looked_up_nor_allocated_again",
+    "tests/test_steady.py::test_a_lookup_found_nothing_only_with_no_block_no_token_and_no_boundary",
+    "tests/test_steady.py::test_the_check_catches_a_head_taken_as_refused_after_blocks_came_free",
+    "tests/test_steady.py::test_a_refused_admission_is_known_only_for_the_same_request_tokens_running_set_and_empty_lookup",
+    "tests/test_steady.py::test_rule_12_keeps_the_idle_loops_of_other_inputs_across_the_changes_it_allows",
+    "tests/test_fast_path.py::test_every_skipped_call_changes_nothing[heavy-preemption--off-sync]",
+    "tests/test_fast_path.py::test_every_skipped_call_changes_nothing[saturated-decode--off-sync]",
+)
 PINS_TESTS = ("tests/test_values_fork_pins.py", "tests/test_fork_pins.py")
 ASYNC_TESTS = (
     "tests/test_values_async.py",
@@ -96,6 +112,10 @@ def _settled(name: str, kind: str, old: str, new: str) -> Mutant:
 
 def _async(name: str, kind: str, old: str, new: str) -> Mutant:
     return Mutant(name, kind, "async scheduler (module docstring's list)", ASYNC, old, new, ASYNC_TESTS)
+
+
+def _waiting(name: str, kind: str, rule: str, old: str, new: str) -> Mutant:
+    return Mutant(name, kind, rule, "sim/sched/fast_path.py", old, new, WAITING_MEMO_TESTS)
 
 
 def _pins(name: str, kind: str, rule: str, old: str, new: str, path: str = PINS) -> Mutant:
@@ -164,6 +184,64 @@ MUTANTS = (
         "return 4 * (1 + num_speculative_tokens) + 16",
         "return 4 * (1 + num_speculative_tokens) + 15",
         SETTLED_TESTS,
+    ),
+    # ------------------------------------------- fast path, rules 3, 4 and 12
+    _waiting(
+        "waiting-inputs-flags-swapped",
+        "swap",
+        "fast path 4 (the waiting loop's inputs)",
+        "and self._waiting_inputs(token_budget, running_scheduled, prefill_scheduled) in idle.inputs",
+        "and self._waiting_inputs(token_budget, prefill_scheduled, running_scheduled) in idle.inputs",
+    ),
+    _waiting(
+        "waiting-inputs-clause-dropped",
+        "clause",
+        "fast path 4 (the waiting loop's inputs)",
+        "            and self._waiting_inputs(token_budget, running_scheduled, prefill_scheduled)"
+        " in idle.inputs\n",
+        "",
+    ),
+    _waiting(
+        "rule12-free-blocks-clause-dropped",
+        "clause",
+        "fast path 12 (the pool has no more free blocks)",
+        "return release_version == self.release_version and self._num_free_blocks() <= num_free_blocks",
+        "return release_version == self.release_version",
+    ),
+    _waiting(
+        "rule12-free-blocks-strict",
+        "edge",
+        "fast path 12 (the pool has no more free blocks)",
+        "return release_version == self.release_version and self._num_free_blocks() <= num_free_blocks",
+        "return release_version == self.release_version and self._num_free_blocks() < num_free_blocks",
+    ),
+    _waiting(
+        "rule12-no-boundary-clause-dropped",
+        "clause",
+        "fast path 12 (found nothing: no token, no block, no boundary)",
+        "missed = num_hit == 0 and boundary == 0 and not any(hit)",
+        "missed = num_hit == 0 and not any(hit)",
+    ),
+    _waiting(
+        "rule12-no-block-clause-dropped",
+        "clause",
+        "fast path 12 (found nothing: no token, no block, no boundary)",
+        "missed = num_hit == 0 and boundary == 0 and not any(hit)",
+        "missed = num_hit == 0 and boundary == 0",
+    ),
+    _waiting(
+        "rule12-refusal-same-need-dropped",
+        "clause",
+        "fast path 12 (a refusal is known for the same need)",
+        "            or refusal.num_new != num_new\n",
+        "",
+    ),
+    _waiting(
+        "rule12-refusal-same-running-dropped",
+        "clause",
+        "fast path 12 (a refusal is known with the same running set)",
+        "            or refusal.has_scheduled_reqs != bool(self.scheduler.running)\n",
+        "",
     ),
     # ------------------------------------------------ fast path, rules 10-11
     _missed(
