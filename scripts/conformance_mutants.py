@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Literal
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -29,10 +30,17 @@ MUTANTS = (
     "checkpoint_on_the_block",
     "stale_output_forgotten",
 )
-COMBOS = (("off", "eagle-drop"), ("off", "lookahead"), ("on", "eagle-drop"), ("on", "lookahead"))
+Layout = Literal["off", "on"]
+Mode = Literal["eagle-drop", "lookahead"]
+COMBOS: tuple[tuple[Layout, Mode], ...] = (
+    ("off", "eagle-drop"),
+    ("off", "lookahead"),
+    ("on", "eagle-drop"),
+    ("on", "lookahead"),
+)
 
 
-def first_differences(mutant_name: str, shape: str) -> tuple[list[object], list[object]]:
+def first_differences(mutant_name: str, shape: str) -> tuple[list[int | None], list[int | None]]:
     """The first differing step of each (layout, mode), sync then async."""
     import pytest
     from helpers import vllm_mutants
@@ -58,7 +66,7 @@ def first_differences(mutant_name: str, shape: str) -> tuple[list[object], list[
     return sync, asynchronous
 
 
-def _cell(steps: list[object]) -> str:
+def _cell(steps: list[int | None]) -> str:
     return " ".join("-" if step is None else str(step) for step in steps)
 
 

@@ -11,6 +11,8 @@ order) and from numpy's own draws, never from the code under test.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -23,7 +25,7 @@ from sim.workloads.spec import FRESH_ID_BASE, FreshIds
 def _shape(**changes) -> SessionShape:
     """One session: prefix 128 on a 64-token unit, history 100, reply 10,
     tool result 30, think 1 s: prompts 228, 268, 308, 348, 388, ..."""
-    values = {
+    values: dict[str, Any] = {
         "num_sessions": 1,
         "shared_prefix_tokens": 128,
         "first_history": Fixed(tokens=100),
