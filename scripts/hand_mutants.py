@@ -53,6 +53,14 @@ SETTLED_TESTS = (
     "tests/test_fast_path.py::test_every_skipped_call_changes_nothing[heavy-preemption--off-async]",
     "tests/test_fast_path.py::test_the_check_catches_an_async_window_blind_to_the_tokens_in_flight",
 )
+# Rule 9's span: the settled set and the async audits of pool-bound decodes
+# (where a window blind to the tokens in flight settles a call that frees).
+SPAN_TESTS = (
+    *SETTLED_TESTS,
+    "tests/test_fast_path.py::test_prefill_chunks_are_never_skipped",
+    "tests/test_fast_path.py::test_every_skipped_call_changes_nothing[saturated-decode--off-async]",
+    "tests/test_fast_path.py::test_every_skipped_call_changes_nothing[decode-across-boundaries--off-async]",
+)
 MISSED_LOOKUP_TESTS = (
     "tests/test_values_fast_path.py",
     "tests/test_fast_path.py::test_a_waiter_with_no_hit_is_looked_up_again_once_a_hash_is_cached_or_its_tokens_grow",
@@ -242,6 +250,49 @@ MUTANTS = (
         "fast path 12 (a refusal is known with the same running set)",
         "            or refusal.has_scheduled_reqs != bool(self.scheduler.running)\n",
         "",
+    ),
+    _waiting(
+        "rule3-takes-blocks-bumps-release",
+        "swap",
+        "fast path 3 and 12 (a running request's allocation bumps the version, not the release version)",
+        '        caching; a preemption, a pin\'s yield, a free report their own)."""\n'
+        "        self.allocator_version += 1",
+        '        caching; a preemption, a pin\'s yield, a free report their own)."""\n'
+        "        self.release_version += 1",
+    ),
+    _waiting(
+        "rule3-change-skips-release",
+        "clause",
+        "fast path 3 and 12 (every other change bumps the release version too)",
+        "        self.allocator_version += 1\n        self.release_version += 1\n",
+        "        self.allocator_version += 1\n",
+    ),
+    Mutant(
+        "rule9-span-blind-to-in-flight",
+        "clause",
+        "fast path 9 (an async decode spans from its processed tokens)",
+        "sim/sched/fast_path.py",
+        "return computed - request.num_in_flight_tokens, computed + num_tokens",
+        "return computed, computed + num_tokens",
+        SPAN_TESTS,
+    ),
+    Mutant(
+        "rule9-decoding-edge-early",
+        "edge",
+        "fast path 9 (decoding: only the last known token left)",
+        "sim/sched/fast_path.py",
+        "if computed < request.num_tokens - 1:",
+        "if computed < request.num_tokens - 2:",
+        SPAN_TESTS,
+    ),
+    Mutant(
+        "rule9-decoding-edge-late",
+        "edge",
+        "fast path 9 (decoding: only the last known token left)",
+        "sim/sched/fast_path.py",
+        "if computed < request.num_tokens - 1:",
+        "if computed < request.num_tokens:",
+        SPAN_TESTS,
     ),
     # ------------------------------------------------ fast path, rules 10-11
     _missed(
