@@ -106,6 +106,21 @@ def test_control_an_abort_that_keeps_the_blocks_drifts(monkeypatch):
     assert first is not None and first > ABORT_AT_STEP
 
 
+def test_an_abort_between_synchronous_steps_never_meets_a_step_in_flight(monkeypatch):
+    """vLLM's abort keeping the blocks of a request with a step in flight
+    changes nothing here: a synchronous step has none in flight when the
+    abort comes. Why tests/test_async_conformance.py aborts under the batch
+    queue (where the same mutant fails the gate)."""
+    from helpers import vllm_mutants
+
+    vllm_mutants.abort_in_flight_keeps_blocks().apply(monkeypatch)
+    scenario, plan, _, _ = _setup()
+    _, kvsim_run = _run(_kvsim_as_served())
+    vllm, vllm_run = _run(vllm_backend(scenario, plan))
+    assert len(vllm.aborted) == 4
+    assert compare(kvsim_run, vllm_run).conforms
+
+
 @pytest.mark.parametrize("drain", [True, False])
 def test_the_zeroing_record_is_drained_every_step(drain, monkeypatch):
     """A Mamba model needs KV zeroing, so vLLM's full-attention managers

@@ -1,10 +1,12 @@
 """The async conformance gate: kvsim's batch-queue engine core and
 ``AsyncScheduler`` against vLLM 0.33.0's own ``EngineCore.step_with_batch_queue``
 over its real ``AsyncScheduler`` (PP 2, Model Runner V2, queue depth 3) take
-identical engine steps on the three conformance shapes x both layouts x both
-MTP hashing modes, and with fenced frees on; a stagger of 1, a budget per
-pipeline cycle and a fence of depth 2 each fail at the step read off vLLM's
-run alone.
+identical engine steps on the five conformance shapes x both layouts x both
+MTP hashing modes, and with fenced frees on, and across an abort while a
+step is in flight; a stagger of 1, a budget per pipeline cycle and a fence
+of depth 2 each fail at the step read off vLLM's run alone, and so do
+vLLM-side mutants at the edges (budget, block end, hash-unit tail, stale
+output at a preemption, an abort in flight).
 """
 
 from __future__ import annotations
@@ -12,18 +14,28 @@ from __future__ import annotations
 import os
 
 import pytest
+from helpers import vllm_mutants
 from helpers.scenarios import conformance_requests, conformance_shape
 
 from sim.cli import main
+from sim.conformance import async_engine
 from sim.conformance.async_engine import run_async_conformance
-from sim.conformance.driver import Comparison, Trajectory
+from sim.conformance.driver import (
+    Comparison,
+    Trajectory,
+    compare,
+    conformance_scenario,
+    plan_for,
+    run_conformance,
+    vllm_settings,
+)
 from sim.paths import SCENARIOS_DIR
 from sim.sched import scheduler as scheduler_module
 from sim.sched.async_scheduler import AsyncScheduler
 
 CONFORMANCE = SCENARIOS_DIR / "conformance"
-SHAPES = ("prefix-hits", "heavy-preemption", "long-chunked")
-BUDGET = 8192  # the shapes' max_num_batched_tokens (the scenario default)
+SHAPES = ("prefix-hits", "heavy-preemption", "long-chunked", "block-budget", "rig-blocks")
+BUDGET = 8192  # the 8,192 shapes' max_num_batched_tokens (the scenario default)
 
 
 _scenario, _requests = conformance_shape, conformance_requests
@@ -212,6 +224,133 @@ def _vllm_fenced_run_with_depth_two_views(shape: str) -> list[bool]:
     step_time = async_engine.StepTimeModel(scenario.step_time_config())
     async_engine.drive_engine(engine, _requests(shape), async_engine.async_clock(scenario, step_time))
     return views
+
+
+# ------------------------------------------------- vLLM-side mutants (issue 41)
+def _prompts(shape: str) -> dict[str, int]:
+    return {r.request_id: r.prompt_len for r in _requests(shape)}
+
+
+def _chunk_ending(block: int, budget: int, shape: str):
+    prompts = _prompts(shape)
+    return {
+        "budget_one_short": lambda i, s: any(n == budget for _, _, n, _ in s.scheduled_tokens),
+        "block_end_floored_one_early": lambda i, s: any(
+            (c + n) % block == 0 and c + n < prompts[rid] for rid, c, n, _ in s.scheduled_tokens
+        ),
+        "tail_on_the_block": lambda i, s: any(
+            (c + n) % block and c + n < prompts[rid] for rid, c, n, _ in s.scheduled_tokens
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "mutant, shape, block, budget",
+    [
+        (vllm_mutants.budget_one_short, "block-budget", 3200, 6400),
+        (vllm_mutants.block_end_floored_one_early, "block-budget", 3200, 6400),
+        (vllm_mutants.tail_on_the_block, "rig-blocks", 4096, 8192),
+    ],
+    ids=lambda v: getattr(v, "__name__", None),
+)
+@pytest.mark.parametrize("mode", ["eagle-drop", "lookahead"])
+def test_a_vllm_mutant_at_an_edge_fails_the_async_gate(mutant, shape, block, budget, mode, monkeypatch):
+    """As the synchronous gate's (tests/test_conformance.py): the first
+    difference is at the first engine step whose chunk the mutant changes,
+    read off vLLM's unmutated run."""
+    reference = _reference(shape, "on", mode)
+    expected = _first_index(reference, _chunk_ending(block, budget, shape)[mutant.__name__])
+    mutant().apply(monkeypatch)
+    comparison = _conform(shape, "on", mode)
+    assert comparison.first_difference == expected
+    assert comparison.differing_fields(expected)[0] == "scheduled_tokens"
+
+
+@pytest.mark.parametrize("layout", ["off", "on"])
+def test_preemption_with_output_in_flight_is_compared(layout, monkeypatch):
+    """vLLM's preemption forgetting that the output in flight is stale (a
+    batch-queue case: a synchronous step has none in flight) fails the
+    async gate on heavy-preemption, no earlier than its first preemption,
+    and passes the synchronous gate on the same shape (which cannot reach it)."""
+    reference = _reference("heavy-preemption", layout, "eagle-drop")
+    first_preemption = _first_index(reference, lambda i, s: bool(s.preempted))
+    vllm_mutants.stale_output_forgotten().apply(monkeypatch)
+    comparison = _conform("heavy-preemption", layout, "eagle-drop")
+    assert comparison.first_difference is not None and comparison.first_difference >= first_preemption
+    shape = "heavy-preemption"
+    assert run_conformance(_scenario(shape), layout, _requests(shape), mode="eagle-drop").comparison.conforms
+
+
+class _Aborting:
+    """An async conformance engine that, right after engine call ``at_call``
+    (as ``EngineCore.abort_requests`` runs between calls), aborts the first
+    and last requests that call scheduled: their step is still in flight
+    (its output lands pp calls later)."""
+
+    def __init__(self, engine, at_call: int) -> None:
+        self.engine, self.at_call, self.calls = engine, at_call, 0
+        self.aborted: tuple[str, ...] = ()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def step(self):
+        call, state = self.engine.step()
+        self.calls += 1
+        if self.calls == self.at_call:
+            from sim.vllm_bridge import RequestStatus
+
+            scheduled = [rid for rid, _, _, _ in state.scheduled_tokens]
+            ids = sorted({scheduled[0], scheduled[-1]})
+            finished = self.engine.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            self.aborted = tuple(sorted(r.request_id for r in finished))
+        return call, state
+
+
+ABORT_AT_CALL = 12
+
+
+def _aborted_run(shape: str, layout: str) -> tuple[Comparison, tuple[str, ...], Trajectory]:
+    compared = conformance_scenario(_scenario(shape), "eagle-drop")
+    plan = plan_for(compared, layout)
+    vllm = _Aborting(async_engine.vllm_engine(compared, plan, vllm_settings(compared, plan)), ABORT_AT_CALL)
+    vllm.scheduler.defer_block_free = False
+    pp = compared.deployment.pipeline_parallel_size
+    depth = async_engine.max_concurrent_batches(compared)
+    kvsim = _Aborting(async_engine.kvsim_engine(compared, plan, depth=depth, stagger=pp), ABORT_AT_CALL)
+    step_time = async_engine.StepTimeModel(compared.step_time_config())
+    runs = [
+        async_engine.drive_engine(engine, _requests(shape), async_engine.async_clock(compared, step_time))
+        for engine in (kvsim, vllm)
+    ]
+    assert kvsim.aborted == vllm.aborted
+    return compare(*runs), vllm.aborted, runs[1]
+
+
+@pytest.mark.parametrize("layout", ["off", "on"])
+def test_an_abort_while_a_step_is_in_flight_takes_vllms_steps(layout):
+    """Two requests aborted right after the call that scheduled them (their
+    output still in flight): every engine step after is vLLM's, the
+    aborted requests are never scheduled again, and the output that lands
+    for them is dropped."""
+    comparison, aborted, vllm_run = _aborted_run("heavy-preemption", layout)
+    assert len(aborted) == 2
+    assert comparison.first_difference is None, comparison.differing_fields(comparison.first_difference)
+    assert comparison.conforms and len(vllm_run.steps) > ABORT_AT_CALL + 10
+    later = vllm_run.steps[ABORT_AT_CALL:]
+    assert not set(aborted) & {rid for s in later for rid, _, _, _ in s.scheduled_tokens}
+    assert not set(aborted) & {rid for s in later for rid in s.finished}
+
+
+def test_an_abort_in_flight_that_keeps_the_blocks_fails_the_gate(monkeypatch):
+    """vLLM's abort keeping the blocks of a request with a step in flight
+    (equal to vLLM for an abort between synchronous steps:
+    tests/test_aborts.py) fails at the first call after the abort, on the
+    free blocks among others."""
+    vllm_mutants.abort_in_flight_keeps_blocks().apply(monkeypatch)
+    comparison, _, _ = _aborted_run("heavy-preemption", "on")
+    assert comparison.first_difference == ABORT_AT_CALL + 1
+    assert "num_free_blocks" in comparison.differing_fields(ABORT_AT_CALL + 1)
 
 
 # -------------------------------------------------------------------- CLI

@@ -1,9 +1,11 @@
 """The conformance gate: kvsim's scheduler and vLLM 0.33.0's own Scheduler
-(built from a real VllmConfig) take identical steps on three shapes (prefix
-hits, heavy preemption, long chunked prompts) x both layouts x both MTP
-hashing modes; deliberately changed policies make ``kvsim conform`` fail at
-the step derived from vLLM's trajectory alone; a vLLM whose Scheduler
-cannot be built gives one line and exit 2.
+(built from a real VllmConfig) take identical steps on five shapes (prefix
+hits, heavy preemption, long chunked prompts, and issue 41's edges: a budget
+of two blocks, the rig's 4,096-token blocks on a 64-token unit) x both
+layouts x both MTP hashing modes; deliberately changed policies make
+``kvsim conform`` fail at the step derived from vLLM's trajectory alone, and
+so do vLLM-side mutants at the edges (the reference can fail); a vLLM whose
+Scheduler cannot be built gives one line and exit 2.
 
 One process (vLLM imported once); the VllmConfig is cheap after the first.
 """
@@ -15,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import vllm_mutants
 from helpers.scenarios import conformance_requests, conformance_shape
 
 from sim.cli import main
@@ -32,7 +35,9 @@ from sim.sched.scheduler import Scheduler
 from sim.step_time import StepTimeModel
 
 CONFORMANCE = SCENARIOS_DIR / "conformance"
-SHAPES = ("prefix-hits", "heavy-preemption", "long-chunked")
+SHAPES = ("prefix-hits", "heavy-preemption", "long-chunked", "block-budget", "rig-blocks")
+# The shapes before issue 41: an 8,192-token budget, never a multiple of their block.
+OLD_SHAPES = SHAPES[:3]
 SIM = Path(__file__).resolve().parents[1] / "sim"
 
 
@@ -108,6 +113,92 @@ def test_the_shapes_exercise_what_they_are_named_for(layout, mode):
         if (done := computed + n) < prompts[rid]
     ]
     assert len(chunks) >= 5 * len(prompts)
+
+
+def _prompts(shape: str) -> dict[str, int]:
+    return {r.request_id: r.prompt_len for r in _requests(shape)}
+
+
+@pytest.mark.parametrize("mode", ["eagle-drop", "lookahead"])
+def test_the_edge_shapes_reach_their_edges(mode):
+    """Read off vLLM's own run (issue 41). block-budget: a budget of two
+    3,200-token blocks, chunks that fill it exactly, mid-prompt chunks
+    ending exactly on a block (= hash-unit) boundary, prompts ending on one.
+    rig-blocks: 4,096-token blocks on a 64-token unit, agent sessions: each
+    follow-up's prefix hit ends on the unit, most inside a block, and chunks
+    end on unit boundaries that are no block's (a prompt's tail)."""
+    budget, block = 6400, 3200
+    steps = _steps(_reference("block-budget", "on", mode)).steps
+    prompts = _prompts("block-budget")
+    assert budget % block == 0
+    chunks = [(rid, c, n) for s in steps for rid, c, n in s.scheduled_tokens if c < prompts[rid]]
+    assert any(n == budget for _, _, n in chunks)
+    assert any((c + n) % block == 0 and c + n < prompts[rid] for rid, c, n in chunks)
+    assert any(c + n == prompts[rid] and prompts[rid] % block == 0 for rid, c, n in chunks)
+    steps = _steps(_reference("rig-blocks", "on", mode)).steps
+    prompts = _prompts("rig-blocks")
+    first_chunks = {}
+    for s in steps:
+        for rid, c, n in s.scheduled_tokens:
+            first_chunks.setdefault(rid, (c, n))
+    hits = [c for rid, (c, _) in first_chunks.items() if not rid.endswith("t0000")]
+    assert len(hits) >= 8 and all(c % 64 == 0 for c in hits)
+    assert sum(1 for c in hits if c % 4096) >= 5
+    assert sum(s.prefix_cache_hits_tokens for s in steps) >= sum(hits)
+    ends = [c + n for s in steps for rid, c, n in s.scheduled_tokens if c < prompts[rid]]
+    assert any(e % 64 == 0 and e % 4096 for e in ends)
+
+
+# ------------------------------------------------- vLLM-side mutants (issue 41)
+# Each is a patched copy of one of vLLM's own Scheduler methods, on the
+# reference's scheduler only (tests/helpers/vllm_mutants.py): the gate must
+# report a difference on the shape that reaches the edge, and (the point of
+# the new shapes) the 8,192 shapes do not.
+@pytest.mark.parametrize(
+    "mutant, shape",
+    [
+        (vllm_mutants.budget_one_short, "block-budget"),
+        (vllm_mutants.block_end_floored_one_early, "block-budget"),
+        (vllm_mutants.tail_on_the_block, "rig-blocks"),
+    ],
+    ids=lambda v: getattr(v, "__name__", v),
+)
+@pytest.mark.parametrize("mode", ["eagle-drop", "lookahead"])
+def test_a_vllm_mutant_at_an_edge_fails_the_gate_where_reached(mutant, shape, mode, monkeypatch):
+    """The first difference is at the first step whose chunk the mutant
+    changes, read off vLLM's unmutated run: the first chunk that fills the
+    budget (budget one short), the first mid-prompt chunk ending on a block
+    boundary (its end floored from one token before), the first mid-prompt
+    chunk ending on a unit that is no block's end: the prompt's tail stop
+    (taken on the block instead)."""
+    reference = _steps(_reference(shape, "on", mode))
+    prompts = _prompts(shape)
+    predicates = {
+        "budget_one_short": lambda i, s: any(n == 6400 for _, _, n in s.scheduled_tokens),
+        "block_end_floored_one_early": lambda i, s: any(
+            (c + n) % 3200 == 0 and c + n < prompts[rid] for rid, c, n in s.scheduled_tokens
+        ),
+        "tail_on_the_block": lambda i, s: any(
+            (c + n) % 4096 and c + n < prompts[rid] for rid, c, n in s.scheduled_tokens
+        ),
+    }
+    expected = _first_step(reference, predicates[mutant.__name__])
+    mutant().apply(monkeypatch)
+    comparison = _conform(shape, "on", mode).comparison
+    assert comparison.first_difference == expected
+    assert comparison.differing_fields(expected)[0] == "scheduled_tokens"
+
+
+@pytest.mark.parametrize("shape", OLD_SHAPES)
+def test_the_8192_shapes_never_reach_the_budgets_block_edge(shape, monkeypatch):
+    """Why the new shapes: vLLM's budget one token short, and its split
+    flooring a chunk's end from one token before, pass every shape whose
+    budget (8,192) is no multiple of its block (3,200)."""
+    vllm_mutants.budget_one_short().apply(monkeypatch)
+    assert _conform(shape, "on", "lookahead").comparison.conforms
+    monkeypatch.undo()
+    vllm_mutants.block_end_floored_one_early().apply(monkeypatch)
+    assert _conform(shape, "off", "eagle-drop").comparison.conforms
 
 
 def test_the_modes_differ_where_vllm_says():

@@ -98,6 +98,29 @@ def test_every_waiter_with_no_hit_is_remembered_until_one_of_its_hashes_is_inser
     assert not memo.knows_no_hit(b)
 
 
+def test_a_memo_holds_only_for_the_same_request_its_tokens_and_its_hashes():
+    """Rule 10's three conditions each alone (issue 41: dropping any one
+    passed every test; each holds only where the others do not already
+    follow from it). The same request id in a new request (an id reused
+    after an abort) is another request; one token more that completes no
+    8-token unit changes the tokens and not the hashes; a hash added with
+    the tokens unchanged (a lookahead hash computed late) changes the
+    hashes alone. Control: with all three unchanged the memo holds."""
+    pool = _pool()
+    memo = MissedPinLookups(pool)
+    a = _waiter("a", 1)  # 40 tokens, five whole 8-token units
+    memo.found_no_hit(a)
+    assert memo.knows_no_hit(a)
+    assert not memo.knows_no_hit(_waiter("a", 1))  # same id, tokens and hashes
+    a.append_output_token_ids(7)
+    assert (a.num_tokens, len(a.block_hashes)) == (41, 5)
+    assert not memo.knows_no_hit(a)
+    b = _waiter("b", 2)
+    memo.found_no_hit(b)
+    b.block_hashes.append(b.block_hashes[-1])
+    assert b.num_tokens == 40 and not memo.knows_no_hit(b)
+
+
 def test_a_lookup_after_an_insertion_is_remembered_at_once():
     """A hash inserted before a lookup with no hit: that lookup already saw
     it, so it is known (no second lookup); the other waiter, remembered

@@ -18,6 +18,7 @@ from helpers.pins import (
     decode,
     drain_copies,
     finish,
+    finish_and_free,
     grace_scheduler,
     pinning_manager,
     prefill,
@@ -31,7 +32,7 @@ from sim.kv_cache_manager import KVCacheManager
 from sim.kv_cache_pins import PinningKVCacheManager
 from sim.sched.fast_path import NoFastPath
 from sim.sched.pins import NoPins, SchedulerPins, scheduler_pins
-from sim.vllm_bridge import RequestStatus
+from sim.vllm_bridge import RequestStatus, init_none_hash, sha256
 
 NO_GRACES = ForkPatches(grace_pins=False)
 
@@ -177,6 +178,30 @@ def test_a_request_id_used_again_replaces_its_grace():
     assert all(block.ref_cnt == 0 for block in first)
     manager.yield_pinned_hits()
     assert pool.get_num_free_blocks() == 31
+
+
+def test_a_released_waiter_pin_queues_its_deepest_block_first():
+    """A released waiter pin gives its blocks back as vLLM frees a
+    request's (``SingleTypeKVCacheManager.free``: ``reversed``): the tail
+    first, so the prefix other waiters share stays cached longest (issue
+    41: the order reversed passed every test). A's 96-token prompt (three
+    32-token blocks) is cached and freed; W (A's prompt and more) pins its
+    hit; released, W's attention blocks are queued deepest first. (Control: the lookup lists the prefix first,
+    so the pin list's own order fails.)"""
+    manager = pinning_manager(64, NO_GRACES)
+    a = request("A", tail_tokens(1, 96))
+    prefill(manager, a)
+    finish_and_free(manager, a)
+    w = request("W", tail_tokens(1, 96) + tail_tokens(2, 64))
+    assert manager.pin_waiting_hit(w) > 0
+    hit, num_hit, _ = manager.get_computed_blocks(w)
+    attention = [block.block_id for block in hit.blocks[0] if not block.is_null]
+    assert num_hit > 0 and len(attention) >= 2
+    manager.release_pinned_hit("W")
+    queue = [block.block_id for block in manager.block_pool.free_block_queue.get_all_free_blocks()]
+    positions = [queue.index(block_id) for block_id in attention]
+    assert positions == sorted(positions, reverse=True)  # the deepest block queued first
+    assert manager.pinned_hit_blocks("W") == []
 
 
 @pytest.mark.parametrize(
@@ -405,3 +430,82 @@ def test_0097s_loop_never_counts_the_heads_own_hit_once_a_retry_fails_again(
     calls.clear()
     assert (scheduler.pins.admit_head(h, hit, retry) is not None) is admitted
     assert manager.grace_order() == graces and len(calls) == retries
+
+
+# ------------------------------------- the scheduler's own guards (issue 41)
+class _Manager:
+    """A stand-in pinning manager that counts the calls the scheduler's pin
+    points make: every guard tested here is the scheduler's own, before
+    the manager's (which would refuse as well)."""
+
+    guards_head_yields = True
+    enable_waiter_pins = True
+
+    def __init__(self, *, pinned=0, bound=2, shortfall=1, graces=0) -> None:
+        self.num_pinned_waiters, self.max_pinned_waiters = pinned, bound
+        self.last_alloc_shortfall, self.num_grace_pins = shortfall, graces
+        self.pin_lookup_found_no_hit = False
+        self.calls: list[str] = []
+
+    def pin_waiting_hit(self, request) -> int:
+        self.calls.append(f"pin {request.request_id}")
+        return 0
+
+    def num_yieldable_blocks(self, keep=None, keep_hit=None) -> int:
+        return 100
+
+    def yield_pinned_hits(self, keep=None, limit=None) -> int:
+        self.calls.append("yield")
+        return 0
+
+    def release_pinned_extras(self, request_id, hit) -> int:
+        self.calls.append("extras")
+        return 0
+
+
+def _waiting(request_id: str, status: RequestStatus = RequestStatus.WAITING):
+    init_none_hash(sha256)  # vLLM's block hasher needs its root hash set
+    waiter = request(request_id, tail_tokens(5, 16))
+    waiter.status = status
+    return waiter
+
+
+@pytest.mark.parametrize(("pinned", "looked_up"), [(1, ["pin W"]), (2, []), (3, [])])
+def test_the_pin_pass_stops_at_the_bound_before_any_lookup(pinned, looked_up):
+    """The fork's pass pins "up to the manager's bound": with 2 of 2 pinned
+    it stops before the first waiter's lookup (one below: it looks up)."""
+    manager = _Manager(pinned=pinned, bound=2)
+    SchedulerPins(manager, NoFastPath()).pin_waiters(iter([_waiting("W")]))  # type: ignore[arg-type]
+    assert manager.calls == looked_up
+
+
+@pytest.mark.parametrize(
+    ("status", "looked_up"),
+    [
+        (RequestStatus.WAITING, ["pin W"]),
+        (RequestStatus.PREEMPTED, ["pin W"]),
+        (RequestStatus.WAITING_FOR_REMOTE_KVS, []),
+        (RequestStatus.FINISHED_ABORTED, []),
+    ],
+)
+def test_the_pin_pass_looks_up_only_waiting_or_preempted_waiters(status, looked_up):
+    """The pass skips requests that are "neither WAITING nor PREEMPTED"
+    (the fork's rule), even with nothing computed."""
+    manager = _Manager(pinned=0)
+    SchedulerPins(manager, NoFastPath()).pin_waiters(iter([_waiting("W", status)]))  # type: ignore[arg-type]
+    assert manager.calls == looked_up
+
+
+@pytest.mark.parametrize(("shortfall", "calls"), [(0, []), (-1, []), (1, ["pin H"])])
+def test_0097s_head_rule_does_nothing_without_a_shortfall(shortfall, calls):
+    """0097's rule acts only on a head whose allocation fell short: with
+    no shortfall (the failure was not for blocks) it neither pins, yields
+    nor retries, whatever graces there are (one here)."""
+    manager = _Manager(shortfall=shortfall, graces=1)
+    retries: list[int] = []
+    head = _waiting("H")
+    result = SchedulerPins(manager, NoFastPath()).admit_head(  # type: ignore[arg-type]
+        head, type("Hit", (), {"blocks": ()})(), lambda: retries.append(1)
+    )
+    assert result is None and manager.calls[:1] == calls
+    assert retries == []

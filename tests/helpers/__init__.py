@@ -6,7 +6,8 @@
 - ``fast_path``: the fast-path checks' cases, one-request simulations, the audit, frames;
 - ``replay_dirs``: results and replay directories written by hand;
 - ``fault_server``: a misbehaving OpenAI-style server (also run as a script);
-- ``reference_frames``: a script saving and comparing the gate scenarios' frames.
+- ``reference_frames``: a script saving and comparing the gate scenarios' frames;
+- ``vllm_mutants``: patched copies of vLLM's Scheduler methods for the conformance gates' reference.
 
 No test module imports another test module.
 """
