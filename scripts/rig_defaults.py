@@ -53,7 +53,9 @@ def _cell(value: float) -> str:
 
 def before_after() -> str:
     """The default comparison on the old defaults and on the rig's."""
-    old, new = (run_scenario(_load(name)).summary.set_index("layout") for name in ("old-defaults", "chat-slice"))
+    old, new = (
+        run_scenario(_load(name)).summary.set_index("layout") for name in ("old-defaults", "chat-slice")
+    )
     lines = [
         "| metric | before, off | before, on | after, off | after, on |",
         "|---|---:|---:|---:|---:|",
