@@ -41,11 +41,20 @@ from sim.commands.calibrate import DEFAULT_FIT
 from sim.commands.validate import reorder_window_s
 from sim.results import read_run
 from sim.scenario import load_scenario
+from sim.step_time import StepTimeConfig
 
-# The model's start (docs/step-time-model.md) and the rig: prefill 30 %
-# slower, decode 25 % slower, half a millisecond more per step.
-START = {"step_overhead_s": 0.001, "memory_efficiency": 0.76, "compute_efficiency": 0.74}
-RIG = {"step_overhead_s": 0.0015, "memory_efficiency": 0.76 * 0.75, "compute_efficiency": 0.74 * 0.7}
+# The model's start (the step-time model's defaults, docs/step-time-model.md)
+# and the rig: prefill 30 % slower, decode 25 % slower, half a millisecond
+# more per step.
+START = {
+    name: StepTimeConfig.model_fields[name].default
+    for name in ("step_overhead_s", "memory_efficiency", "compute_efficiency")
+}
+RIG = {
+    "step_overhead_s": START["step_overhead_s"] + 0.0005,
+    "memory_efficiency": START["memory_efficiency"] * 0.75,
+    "compute_efficiency": START["compute_efficiency"] * 0.7,
+}
 # Scenario seconds per wall second: each replay takes a few wall seconds
 # (the server's start-up, ~6 s, dominates).
 SPEED = 10.0

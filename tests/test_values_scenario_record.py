@@ -21,8 +21,8 @@ SOURCE = "r/scenario.json"
 
 
 def _sync_and_async():
-    sync = load_scenario("default", ["engine.mode=sync"])
-    return sync, load_scenario("default")
+    sync = load_scenario("chat-slice", ["engine.mode=sync"])
+    return sync, load_scenario("chat-slice")
 
 
 def test_the_record_is_json_data_with_every_key():
@@ -31,7 +31,7 @@ def test_the_record_is_json_data_with_every_key():
     sync, _ = _sync_and_async()
     record = scenario_to_dict(sync)
     assert json.loads(json.dumps(record, allow_nan=False)) == record
-    assert record["name"] == "default" and record["engine"]["mode"] == "sync"
+    assert record["name"] == "chat-slice" and record["engine"]["mode"] == "sync"
     assert (record["deployment"]["block_size"], record["deployment"]["prefix_match_unit"]) == (4096, 64)
     assert record["scheduler"]["max_num_batched_tokens"] == 1024
     assert record["workload"]["window_s"] == [0.0, 600.0]  # a tuple in the scenario, a list in JSON
@@ -63,7 +63,7 @@ def test_a_record_that_is_not_a_mapping_is_one_line_naming_it(data):
 
 
 def _record(**changes) -> dict:
-    record = scenario_to_dict(load_scenario("default", ["engine.mode=sync"]))
+    record = scenario_to_dict(load_scenario("chat-slice", ["engine.mode=sync"]))
     for section, values in changes.items():
         record[section].update(values)
     return record
