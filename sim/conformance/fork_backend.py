@@ -187,18 +187,17 @@ class ForkProcess:
 
 
 # ------------------------------------------------------------ the backend
-class ForkBackend:
-    """The fork's Scheduler, stepped as ``EngineCore.step`` steps it."""
+class _ForkSide:
+    """What both ways of stepping the fork share: the child built for the
+    scenario and layout (``async_scheduling``: its engine core's batch queue)
+    and requests sent to it as vLLM's input processor hands them over."""
 
     name = "fork"
+    async_scheduling = False
 
     def __init__(
-        self,
-        process: ForkProcess,
-        scenario: Scenario,
-        layout: SideCacheSwitch,
-        runner: ModelRunner,
-    ) -> None:
+        self, process: ForkProcess, scenario: Scenario, layout: SideCacheSwitch, runner: ModelRunner
+    ):
         self.process = process
         self.runner = runner
         self.max_model_len = scenario.deployment.max_model_len
@@ -206,13 +205,12 @@ class ForkBackend:
         self.description = process.call(
             "init",
             timeout_s=INIT_TIMEOUT_S,
-            settings=fork_settings(scenario, block_size, async_scheduling=False),
+            settings=fork_settings(scenario, block_size, async_scheduling=self.async_scheduling),
             workers=workers,
             memory_bytes=[scenario.deployment.kv_cache_memory_bytes] * _num_workers(scenario),
             environment=fork_environment(layout),
         )
-        self._token_counts: dict[str, int] = {}
-        self._has_unfinished = False
+        self._has_work = self._has_unfinished = False
 
     def add_request(self, spec: RequestSpec) -> bool:
         if spec.prompt_len >= self.max_model_len:
@@ -224,8 +222,18 @@ class ForkBackend:
             max_tokens=spec.output_len,
             arrival_s=spec.arrival_s,
         )
-        self._has_unfinished = True
+        self._has_work = self._has_unfinished = True
         return True
+
+
+class ForkBackend(_ForkSide):
+    """The fork's Scheduler, stepped as ``EngineCore.step`` steps it."""
+
+    def __init__(
+        self, process: ForkProcess, scenario: Scenario, layout: SideCacheSwitch, runner: ModelRunner
+    ):
+        super().__init__(process, scenario, layout, runner)
+        self._token_counts: dict[str, int] = {}
 
     def has_unfinished_requests(self) -> bool:
         return self._has_unfinished
@@ -292,47 +300,22 @@ def _num_workers(scenario: Scenario) -> int:
 
 
 # ---------------------------------------------------- the fork's batch queue
-class ForkEngine:
+class ForkEngine(_ForkSide):
     """The fork's own ``EngineCore.step_with_batch_queue`` over its
     ``AsyncScheduler`` (the rig's mode), one engine call a step of the
     comparison, as ``async_engine._VllmEngine`` drives vLLM 0.33.0's. The
     child asks this side what each step sampled (the shared runner)."""
 
-    name = "fork"
+    async_scheduling = True
 
     def __init__(
         self, process: ForkProcess, scenario: Scenario, layout: SideCacheSwitch, runner: ModelRunner
     ):
-        self.process = process
-        self.runner = runner
-        self.max_model_len = scenario.deployment.max_model_len
-        block_size, workers = encode_workers(scenario)
-        self.description = process.call(
-            "init",
-            timeout_s=INIT_TIMEOUT_S,
-            settings=fork_settings(scenario, block_size, async_scheduling=True),
-            workers=workers,
-            memory_bytes=[scenario.deployment.kv_cache_memory_bytes] * _num_workers(scenario),
-            environment=fork_environment(layout),
-        )
+        super().__init__(process, scenario, layout, runner)
         self._in_flight: deque[SchedulerOutput] = deque()
-        self._has_work = self._has_unfinished = False
         # The engine loop's adapter asks the scheduler whether requests are
         # unfinished; the fork's answers come with each call.
         self.scheduler = self
-
-    def add_request(self, spec: RequestSpec) -> bool:
-        if spec.prompt_len >= self.max_model_len:
-            return False  # the input processor rejects it
-        self.process.call(
-            "add",
-            request_id=spec.request_id,
-            prompt_token_ids=spec.prompt_token_ids(),
-            max_tokens=spec.output_len,
-            arrival_s=spec.arrival_s,
-        )
-        self._has_work = self._has_unfinished = True
-        return True
 
     def has_work(self) -> bool:
         return self._has_work

@@ -28,10 +28,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-# The smallest Qwen2-shaped MiMo config vLLM accepts (an MTP draft, both
-# modules import on a CPU); the KV layout comes from kvsim's layer specs,
-# not from this model (as ``sim/vllm_bridge/scheduler.py`` does for 0.33.0).
-_STAND_IN_HF_CONFIG: dict[str, Any] = {
+# The smallest Qwen2-shaped MiMo config vLLM accepts: MiMo has an MTP draft
+# (``num_nextn_predict_layers``) and both of its modules import on a CPU.
+# The KV layout comes from kvsim's layer specs, not from this model. Shared
+# with ``scheduler.py`` (vLLM 0.33.0): this module imports only the standard
+# library at its top, so kvsim's process can import it too.
+STAND_IN_HF_CONFIG: dict[str, Any] = {
     "architectures": ["MiMoForCausalLM"],
     "model_type": "qwen2",
     "hidden_size": 256,
@@ -43,28 +45,31 @@ _STAND_IN_HF_CONFIG: dict[str, Any] = {
     "num_nextn_predict_layers": 1,
     "torch_dtype": "bfloat16",
 }
-_STAND_IN_ARCHITECTURES = {
+# The stand-in's target and draft classes: registered already imported, so
+# vLLM inspects them in this process instead of one subprocess each (two
+# fresh vLLM imports; no CUDA to protect on a CPU machine).
+STAND_IN_ARCHITECTURES = {
     "MiMoForCausalLM": ("vllm.model_executor.models.mimo", "MiMoForCausalLM"),
     "MiMoMTPModel": ("vllm.model_executor.models.mimo_mtp", "MiMoMTP"),
 }
 DRAFT_TOKEN_ID = 0
 
 
-def _register_stand_in_models() -> None:
+def register_stand_in_models() -> None:
     import importlib
 
     from vllm.model_executor.models.registry import ModelRegistry, _RegisteredModel
 
-    for architecture, (module_name, class_name) in _STAND_IN_ARCHITECTURES.items():
+    for architecture, (module_name, class_name) in STAND_IN_ARCHITECTURES.items():
         if isinstance(ModelRegistry.models.get(architecture), _RegisteredModel):
             continue
         module = importlib.import_module(module_name)
         ModelRegistry.register_model(architecture, getattr(module, class_name))
 
 
-def _stand_in_model_dir(max_model_len: int) -> str:
-    directory = tempfile.mkdtemp(prefix="kvsim-fork-stand-in-")
-    config = {**_STAND_IN_HF_CONFIG, "max_position_embeddings": max(max_model_len, 4096)}
+def stand_in_model_dir(max_model_len: int) -> str:
+    directory = tempfile.mkdtemp(prefix="kvsim-stand-in-model-")
+    config = {**STAND_IN_HF_CONFIG, "max_position_embeddings": max(max_model_len, 4096)}
     (Path(directory) / "config.json").write_text(json.dumps(config))
     return directory
 
@@ -74,9 +79,9 @@ def build_vllm_config(s: dict[str, Any]) -> Any:
     from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
     from vllm.config import SchedulerConfig as VllmSchedulerConfig
 
-    _register_stand_in_models()
+    register_stand_in_models()
     model = ModelConfig(
-        model=_stand_in_model_dir(s["max_model_len"]),
+        model=stand_in_model_dir(s["max_model_len"]),
         skip_tokenizer_init=True,
         max_model_len=s["max_model_len"],
         dtype="bfloat16",
@@ -265,16 +270,10 @@ class ForkScheduler:
         }
 
     def update(self, params: dict[str, Any]) -> dict[str, Any]:
-        from vllm.v1.outputs import ModelRunnerOutput
 
         out, sampled = self._output, params["sampled"]
         req_ids = list(out.num_scheduled_tokens)
-        runner_output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=[sampled.get(rid, []) for rid in req_ids],
-        )
-        engine_outputs = self.scheduler.update_from_output(out, runner_output)
+        engine_outputs = self.scheduler.update_from_output(out, runner_output(req_ids, sampled))
         finished = sorted(
             o.request_id
             for eco in engine_outputs.values()
@@ -356,7 +355,6 @@ class ForkEngine(ForkScheduler):
         return _done(EMPTY_MODEL_RUNNER_OUTPUT if converted["empty"] else None)
 
     def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
-        from vllm.v1.outputs import ModelRunnerOutput
 
         out, requests = self._last, self.scheduler.requests
         samples = {rid: not requests[rid].is_prefill_chunk for rid in out.num_scheduled_tokens}
@@ -364,14 +362,7 @@ class ForkEngine(ForkScheduler):
         sampled = self.ask({"callback": "sample", "scheduled": self._scheduled, "samples": samples})[
             "sampled"
         ]
-        req_ids = list(out.num_scheduled_tokens)
-        return _done(
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                sampled_token_ids=[sampled.get(rid, []) for rid in req_ids],
-            )
-        )
+        return _done(runner_output(list(out.num_scheduled_tokens), sampled))
 
     def take_draft_token_ids(self, step_id: Any = None) -> None:
         return None  # drafts stay in the worker under async scheduling
@@ -426,6 +417,17 @@ class ForkEngine(ForkScheduler):
             },
             **self._state(stats),
         }
+
+
+def runner_output(req_ids: list[str], sampled: dict[str, list[int]]) -> Any:
+    """The workers' output of a step: each scheduled request's sampled ids."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=[sampled.get(rid, []) for rid in req_ids],
+    )
 
 
 def _done(value: Any) -> Any:

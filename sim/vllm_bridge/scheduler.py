@@ -18,14 +18,10 @@ given kvsim's scheduler-side ``KVCacheConfig`` of the deployment's plan.
 from __future__ import annotations
 
 import contextlib
-import importlib
-import json
 import logging
 import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from vllm.config import (
@@ -36,7 +32,6 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.config import SchedulerConfig as VllmSchedulerConfig
-from vllm.model_executor.models.registry import ModelRegistry, _RegisteredModel
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.structured_output import StructuredOutputManager
@@ -50,6 +45,7 @@ from sim.vllm_bridge import (
     init_none_hash,
     kv_cache_utils,
 )
+from sim.vllm_bridge.fork_server import register_stand_in_models, stand_in_model_dir
 
 __all__ = [
     "DraftTokenIds",
@@ -60,21 +56,6 @@ __all__ = [
     "build_vllm_scheduler",
     "make_request",
 ]
-
-# The smallest Qwen2-shaped MiMo config vLLM accepts: MiMo has an MTP draft
-# (``num_nextn_predict_layers``) and both of its modules import on a CPU.
-_STAND_IN_HF_CONFIG: dict[str, Any] = {
-    "architectures": ["MiMoForCausalLM"],
-    "model_type": "qwen2",
-    "hidden_size": 256,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 512,
-    "vocab_size": 1024,
-    "num_nextn_predict_layers": 1,
-    "torch_dtype": "bfloat16",
-}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,30 +75,6 @@ class VllmSchedulerSettings:
     mtp_hash_mode: Literal["eagle-drop", "lookahead"]
     # --prefix-match-unit (None: hits on the block).
     prefix_match_unit: int | None = None
-
-
-# The stand-in's target and draft classes: registered already imported, so
-# vLLM inspects them in this process instead of one subprocess each (two
-# fresh vLLM imports; no CUDA to protect on a CPU machine).
-_STAND_IN_ARCHITECTURES = {
-    "MiMoForCausalLM": ("vllm.model_executor.models.mimo", "MiMoForCausalLM"),
-    "MiMoMTPModel": ("vllm.model_executor.models.mimo_mtp", "MiMoMTP"),
-}
-
-
-def _register_stand_in_models() -> None:
-    for architecture, (module_name, class_name) in _STAND_IN_ARCHITECTURES.items():
-        if isinstance(ModelRegistry.models.get(architecture), _RegisteredModel):
-            continue
-        module = importlib.import_module(module_name)
-        ModelRegistry.register_model(architecture, getattr(module, class_name))
-
-
-def _stand_in_model_dir(max_model_len: int) -> str:
-    directory = tempfile.mkdtemp(prefix="kvsim-stand-in-model-")
-    config = {**_STAND_IN_HF_CONFIG, "max_position_embeddings": max(max_model_len, 4096)}
-    (Path(directory) / "config.json").write_text(json.dumps(config))
-    return directory
 
 
 @contextlib.contextmanager
@@ -142,9 +99,9 @@ def build_vllm_config(settings: VllmSchedulerSettings) -> VllmConfig:
 
 
 def _build_vllm_config(settings: VllmSchedulerSettings) -> VllmConfig:
-    _register_stand_in_models()
+    register_stand_in_models()
     model = ModelConfig(
-        model=_stand_in_model_dir(settings.max_model_len),
+        model=stand_in_model_dir(settings.max_model_len),
         skip_tokenizer_init=True,
         max_model_len=settings.max_model_len,
         dtype="bfloat16",
