@@ -179,9 +179,20 @@ def app_in_thread(
     finally:
         if runners:
             asyncio.run_coroutine_threadsafe(runners[0].cleanup(), loop).result(10)
+        # A serve() still waiting on stop_when is cancelled here: left pending,
+        # it is destroyed at some later garbage collection, whose asyncio
+        # error then lands in whatever test runs at that moment.
+        asyncio.run_coroutine_threadsafe(_cancel_pending_tasks(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+async def _cancel_pending_tasks() -> None:
+    pending = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
 
 
 @contextlib.contextmanager
