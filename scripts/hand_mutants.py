@@ -13,7 +13,7 @@ the test files that pin that module run against it (``-x``: the first
 failure kills it), and the file is restored before the next mutant.
 
     scripts/hand_mutants.py                       every mutant, one after another
-    scripts/hand_mutants.py 'settled-*' 'pins-*'  the mutants whose names match
+    scripts/hand_mutants.py 'settled-*' 'pins-*'  the mutants whose names match, in that order
     scripts/hand_mutants.py --list                the mutants, not run
     scripts/hand_mutants.py --table results.json  the markdown table of a run
 
@@ -797,9 +797,10 @@ def main(argv: list[str]) -> int:
     if args.table:
         print(markdown_table(json.loads(Path(args.table).read_text())))
         return 0
-    chosen = [
-        m for m in MUTANTS if not args.patterns or any(fnmatch.fnmatch(m.name, p) for p in args.patterns)
-    ]
+    # In the patterns' order (the quick kills first, say), each mutant once.
+    chosen = list(MUTANTS) if not args.patterns else []
+    for pattern in args.patterns:
+        chosen += [m for m in MUTANTS if fnmatch.fnmatch(m.name, pattern) and m not in chosen]
     if args.list:
         for m in chosen:
             print(f"{m.kind:8} {m.name:40} {m.path}")
