@@ -13,7 +13,7 @@ the test files that pin that module run against it (``-x``: the first
 failure kills it), and the file is restored before the next mutant.
 
     scripts/hand_mutants.py                       every mutant, one after another
-    scripts/hand_mutants.py 'settled-*' 'pins-*'  the mutants whose names match
+    scripts/hand_mutants.py 'settled-*' 'pins-*'  the mutants whose names match, in that order
     scripts/hand_mutants.py --list                the mutants, not run
     scripts/hand_mutants.py --table results.json  the markdown table of a run
 
@@ -85,6 +85,16 @@ WAITING_MEMO_TESTS = (
     "tests/test_fast_path.py::test_every_skipped_call_changes_nothing[saturated-decode--off-sync]",
 )
 PINS_TESTS = ("tests/test_values_fork_pins.py", "tests/test_fork_pins.py")
+# Rules 5-8 (the synchronous steady lane): the lane's own tests first (the
+# hand counts of steady steps), the value tests, the fast path's audits and
+# frames, then the fork's golden frames (fork mode, fast path on: the lane
+# without a caching window).
+STEADY_TESTS = (
+    "tests/test_steady.py",
+    "tests/test_values_fast_path.py",
+    "tests/test_fast_path.py",
+    "tests/test_fork_golden.py",
+)
 ASYNC_TESTS = (
     "tests/test_values_async.py",
     "tests/test_async_conformance.py::test_every_engine_step_is_identical[heavy-preemption-on-eagle-drop]",
@@ -105,6 +115,9 @@ class Mutant:
     old: str
     new: str
     tests: tuple[str, ...]
+    # Further (old, new) patches in the same file, for a mutant that moves a
+    # line (a reorder across a loop): each old must occur exactly once too.
+    also: tuple[tuple[str, str], ...] = ()
 
 
 SETTLED = "sim/sched/settled.py"
@@ -112,6 +125,7 @@ ASYNC = "sim/sched/async_scheduler.py"
 PINS = "sim/kv_cache_pins.py"
 SCHED_PINS = "sim/sched/pins.py"
 MISSED = "sim/sched/missed_lookups.py"
+STEADY = "sim/sched/steady.py"
 
 
 def _settled(name: str, kind: str, old: str, new: str) -> Mutant:
@@ -128,6 +142,12 @@ def _waiting(name: str, kind: str, rule: str, old: str, new: str) -> Mutant:
 
 def _pins(name: str, kind: str, rule: str, old: str, new: str, path: str = PINS) -> Mutant:
     return Mutant(name, kind, rule, path, old, new, PINS_TESTS)
+
+
+def _steady(
+    name: str, kind: str, rule: str, old: str, new: str, also: tuple[tuple[str, str], ...] = ()
+) -> Mutant:
+    return Mutant(name, kind, f"fast path {rule}", STEADY, old, new, STEADY_TESTS, also)
 
 
 def _missed(name: str, kind: str, old: str, new: str) -> Mutant:
@@ -324,6 +344,189 @@ MUTANTS = (
         "edge",
         "self._num_remembered_hashes + len(request.block_hashes) > self.MAX_REMEMBERED_HASHES",
         "self._num_remembered_hashes + len(request.block_hashes) >= self.MAX_REMEMBERED_HASHES",
+    ),
+    # ------------------------------------------ fast path, rules 5-8 (sync lane)
+    _steady(
+        "steady-hand-over-args-swapped",
+        "swap",
+        "5 (a request takes the tokens it sampled since it last took them)",
+        "self.model_runner.sampled_token_ids(kept.handed_over, new_tokens)",
+        "self.model_runner.sampled_token_ids(new_tokens, kept.handed_over)",
+    ),
+    _steady(
+        "steady-entry-computed-tokens-swapped",
+        "swap",
+        "5 (a kept request starts from its Request's counts)",
+        "        computed=request.num_computed_tokens,\n            num_tokens=request.num_tokens,\n",
+        "        computed=request.num_tokens,\n            num_tokens=request.num_computed_tokens,\n",
+    ),
+    _steady(
+        "steady-offer-tokens-drafts-swapped",
+        "swap",
+        "6 (the lane offers 1 + K tokens, K of them drafts)",
+        "ScheduledRequest(request_id, step_tokens, kept.computed, num_spec, 0)",
+        "ScheduledRequest(request_id, num_spec, kept.computed, step_tokens, 0)",
+    ),
+    _steady(
+        "steady-rejected-sign-swapped",
+        "swap",
+        "7 (a kept step rolls back its rejected drafts)",
+        "kept.computed -= num_spec - num_accepted",
+        "kept.computed -= num_accepted - num_spec",
+    ),
+    _steady(
+        "steady-span-ends-swapped",
+        "swap",
+        "6 (the limit leaves the span's width inside the allocation window)",
+        "limit = bounds[1] - (span[1] - span[0])",
+        "limit = bounds[1] - (span[0] - span[1])",
+    ),
+    _steady(
+        "steady-draws-in-reverse-order",
+        "reorder",
+        "7 (the lane draws in the step's order)",
+        "        for item in output.scheduled:\n            if item.request_id not in taken:",
+        "        for item in reversed(output.scheduled):\n            if item.request_id not in taken:",
+    ),
+    _steady(
+        "steady-output-arrives-after-applies",
+        "reorder",
+        "8 (a step's output arrives before its requests' outputs apply)",
+        "        scheduler.output_arrives(output)\n        tally = StepTally()\n",
+        "        tally = StepTally()\n",
+        also=(
+            (
+                "        if num_spec:\n            tally.num_draft_tokens",
+                "        scheduler.output_arrives(output)\n"
+                "        if num_spec:\n            tally.num_draft_tokens",
+            ),
+        ),
+    ),
+    _steady(
+        "steady-decoding-clause-dropped",
+        "clause",
+        "6 (only a decode enters: all its tokens computed but the last)",
+        "if computed != request.num_tokens - 1 or len(request.spec_token_ids) != num_spec:",
+        "if len(request.spec_token_ids) != num_spec:",
+    ),
+    _steady(
+        "steady-drafts-clause-dropped",
+        "clause",
+        "6 (only a decode with K drafts queued enters)",
+        "if computed != request.num_tokens - 1 or len(request.spec_token_ids) != num_spec:",
+        "if computed != request.num_tokens - 1:",
+    ),
+    _steady(
+        "steady-allocation-window-start-dropped",
+        "clause",
+        "6 (the allocation window starts at or before the span)",
+        "if span is None or bounds is None or bounds[0] > span[0]:",
+        "if span is None or bounds is None:",
+    ),
+    _steady(
+        "steady-caching-num-spec-dropped",
+        "clause",
+        "6 (a caching window only with drafts: K = 0 caches nothing after sampling)",
+        "if num_spec and self.scheduler.config.caches_after_sampling:",
+        "if self.scheduler.config.caches_after_sampling:",
+    ),
+    _steady(
+        "steady-caching-after-sampling-dropped",
+        "clause",
+        "6 (a caching window only where the scheduler caches after sampling)",
+        "if num_spec and self.scheduler.config.caches_after_sampling:",
+        "if num_spec:",
+    ),
+    _steady(
+        "steady-caching-window-start-dropped",
+        "clause",
+        "6 (the caching window starts at or before the step's caching)",
+        "if bounds is None or bounds[0] > computed + 1:",
+        "if bounds is None:",
+    ),
+    _steady(
+        "steady-audit-caching-clause-dropped",
+        "clause",
+        "6 (the caching audit only where the scheduler caches after sampling)",
+        "if self.fast_path.audit and self.scheduler.config.caches_after_sampling:",
+        "if self.fast_path.audit:",
+    ),
+    _steady(
+        "steady-leaves-at-limit-early",
+        "edge",
+        "6 (a kept request leaves past its limit)",
+        "if kept.computed > kept.limit:",
+        "if kept.computed >= kept.limit:",
+    ),
+    _steady(
+        "steady-decoding-edge",
+        "edge",
+        "6 (only a decode enters: all its tokens computed but the last)",
+        "if computed != request.num_tokens - 1 or",
+        "if computed != request.num_tokens - 2 or",
+    ),
+    _steady(
+        "steady-allocation-window-start-edge",
+        "edge",
+        "6 (the allocation window starts at or before the span)",
+        "bounds[0] > span[0]:",
+        "bounds[0] >= span[0]:",
+    ),
+    _steady(
+        "steady-span-one-short",
+        "edge",
+        "6 (the span a decode allocates for: 1 + K tokens and K lookahead slots)",
+        "span = self.scheduler.decode_span(request, step_tokens + num_spec)",
+        "span = self.scheduler.decode_span(request, step_tokens + num_spec - 1)",
+    ),
+    _steady(
+        "steady-caching-window-start-edge",
+        "edge",
+        "6 (the caching window starts at or before the step's caching)",
+        "if bounds is None or bounds[0] > computed + 1:",
+        "if bounds is None or bounds[0] > computed + 2:",
+    ),
+    _steady(
+        "steady-caching-limit-one-late",
+        "edge",
+        "6 (the step caches up to computed + 1 + K)",
+        "limit = min(limit, bounds[1] - step_tokens)",
+        "limit = min(limit, bounds[1] - step_tokens + 1)",
+    ),
+    _steady(
+        "steady-clip-limit-one-late",
+        "edge",
+        "6 (the max_model_len clip leaves the step whole)",
+        "limit = min(limit, computed + self.scheduler.clip_room(request) - step_tokens)",
+        "limit = min(limit, computed + self.scheduler.clip_room(request) - step_tokens + 1)",
+    ),
+    _steady(
+        "steady-entry-limit-strict",
+        "edge",
+        "6 (a request enters only within its limit)",
+        "return limit if computed <= limit else None",
+        "return limit if computed < limit else None",
+    ),
+    _steady(
+        "steady-unstoppable-one-late",
+        "edge",
+        "6 (unstoppable: the step's tokens stay short of the stop room)",
+        "self.scheduler.stop_room(request) - self.step_tokens - 1",
+        "self.scheduler.stop_room(request) - self.step_tokens",
+    ),
+    _steady(
+        "steady-unstoppable-check-strict",
+        "edge",
+        "6 (a kept step within unstoppable keeps its tokens aside)",
+        "if kept.computed - step_tokens <= kept.unstoppable:",
+        "if kept.computed - step_tokens < kept.unstoppable:",
+    ),
+    _steady(
+        "steady-kept-tokens-one-more",
+        "edge",
+        "7 (a kept step samples its accepted drafts and one token)",
+        "kept.num_tokens += num_accepted + 1",
+        "kept.num_tokens += num_accepted + 2",
     ),
     # --------------------------------------------------- the async scheduler
     _async(
@@ -553,10 +756,13 @@ def _pytest(copy: Path, python: str, tests: tuple[str, ...]) -> tuple[str, float
 def run_mutant(mutant: Mutant, copy: Path, python: str) -> dict[str, object]:
     path = copy / mutant.path
     original = path.read_text()
-    count = original.count(mutant.old)
-    if count != 1:
-        return {"outcome": f"not applied ({count} matches)", "seconds": 0.0}
-    path.write_text(original.replace(mutant.old, mutant.new))
+    mutated = original
+    for old, new in ((mutant.old, mutant.new), *mutant.also):
+        count = mutated.count(old)
+        if count != 1:
+            return {"outcome": f"not applied ({count} matches)", "seconds": 0.0}
+        mutated = mutated.replace(old, new)
+    path.write_text(mutated)
     try:
         outcome, seconds = _pytest(copy, python, mutant.tests)
     finally:
@@ -591,9 +797,10 @@ def main(argv: list[str]) -> int:
     if args.table:
         print(markdown_table(json.loads(Path(args.table).read_text())))
         return 0
-    chosen = [
-        m for m in MUTANTS if not args.patterns or any(fnmatch.fnmatch(m.name, p) for p in args.patterns)
-    ]
+    # In the patterns' order (the quick kills first, say), each mutant once.
+    chosen = list(MUTANTS) if not args.patterns else []
+    for pattern in args.patterns:
+        chosen += [m for m in MUTANTS if fnmatch.fnmatch(m.name, pattern) and m not in chosen]
     if args.list:
         for m in chosen:
             print(f"{m.kind:8} {m.name:40} {m.path}")

@@ -118,6 +118,30 @@ def test_a_decode_across_a_block_boundary_runs_steady_inside_its_windows(tmp_pat
     assert [dict(o.finished) for o in outcomes if o.finished] == [{"r000000": 150}]
 
 
+def test_where_the_scheduler_caches_at_allocation_only_the_allocation_window_alone_bounds_the_lane(tmp_path):
+    """Rule 6 in fork mode (``fork.caches_at_allocation_only``: the fork's
+    0.30.0 sync Scheduler makes no caching call after sampling, so no
+    caching window is ever known): the counts of the test above, which its
+    allocation windows alone set (the caching window never bound there)."""
+    simulation = one_request(tmp_path, 3120, 150, "fork.caches_at_allocation_only=true")
+    assert not simulation.scheduler.config.caches_after_sampling
+    steady, _ = _lane_steps(simulation)
+    assert steady == [False] * 2 + [True] * 40 + [False] * 73 + [True] * 35
+
+
+def test_without_drafts_the_allocation_window_alone_bounds_the_lane(tmp_path):
+    """Rule 6 with K = 0: a step schedules one token and makes no caching
+    call after sampling (there is nothing to cache past the allocation), so
+    no caching window is known. 100-token prompt, 150 outputs: the prefill
+    and the first decode (c = 100, a real allocation) are ordinary, then
+    every step is steady: 148 (the allocation window ends at 3,167)."""
+    simulation = one_request(tmp_path, 100, 150, "mtp.num_speculative_tokens=0")
+    assert simulation.scheduler.config.caches_after_sampling
+    steady, outcomes = _lane_steps(simulation)
+    assert steady == [False] * 2 + [True] * 148
+    assert sum(o.num_generated_tokens for o in outcomes) == 150
+
+
 def test_every_draft_accepted_stops_inside_the_lane(tmp_path):
     """100-token prompt, 150 outputs, 4 tokens a decode step: the prefill
     samples 1, the first decode 4 (ordinary: its allocation is real), then
@@ -127,6 +151,65 @@ def test_every_draft_accepted_stops_inside_the_lane(tmp_path):
     assert steady == [False, False] + [True] * 37
     assert [o.num_generated_tokens for o in outcomes] == [1] + [4] * 37 + [1]
     assert outcomes[-1].finished == {"r000000": 150}
+
+
+def test_a_kept_request_takes_its_tokens_first_at_the_step_that_may_stop_it(tmp_path):
+    """Rules 5-6 at ``unstoppable``'s edge. A 100-token prompt, 150 outputs,
+    one token a step: a step starting at c computed tokens starts with
+    c - 99 outputs and samples at most 1 + K = 4, so it may stop the request
+    only from c = 245 (146 + 4 = 150). The request enters the lane at
+    c = 101 and its ``Request`` stays stale (2 outputs, rule 5) through the
+    step at c = 244, the last that cannot stop it; from c = 245 each step
+    hands it its tokens the scheduler's way: 147, 148, 149, 150 outputs."""
+    simulation = one_request(tmp_path, 100, 150)
+    scheduler, core = simulation.scheduler, simulation.core
+    scheduler.add_request(simulation.workload.requests[0])
+    core.complete(core.schedule())  # the prefill (the Request is built at the queue's head)
+    request = scheduler.requests["r000000"]
+    seen = [request.num_output_tokens]
+    while scheduler.has_unfinished_requests() and len(seen) < 200:
+        core.complete(core.schedule())
+        seen.append(request.num_output_tokens)
+    assert seen == [1, 2] + [2] * 144 + [147, 148, 149, 150]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "overrides", "expected"),
+    [
+        # max_model_len 300: the clip leaves 300 - c - 1 tokens, 1 + K = 4
+        # of them while c <= 295 (the allocation window, to 3,167, is wider).
+        (
+            100,
+            ["deployment.max_model_len=300", "workload.output.tokens=1000"],
+            {101: 295, 295: 295, 296: None},
+        ),
+        # The allocation window ends at 3,167 and a step spans c .. c + 7
+        # (1 + K tokens, K lookahead slots): the last steady start is 3,160
+        # (the caching window, c + 1 .. c + 4 up to 3,167, would allow 3,163).
+        (3120, [], {3121: 3160, 3160: 3160, 3161: None}),
+    ],
+)
+def test_a_requests_limit_is_the_last_step_start_its_windows_and_the_clip_leave_whole(
+    tmp_path, prompt, overrides, expected
+):
+    """Rule 6's ``limit`` at its edges, hand-derived: the most computed
+    tokens a steady step may start at, and None once the request is past it
+    (a request at its limit enters). Read at each step's start with the lane
+    off (fresh ``Request``s; the scheduler's own settled calls keep the
+    windows), one token a step."""
+    simulation = one_request(tmp_path, prompt, 150, *overrides)
+    scheduler = simulation.scheduler
+    scheduler.fast_path.use_lane = False
+    simulation.core = EngineCore(scheduler, simulation.model_runner)
+    lane = SteadyDecode(scheduler, scheduler.fast_path, simulation.model_runner)
+    scheduler.add_request(simulation.workload.requests[0])
+    limits = {}
+    while scheduler.has_unfinished_requests() and len(limits) < len(expected):
+        simulation.core.complete(simulation.core.schedule())
+        request = scheduler.requests["r000000"]
+        if request.num_computed_tokens in expected:
+            limits[request.num_computed_tokens] = lane.limit(request)
+    assert limits == expected
 
 
 def test_a_steady_step_admits_an_arrival_after_its_decodes(tmp_path):
