@@ -219,8 +219,9 @@ def _golden_header(args: argparse.Namespace, scenario: Any, sections: list[Any])
     command += ["--engine", args.engine] if args.engine else []
     command += [item for override in overrides for item in ("--set", override)]
     record = scenario_to_dict(scenario)
-    record["model"], record["base_dir"] = _project_relative(Path(record["model"])), _project_relative(
-        Path(record["base_dir"])
+    record["model"], record["base_dir"] = (
+        _project_relative(Path(record["model"])),
+        _project_relative(Path(record["base_dir"])),
     )
     return {
         "scenario_file": scenario_file,

@@ -89,11 +89,9 @@ class TraceDriver:
         follow_ups_until_s: float | None = None,
     ) -> None:
         requests = tuple(requests)
-        self.follow_ups = {
-            getattr(r, "follows", None): r for r in requests if getattr(r, "follows", None) is not None
-        }
+        self.follow_ups = {_follows(r): r for r in requests if _follows(r) is not None}
         self.follow_ups_until_s = follow_ups_until_s
-        first_turns = [r for r in requests if getattr(r, "follows", None) is None]
+        first_turns = [r for r in requests if _follows(r) is None]
         self.pending = deque(sorted(first_turns, key=_arrival_order))
         self.clock = clock
         self.add_request = add_request
@@ -162,6 +160,11 @@ class TraceDriver:
             self.steps_s.append(step_s)
             for request_id in state.finished:
                 self._turn_ended(request_id)
+
+
+def _follows(spec: RequestSpec) -> str | None:
+    """The turn a session's follow-up follows (open-loop specs have none)."""
+    return getattr(spec, "follows", None)
 
 
 def _arrival_order(spec: RequestSpec) -> tuple[float, str]:

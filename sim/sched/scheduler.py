@@ -521,8 +521,8 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
         )
 
     def _after_sampling(self, request: Request) -> None:
-        """Cache the blocks the accepted tokens filled, then take the
-        drafter's K new drafts (vLLM's ``update_draft_token_ids``)."""
+        """Cache the blocks the accepted tokens filled (0.33.0; see config),
+        then take the drafter's K new drafts (``update_draft_token_ids``)."""
         if self.config.num_speculative_tokens and self.config.caches_after_sampling:
             self._cache_blocks(request)
         request.spec_token_ids = [DRAFT_TOKEN_ID] * self.config.num_speculative_tokens

@@ -11,9 +11,9 @@ reports it.
 
 Ops: ``init`` (settings, every worker's layer specs, the KV memory per
 worker, the fork's switches), ``add`` (one request), ``schedule``,
-``update`` (the sampled tokens of the step just scheduled), ``finish``
-(abort ids), ``quit``. A failure answers ``{"error": "..."}`` once and the
-process exits 1.
+``update`` (the sampled tokens of the step just scheduled), ``engine_step``
+(one call of the batch queue), ``probe`` (the free queue), ``quit``. A
+failure answers ``{"error": "..."}`` once and the process exits 1.
 """
 
 from __future__ import annotations
@@ -270,16 +270,10 @@ class ForkScheduler:
         }
 
     def update(self, params: dict[str, Any]) -> dict[str, Any]:
-
         out, sampled = self._output, params["sampled"]
         req_ids = list(out.num_scheduled_tokens)
         engine_outputs = self.scheduler.update_from_output(out, runner_output(req_ids, sampled))
-        finished = sorted(
-            o.request_id
-            for eco in engine_outputs.values()
-            for o in eco.outputs
-            if o.finish_reason is not None
-        )
+        finished = self._finished(engine_outputs)
         self._propose_drafts([rid for rid in req_ids if sampled.get(rid) and rid not in finished])
         stats = next((eco.scheduler_stats for eco in engine_outputs.values() if eco.scheduler_stats), None)
         return {"finished": finished, **self._state(stats)}
@@ -291,12 +285,6 @@ class ForkScheduler:
             for o in eco.outputs
             if o.finish_reason is not None
         )
-
-    def finish(self, params: dict[str, Any]) -> dict[str, Any]:
-        from vllm.v1.request import RequestStatus
-
-        self.scheduler.finish_requests(params["request_ids"], RequestStatus.FINISHED_ABORTED)
-        return self._state(None)
 
     def probe(self, params: dict[str, Any]) -> dict[str, Any]:
         """The free queue (LRU first) for reading a difference by hand."""
@@ -534,7 +522,6 @@ def serve(lines: TextIO, answers: TextIO) -> int:
         "add": ForkScheduler.add,
         "schedule": lambda s, p: s.schedule(),
         "update": ForkScheduler.update,
-        "finish": ForkScheduler.finish,
         "probe": ForkScheduler.probe,
         "engine_step": ForkEngine.engine_step,
     }
