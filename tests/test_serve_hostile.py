@@ -106,6 +106,9 @@ async def wait_idle(session: aiohttp.ClientSession, url: str, bound_s: float) ->
         await asyncio.sleep(0.05)
 
 
+MIN_HEALTH_ANSWERS = 5
+
+
 class HealthWatch:
     """Polls ``/health`` every 50 ms; keeps the slowest answer."""
 
@@ -125,7 +128,14 @@ class HealthWatch:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), 0.05)
 
-    def stop(self) -> None:
+    async def stop(self, min_answers: int, bound_s: float) -> None:
+        """Stop once it has answered ``min_answers`` times (within
+        ``bound_s``): under the hostile load each answer waits behind the
+        server's work, and a fast run can end before the fifth (a flake seen
+        on an idle machine since before issue 37: 4 answers)."""
+        deadline = time.monotonic() + bound_s
+        while self.answers < min_answers and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         self._stop.set()
 
 
@@ -223,7 +233,7 @@ async def _hostile_run(server: Served) -> dict[str, Any]:
             assert found is not None, "requests still running 10 s after the last client"
         return {"problems": problems, "done": done, "metrics": found, "watch": watch}
     finally:
-        watch.stop()
+        await watch.stop(MIN_HEALTH_ANSWERS, 5.0)
         await asyncio.wait_for(watcher, 10)
 
 
@@ -237,7 +247,7 @@ def test_hostile_clients_leave_the_server_responsive_and_accounted(tmp_path, cap
     assert time.monotonic() - began < 60
     assert outcome["problems"] == []
     watch = outcome["watch"]
-    assert watch.answers >= 5 and watch.worst_s < HEALTH_BOUND_S
+    assert watch.answers >= MIN_HEALTH_ANSWERS and watch.worst_s < HEALTH_BOUND_S
     found = outcome["metrics"]
     # Every accepted request is accounted for: 200 finished by length, 20 aborted.
     assert found["vllm:request_success_total:length"] == outcome["done"] == 200
