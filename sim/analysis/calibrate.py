@@ -16,11 +16,12 @@ reorder inside a burst does not move (``sim.analysis.replayed_arrivals``).
 Every coefficient comes out with a status (``sim.analysis.calibrate_intervals``):
 ``fitted``, with its 95 % interval; ``not identifiable from this replay``,
 left at its start with a one-line reason drawn from the replay (it moves no
-request time; it moves them as another coefficient does; or its interval
-is too wide: "prefill is 93 % of busy time; decode steps cannot identify
-memory_efficiency"); ``at a bound``, where the fit ran to a tenth or ten
-times its start or to its field's limit. The fit is bounded in simulations
-and in wall time; what it has at the limit is returned and marked.
+request time; it moves them as another coefficient does; it scales under a
+tenth of the busy time; or its interval is too wide: "prefill is 93 % of
+busy time; decode steps cannot identify memory_efficiency"); ``at a
+bound``, where the fit ran to a tenth or ten times its start or to its
+field's limit. The fit is bounded in simulations and in wall time; what it
+has at the limit is returned and marked.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from sim.analysis.calibrate_intervals import (
     phase_reason,
     reason_alike,
     reason_weak,
+    too_small_a_share,
 )
 from sim.analysis.frames import steps_frame
 from sim.analysis.replayed_arrivals import REORDER_WALL_S, replay_target
@@ -215,7 +217,7 @@ class _Fit:
 
     def run(self) -> None:
         for i in range(len(self.names)):
-            if i not in self.free:
+            if i not in self.free or too_small_a_share(self.names[i], self.busy()):
                 self._set_aside(i, NOISE_FLOOR)
         self._set_aside_alike()
         self._set_aside_wide(self.screened[:, self.free], NOISE_FLOOR, HOPELESS_HALF_WIDTH, refit=False)

@@ -37,6 +37,7 @@ from sim.analysis.calibrate_intervals import (
     phase_reason,
     reason_alike,
     reason_weak,
+    too_small_a_share,
 )
 from sim.analysis.frames import requests_frame, steps_frame
 from sim.analysis.replayed_arrivals import REORDER_WALL_S, replay_target
@@ -83,16 +84,17 @@ def plan(
     )  # fmt: skip
     effects = screen(error, [log_bounds(name, start[name]) for name in names])
     busy = busy_time(steps_frame(recording), scenario.step_time_config().step_overhead_s)
-    widths = _predicted_widths(effects, names)
+    widths = _predicted_widths(effects, [name for name in names if not too_small_a_share(name, busy)])
     return [_planned(name, effects, widths, busy) for name in names], busy
 
 
 def _predicted_widths(effects: dict[str, np.ndarray], names: Sequence[str]) -> dict[str, float]:
     """Most sensitive first, each added while every interval stays within
-    ``MAX_HALF_WIDTH``; a coefficient not added keeps its interval alone."""
+    ``MAX_HALF_WIDTH``; a coefficient not added keeps its interval alone,
+    one not among ``names`` (too small a share of busy time) is unbounded."""
     order = sorted(names, key=lambda name: -rms(effects[name]))
     chosen: list[str] = []
-    widths = {}
+    widths = dict.fromkeys(effects, math.inf)
     for name in order:
         if rms(effects[name]) < MIN_SENSITIVITY:
             widths[name] = math.inf
