@@ -1,6 +1,7 @@
 """Frames before and after a refactor must be equal: save every gate
-scenario's and the default scenario's frames (both layouts) with one
-checkout, compare them with another.
+scenario's, the main job's (agent-sessions), chat-slice's and
+saturated-decode's frames (both layouts; each in both engine modes, with the
+fast path on and off) with one checkout, compare them with another.
 
     PYTHONPATH=$PWD python tests/helpers/reference_frames.py save /tmp/ref8
     PYTHONPATH=$PWD python tests/helpers/reference_frames.py compare /tmp/ref8
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from sim.analysis.gates import gate_scenario, load_gates
+from sim.analysis.gates import load_gates
 from sim.analysis.runs import run_scenario
 from sim.paths import SCENARIOS_DIR
 from sim.scenario import Scenario, load_scenario
@@ -25,11 +26,29 @@ from sim.scenario import Scenario, load_scenario
 GATES = SCENARIOS_DIR / "gates.yaml"
 
 
+VARIANTS = {
+    f"{mode}{'' if fast else '-step-by-step'}": [
+        f"engine.mode={mode}",
+        f"simulation.fast_path={str(fast).lower()}",
+    ]
+    for mode in ("sync", "async")
+    for fast in (True, False)
+}
+
+
 def reference_scenarios() -> dict[str, Scenario]:
     gates = load_gates(GATES)
-    scenarios = {name: gate_scenario(GATES, name, gate) for name, gate in gates.gates.items()}
-    scenarios["chat-slice"] = load_scenario("chat-slice")
-    return scenarios
+    bases = {}
+    for name, gate in gates.gates.items():
+        local = GATES.parent / gate.scenario
+        bases[name] = (str(local) if local.exists() else gate.scenario, list(gate.set))
+    for name in ("chat-slice", "agent-sessions", "saturated-decode"):
+        bases[name] = (name, [])
+    return {
+        f"{name}.{variant}": load_scenario(path, overrides + variant_overrides)
+        for name, (path, overrides) in bases.items()
+        for variant, variant_overrides in VARIANTS.items()
+    }
 
 
 def scenario_frames(scenario: Scenario) -> dict[str, pd.DataFrame]:
