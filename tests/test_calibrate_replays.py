@@ -173,9 +173,11 @@ def test_a_compressed_burst_identifies_the_compute_efficiency_only(replays):
 def test_a_fit_that_ignores_the_intervals_goes_red(replays, monkeypatch):
     """Control: every coefficient with an effect fitted, none set aside
     (neither for its interval, nor for the two acting alike, nor for a
-    budget that ran out before it converged)."""
+    budget that ran out before it converged, nor for scaling too small a
+    share of the busy time)."""
     for limit in ("MAX_HALF_WIDTH", "HOPELESS_HALF_WIDTH"):
         monkeypatch.setattr(c, limit, np.inf)
+    monkeypatch.setattr(c, "too_small_a_share", lambda name, busy: False)
     monkeypatch.setattr(c, "alike_pairs", lambda effects: ())
     monkeypatch.setattr(c._Fit, "_set_aside_unconverged", lambda fit, derivatives: None)
     result, at_truth = _calibrate(replays["burst"], max_simulations=50)
