@@ -120,8 +120,8 @@ def test_replayssm_without_drafts_falls_back(flash_next):
     assert on.worker_configs == off.worker_configs
 
 
-def test_layout_command_reports_the_shipped_deployment(capsys):
-    argv = ["layout", "--json", "--layout", "on", "--block-size", "4096", "--use-replayssm"]
+def test_pool_plan_command_reports_the_shipped_deployment(capsys):
+    argv = ["pool-plan", "--json", "--layout", "on", "--block-size", "4096", "--use-replayssm"]
     assert main([*argv, "--prefix-match-unit", "64"]) == 0
     shipped = json.loads(capsys.readouterr().out)["on"]
     assert (shipped["block_size"], shipped["num_blocks"], shipped["kv_cache_tokens"]) == (4096, 248, 924_993)
@@ -303,7 +303,7 @@ def test_partial_hits_release_their_copy_blocks(tmp_path, monkeypatch):
     ],
 )
 def test_impossible_units_and_blocks_are_one_line_errors(capsys, flags, needles):
-    assert main(["layout", *flags]) == 2
+    assert main(["pool-plan", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvsim: error:") and err.count("\n") == 1, err
     assert "Traceback" not in err
@@ -317,7 +317,7 @@ FITTING_UNITS = [["--prefix-match-unit", "64"], ["--block-size", "4096", "--pref
 @pytest.mark.parametrize("flags", FITTING_UNITS)
 def test_units_that_fit_are_accepted(capsys, flags):
     """CONTROL for the errors above."""
-    assert main(["layout", "--json", *flags]) == 0
+    assert main(["pool-plan", "--json", *flags]) == 0
     assert json.loads(capsys.readouterr().out)["on"]["hash_block_size"] == int(flags[-1])
 
 

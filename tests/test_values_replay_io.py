@@ -660,8 +660,8 @@ def test_the_boot_log_is_read_for_its_size_layout_and_notes():
 def test_a_boot_log_unlike_the_plan_names_each_mismatch():
     plan_off = {"kv_cache_tokens": 1000, "side_cache_layout": False}
     assert check_boot_log(BOOT_ON, plan_off).mismatches == [
-        "GPU KV cache size: server 1,234,567 tokens, kvsim layout 1,000",
-        "side-cache layout: server on, kvsim layout off",
+        "GPU KV cache size: server 1,234,567 tokens, kvsim's plan 1,000",
+        "side-cache layout: server on, kvsim off",
     ]
     off_log = "GPU KV cache size: 1000 tokens\nSide-cache layout: off (VLLM_E2_SIDE_CACHE_LAYOUT)\n"
     report = check_boot_log(off_log, plan_off)
