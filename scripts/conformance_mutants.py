@@ -54,11 +54,11 @@ def first_differences(mutant_name: str, shape: str) -> tuple[list[int | None], l
     try:
         scenario, requests = conformance_shape(shape), conformance_requests(shape)
         sync = [
-            run_conformance(scenario, layout, requests, mode=mode).comparison.first_difference
+            run_conformance(scenario, layout, requests, mtp_hash_mode=mode).comparison.first_difference
             for layout, mode in COMBOS
         ]
         asynchronous = [
-            run_async_conformance(scenario, layout, requests, mode=mode).first_difference
+            run_async_conformance(scenario, layout, requests, mtp_hash_mode=mode).first_difference
             for layout, mode in COMBOS
         ]
     finally:

@@ -359,7 +359,7 @@ def test_partial_hits_conform_to_vllms_scheduler(tmp_path, monkeypatch):
 
     scenario = _partial_hit_scenario(tmp_path)
     requests = scenario_workload(scenario).requests
-    result = run_conformance(scenario, "on", requests, mode="eagle-drop")
+    result = run_conformance(scenario, "on", requests, mtp_hash_mode="eagle-drop")
     comparison = result.comparison
     assert comparison.num_steps > 0 and comparison.conforms, comparison.first_difference
     build = backends.build_kv_cache_manager
@@ -370,4 +370,4 @@ def test_partial_hits_conform_to_vllms_scheduler(tmp_path, monkeypatch):
         return build(replace(plan, hash_block_size=plan.block_size), **kwargs)
 
     monkeypatch.setattr(backends, "build_kv_cache_manager", on_the_block)
-    assert not run_conformance(scenario, "on", requests, mode="eagle-drop").comparison.conforms
+    assert not run_conformance(scenario, "on", requests, mtp_hash_mode="eagle-drop").comparison.conforms

@@ -438,7 +438,8 @@ SHORT_OUTPUTS = (
 
 
 def _short_outputs_conform():
-    return run_async_conformance(conformance_shape("long-chunked"), "off", SHORT_OUTPUTS, mode="eagle-drop")
+    shape = conformance_shape("long-chunked")
+    return run_async_conformance(shape, "off", SHORT_OUTPUTS, mtp_hash_mode="eagle-drop")
 
 
 def test_short_outputs_take_vllms_steps(monkeypatch):

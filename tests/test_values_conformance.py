@@ -201,7 +201,7 @@ def _report(monkeypatch, capsys, comparison: Comparison, fence: Comparison | Non
     monkeypatch.setattr("sim.scenario.load_scenario", lambda *a, **k: scenario)
     monkeypatch.setattr("sim.analysis.runs.scenario_workload", lambda s: SimpleNamespace(requests=()))
     monkeypatch.setattr("sim.conformance.driver.run_conformance", lambda *a, **k: result)
-    args = argparse.Namespace(scenario="hand", set=[], layout="on", mode=None, engine="sync")
+    args = argparse.Namespace(scenario="hand", set=[], layout="on", mtp_hash_mode=None, engine="sync")
     status = conform_command.cmd_conform(args)
     return status, capsys.readouterr().out
 
@@ -317,7 +317,7 @@ def test_a_conformance_run_stops_both_sides_at_the_horizon_and_adds_the_fence_on
     from sim.conformance.driver import run_conformance
 
     scenario, requests = _long_chunked()
-    full = run_conformance(scenario, "off", requests, mode="lookahead")
+    full = run_conformance(scenario, "off", requests, mtp_hash_mode="lookahead")
     assert full.fence is None and full.comparison.conforms
     horizon_s = full.comparison.left.times_s[len(full.comparison.left.times_s) // 2]
     section = scenario.simulation.model_copy(update={"max_time_s": horizon_s})
@@ -325,7 +325,7 @@ def test_a_conformance_run_stops_both_sides_at_the_horizon_and_adds_the_fence_on
         scenario.model_copy(update={"simulation": section}),
         "off",
         requests,
-        mode="lookahead",
+        mtp_hash_mode="lookahead",
         with_fence_effect=True,
     )
     for side in (cut.comparison.left, cut.comparison.right):
