@@ -19,7 +19,7 @@ from sim.conformance import async_engine
 from sim.conformance.driver import BackendUnavailable, conformance_scenario, plan_for, vllm_settings
 from sim.sched.engine_core import EngineCall
 from sim.sched.output import ScheduledRequest, SchedulerOutput
-from sim.workloads.spec import RequestSpec
+from sim.workloads.spec import WorkloadRequest
 
 
 def _output(request_id: str, reason: FinishReason | None) -> EngineCoreOutput:
@@ -145,7 +145,7 @@ def test_vllms_side_refuses_a_prompt_of_max_model_len_as_vllms_input_processor_d
     _, engine = _engines("long-chunked", max_model_len=4096)
     for request_id, prompt_len in (("at", 4096), ("under", 4095)):
         engine.add_request(
-            RequestSpec(
+            WorkloadRequest(
                 request_id=request_id,
                 arrival_s=2.5,
                 prompt_len=prompt_len,

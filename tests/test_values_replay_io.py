@@ -50,7 +50,7 @@ from sim.serving.launch import (
 from sim.serving.launch import free_port as free_port_launch
 from sim.serving.recording import replay_frames, requests_frame, samples_frame
 from sim.serving.server_metrics import SCRAPED
-from sim.workloads import RequestSpec
+from sim.workloads import WorkloadRequest
 
 # SplitMix64 (Steele, Lea, Flood 2014; Vigna's reference splitmix64.c)
 # seeded with 0: its first outputs, the finaliser applied to 1, 2, 3, 4
@@ -202,9 +202,9 @@ class Scripted:
         return app
 
 
-def _spec(request_id: str, arrival_s: float, output_len: int = 2, prompt_len: int = 1) -> RequestSpec:
+def _spec(request_id: str, arrival_s: float, output_len: int = 2, prompt_len: int = 1) -> WorkloadRequest:
     # One chunk of id 0, one token per chunk: the prompt is [0, 1, ...][:prompt_len].
-    return RequestSpec(
+    return WorkloadRequest(
         request_id=request_id,
         arrival_s=arrival_s,
         prompt_len=prompt_len,
@@ -225,7 +225,7 @@ DONE_LINE = b"data: [DONE]\n\n"
 
 
 def _replay(
-    server: Scripted, specs: list[RequestSpec], warnings: list[str] | None = None, **config: Any
+    server: Scripted, specs: list[WorkloadRequest], warnings: list[str] | None = None, **config: Any
 ) -> ReplayOutcome:
     """Run a replay of ``specs`` against ``server`` (bounded: 15 s)."""
     warn = (warnings if warnings is not None else []).append

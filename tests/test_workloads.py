@@ -36,11 +36,11 @@ from sim.workloads import (
     Gamma,
     LogNormal,
     Poisson,
-    RequestSpec,
     TraceError,
     Uniform,
     Workload,
     WorkloadConfig,
+    WorkloadRequest,
     build_workload,
     clamp_lengths,
     limit,
@@ -78,7 +78,7 @@ def _lcp(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
     return n
 
 
-def _tokens_disjoint(requests: tuple[RequestSpec, ...]) -> bool:
+def _tokens_disjoint(requests: tuple[WorkloadRequest, ...]) -> bool:
     seen: set[int] = set()
     for request in requests:
         tokens = set(request.prompt_token_ids())
@@ -175,7 +175,7 @@ def test_sharegpt_lengths_keep_file_order_and_get_arrivals():
 # --- prompt materialisation and prefix sharing -------------------------------
 
 
-def _broken_tokens(request: RequestSpec) -> list[int]:
+def _broken_tokens(request: WorkloadRequest) -> list[int]:
     """A materialiser that ignores content ids: every prompt is 0, 1, 2, ..."""
     return list(range(request.prompt_len))
 
@@ -231,9 +231,9 @@ def test_token_ids_fit_in_int32(mooncake, azure):
 
 
 @st.composite
-def _prompt(draw, unit: int, ids: list[int]) -> RequestSpec:
+def _prompt(draw, unit: int, ids: list[int]) -> WorkloadRequest:
     last = draw(st.integers(1, unit))
-    return RequestSpec(
+    return WorkloadRequest(
         request_id="r",
         arrival_s=0.0,
         prompt_len=(len(ids) - 1) * unit + last,
@@ -244,7 +244,7 @@ def _prompt(draw, unit: int, ids: list[int]) -> RequestSpec:
 
 
 @st.composite
-def _two_prompts(draw) -> tuple[RequestSpec, RequestSpec]:
+def _two_prompts(draw) -> tuple[WorkloadRequest, WorkloadRequest]:
     unit = draw(st.integers(1, 40))
     content = st.integers(0, 50)
     common = draw(st.lists(content, max_size=4))
@@ -269,7 +269,7 @@ def test_token_prefixes_follow_content_id_prefixes(pair):
 
 def test_request_spec_rejects_a_wrong_number_of_ids():
     with pytest.raises(ValueError, match="prefix_ids: expected ceil"):
-        RequestSpec(
+        WorkloadRequest(
             request_id="r0", arrival_s=0.0, prompt_len=513, output_len=1,
             prefix_ids=(1,), prefix_unit=512,
         )  # fmt: skip
