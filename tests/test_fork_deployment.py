@@ -144,8 +144,8 @@ def test_the_shipped_scenario_is_the_deployment():
     assert (plan.kv_cache_tokens, plan.hash_block_size) == (924_993, 64)
 
 
-# serve-v2.5.sh as exec'd (halt95/qwen38-flash-next-3090s; /work/shared/notes/
-# fork-patch-series.md section 4): no --async-scheduling flag, but vLLM 0.33.0
+# serve-v2.5.sh as exec'd (halt95/qwen38-flash-next-3090s, scripts/serve-v2.5.sh;
+# the received note fork-patch-series.md, section 4): no --async-scheduling flag, but vLLM 0.33.0
 # on Model Runner V2 under PP schedules asynchronously (docs/fidelity.md).
 SERVE_V25 = {"max_num_seqs": 8, "kv_cache_memory_bytes": 4_100_000_000, "block_size": 4096}
 SERVE_V25_UNIT, SERVE_V25_BUDGET = 64, 1024
