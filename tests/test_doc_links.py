@@ -1,0 +1,44 @@
+"""Every relative link in README.md and the docs opens a file of the
+repository (pages get merged and moved: docs/speed.md took in
+docs/performance.md in issue 42)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# [text](target) with no scheme: a page, a figure or a file of the tree.
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def broken_links(page: Path, text: str) -> list[str]:
+    """The relative link targets in ``text`` (read from ``page``) that name
+    no file or folder; anchors are dropped, web addresses skipped."""
+    broken = []
+    for target in LINK.findall(text):
+        path = target.split("#", 1)[0]
+        if not path or re.match(r"[a-z]+:", path):
+            continue
+        if not (page.parent / path).exists():
+            broken.append(target)
+    return broken
+
+
+def pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def test_every_relative_link_of_the_readme_and_the_docs_opens_a_file():
+    found = {
+        str(page.relative_to(ROOT)): broken
+        for page in pages()
+        if (broken := broken_links(page, page.read_text()))
+    }
+    assert found == {}
+
+
+def test_control_a_link_to_a_merged_page_is_broken():
+    text = "see [speed](speed.md), [performance](performance.md#top) and [vLLM](https://docs.vllm.ai)"
+    assert broken_links(ROOT / "docs" / "speed.md", text) == ["performance.md#top"]
+    assert len(pages()) > 10
