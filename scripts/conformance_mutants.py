@@ -10,8 +10,8 @@ run ("-": the gates conform, the mutant passes).
     scripts/conformance_mutants.py budget_one_short block-budget
 
 The tests assert the rows that matter (tests/test_conformance.py,
-tests/test_async_conformance.py); this shows the whole matrix for
-docs/mutation-report.md.
+tests/test_async_conformance.py); this shows the whole matrix
+(docs/mutation/report.md sums it up).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Every relative link in README.md and the docs opens a file of the
-repository (pages get merged and moved: docs/speed.md took in
-docs/performance.md in issue 42)."""
+repository (pages get merged and moved: in issue 42 docs/speed.md took in
+docs/performance.md, and the mutation report moved to docs/mutation/)."""
 
 from __future__ import annotations
 
