@@ -1,5 +1,5 @@
 """The tiny scheduler (32-token blocks, the tiny model) and what drives it:
-request specs with a prefix family, an engine that checks the allocator
+workload requests with a prefix family, an engine that checks the allocator
 after every step, fixed acceptance draws."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Every relative link in README.md and the docs opens a file of the
-repository (pages get merged and moved: in issue 42 docs/speed.md took in
+"""The docs hold together. Every relative link in README.md and the docs
+opens a file of the repository (pages get merged and moved: in issue 42 docs/speed.md took in
 docs/performance.md, and the mutation report moved to docs/mutation/)."""
 
 from __future__ import annotations
@@ -42,3 +42,10 @@ def test_control_a_link_to_a_merged_page_is_broken():
     text = "see [speed](speed.md), [performance](performance.md#top) and [vLLM](https://docs.vllm.ai)"
     assert broken_links(ROOT / "docs" / "speed.md", text) == ["performance.md#top"]
     assert len(pages()) > 10
+
+
+def test_the_helpers_docstring_names_every_helper_module():
+    """tests/helpers/__init__.py is the index of what the tests share."""
+    helpers = ROOT / "tests" / "helpers"
+    listed = set(re.findall(r"^- ``(\w+)``", (helpers / "__init__.py").read_text(), re.MULTILINE))
+    assert listed == {p.stem for p in helpers.glob("*.py")} - {"__init__"}
