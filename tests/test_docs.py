@@ -49,3 +49,25 @@ def test_the_helpers_docstring_names_every_helper_module():
     helpers = ROOT / "tests" / "helpers"
     listed = set(re.findall(r"^- ``(\w+)``", (helpers / "__init__.py").read_text(), re.MULTILINE))
     assert listed == {p.stem for p in helpers.glob("*.py")} - {"__init__"}
+
+
+def _commands_table() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Commands\n", 1)[1].split("\n## ", 1)[0]
+    return [line for line in section.splitlines() if line.startswith("| `kvsim ")]
+
+
+def test_the_readmes_commands_table_names_every_command_in_short_rows():
+    """Every command of ``kvsim --help`` has a row (``calibrate`` two), and
+    a row stays under 200 characters: the details live in the docs and in
+    each command's ``--help``."""
+    import argparse
+
+    from sim.cli import build_parser
+
+    parser = build_parser()
+    (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    rows = _commands_table()
+    named = {row.split("`kvsim ", 1)[1].split()[0].rstrip("`") for row in rows}
+    assert named == set(subparsers.choices)
+    assert [row for row in rows if len(row) > 200] == []
