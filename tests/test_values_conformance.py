@@ -245,6 +245,16 @@ def test_the_fenced_frees_line_compares_fence_off_with_fence_on(monkeypatch, cap
     assert "0 of 2 steps change (none); steps 2 -> 2; min free blocks 2 -> 2" in out
 
 
+def test_the_fork_report_prints_the_step_before_the_first_difference(capsys):
+    """``--fork``'s difference: the step before (identical on both sides),
+    then both sides at the first differing step (it imported a name the
+    module does not have, so a fork that differed ended in an ImportError)."""
+    conform_command._print_difference(compare(trajectory("kvsim", [4, 3, 2]), trajectory("fork", [4, 3, 5])))
+    out = capsys.readouterr().out
+    assert out.startswith("step 2 (identical on both sides):\n") and "    num_free_blocks: 3\n" in out
+    assert "first difference at step 3: num_free_blocks" in out and "  fork:\n" in out
+
+
 def test_long_lists_are_cut_to_twelve_with_their_count():
     assert conform_command._short(tuple(range(13))) == f"{list(range(12))} ... (13 in all)"
     assert conform_command._short(tuple(range(12))) == str(list(range(12)))

@@ -249,12 +249,10 @@ def _project_relative(path: Path) -> str:
 def _print_difference(comparison: Any) -> None:
     """The first differing step's columns, both sides' state there and the
     step before it (identical on both sides)."""
-    from sim.commands.conform import print_first_difference
-
     step = comparison.first_difference
     if step is not None and step > 1:
         before = comparison.state(comparison.left, step - 1)
         print(f"step {step - 1} (identical on both sides):")
         for name, value in vars(before).items():
             print(f"    {name}: {_short(value)}")
-    print_first_difference(comparison)
+    _print_first_difference(comparison)
