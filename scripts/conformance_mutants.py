@@ -10,8 +10,8 @@ run ("-": the gates conform, the mutant passes).
     scripts/conformance_mutants.py budget_one_short block-budget
 
 The tests assert the rows that matter (tests/test_conformance.py,
-tests/test_async_conformance.py); this shows the whole matrix for
-docs/mutation-report.md.
+tests/test_async_conformance.py); this shows the whole matrix
+(docs/mutation/report.md sums it up).
 """
 
 from __future__ import annotations
@@ -54,11 +54,11 @@ def first_differences(mutant_name: str, shape: str) -> tuple[list[int | None], l
     try:
         scenario, requests = conformance_shape(shape), conformance_requests(shape)
         sync = [
-            run_conformance(scenario, layout, requests, mode=mode).comparison.first_difference
+            run_conformance(scenario, layout, requests, mtp_hash_mode=mode).comparison.first_difference
             for layout, mode in COMBOS
         ]
         asynchronous = [
-            run_async_conformance(scenario, layout, requests, mode=mode).first_difference
+            run_async_conformance(scenario, layout, requests, mtp_hash_mode=mode).first_difference
             for layout, mode in COMBOS
         ]
     finally:

@@ -19,7 +19,8 @@ failure kills it), and the file is restored before the next mutant.
 
 Results go to ``$KVSIM_MUTATION_DIR/hand/results.json`` (default
 ``/tmp/kvsim-mutation``), merged with earlier runs, and a markdown table is
-printed (docs/mutation-report.md holds the latest). CPU-heavy: run niced on
+printed (docs/mutation/report.md holds the latest counts; the per-mutant
+table of issue 41's run is in its history). CPU-heavy: run niced on
 a shared machine, e.g. ``nice -n 19 scripts/hand_mutants.py``.
 """
 

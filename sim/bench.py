@@ -62,7 +62,7 @@ class BenchFigures:
     cpu_s_max: float | None = None
     # Resident memory when a tenth of the requests have arrived and at the
     # end (kvsim backends): growth between them beyond the frames' rows is
-    # a leak (docs/performance.md).
+    # a leak (docs/speed.md).
     rss_10pct_mib: float = float("nan")
     rss_100pct_mib: float = float("nan")
     # The ``allocator`` backend: seconds inside the KV cache manager's calls

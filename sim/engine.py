@@ -40,7 +40,7 @@ from sim.sched.output import SchedulerOutput, StepOutcome
 from sim.sched.scheduler import Scheduler, SchedulerConfig
 from sim.sched.stats import Columns, SchedulerGauges, flat_columns, flat_row
 from sim.step_time import StepTimeModel
-from sim.workloads import RequestSpec, Workload
+from sim.workloads import Workload, WorkloadRequest
 
 
 @dataclass
@@ -116,7 +116,7 @@ class Simulation:
         # Closed loop (set by ``start``): turn -> the turn that follows it,
         # and how many follow-ups have neither arrived nor been dropped (the
         # arrivals have not ended while any has not).
-        self._follow_ups: dict[str, RequestSpec] = {}
+        self._follow_ups: dict[str, WorkloadRequest] = {}
         self._num_pending_follow_ups = 0
         self.recording = Recording(scenario=scenario.name, layout=layout, plan=self.plan.to_dict())
 
@@ -180,7 +180,7 @@ class Simulation:
             self._submit(spec)
         self._wake()  # the engine may be asleep on an empty queue: let it see the end
 
-    def _submit(self, spec: RequestSpec) -> None:
+    def _submit(self, spec: WorkloadRequest) -> None:
         accepted = self.scheduler.add_request(spec)
         self._record_arrival(spec, accepted)
         if not accepted:
@@ -197,7 +197,7 @@ class Simulation:
             return
         until_s = self.workload.follow_ups_until_s
         if until_s is not None and self.env.now + follow_up.think_s > until_s:
-            dropped: RequestSpec | None = follow_up
+            dropped: WorkloadRequest | None = follow_up
             while dropped is not None:
                 self._num_pending_follow_ups -= 1
                 dropped = self._follow_ups.get(dropped.request_id)
@@ -205,7 +205,7 @@ class Simulation:
             return
         self.env.process(self.follow_up(follow_up))
 
-    def follow_up(self, spec: RequestSpec) -> Generator[simpy.Event, Any, None]:
+    def follow_up(self, spec: WorkloadRequest) -> Generator[simpy.Event, Any, None]:
         """Submit ``spec`` after its think time, stamped with the time it
         actually arrives (what the queue and its TTFT count from)."""
         yield self.env.timeout(spec.think_s)
@@ -262,7 +262,7 @@ class Simulation:
             yield self.env.timeout(interval_s)
 
     # ------------------------------------------------------------- recording
-    def _record_arrival(self, spec: RequestSpec, accepted: bool) -> None:
+    def _record_arrival(self, spec: WorkloadRequest, accepted: bool) -> None:
         self.recording.requests[spec.request_id] = {
             "request_id": spec.request_id,
             "arrival_s": spec.arrival_s,

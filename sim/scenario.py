@@ -39,8 +39,9 @@ from sim.workloads import WorkloadConfig
 # The side-cache layout switch (the fork's VLLM_E2_SIDE_CACHE_LAYOUT): "off"
 # plans the pool as upstream vLLM, "on" adds the side-cache layout pass.
 # Users still say "layout" (``layouts:``, ``--layout``, the ``layout``
-# column); not to be confused with the planning module (``sim.kv_cache_plan``)
-# or vLLM's memory order (``deployment.kv_cache_layout``).
+# column), and "layout" means only this switch; not to be confused with the
+# planning module (``sim.kv_cache_plan``, printed by ``kvsim pool-plan``) or
+# vLLM's memory order (``deployment.kv_cache_layout``, vLLM's name).
 SideCacheSwitch = Literal["off", "on"]
 
 
@@ -180,7 +181,7 @@ SCENARIO_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
 
 
 # The rig's deployment flags where they differ from vLLM's (DeploymentConfig
-# keeps vLLM's, which `kvsim layout` reads): --block-size 4096,
+# keeps vLLM's, which `kvsim pool-plan` reads): --block-size 4096,
 # --prefix-match-unit 64, --use-replayssm (RecoverSSM). A scenario's
 # deployment section starts from these; `block_size: null`,
 # `prefix_match_unit: null`, `use_replayssm: false` give vLLM's.

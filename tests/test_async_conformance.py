@@ -42,7 +42,7 @@ _scenario, _requests = conformance_shape, conformance_requests
 
 
 def _conform(shape: str, layout: str, mode: str, **kwargs) -> Comparison:
-    return run_async_conformance(_scenario(shape), layout, _requests(shape), mode=mode, **kwargs)
+    return run_async_conformance(_scenario(shape), layout, _requests(shape), mtp_hash_mode=mode, **kwargs)
 
 
 _REFERENCES: dict[tuple, Comparison] = {}
@@ -278,7 +278,8 @@ def test_preemption_with_output_in_flight_is_compared(layout, monkeypatch):
     comparison = _conform("heavy-preemption", layout, "eagle-drop")
     assert comparison.first_difference is not None and comparison.first_difference >= first_preemption
     shape = "heavy-preemption"
-    assert run_conformance(_scenario(shape), layout, _requests(shape), mode="eagle-drop").comparison.conforms
+    result = run_conformance(_scenario(shape), layout, _requests(shape), mtp_hash_mode="eagle-drop")
+    assert result.comparison.conforms
 
 
 class _Aborting:

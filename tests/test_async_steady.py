@@ -98,7 +98,7 @@ def test_the_check_catches_an_async_lane_blind_to_the_tokens_in_flight(monkeypat
 
 def _conform(shape: str):
     return run_async_conformance(
-        conformance_shape(shape), "on", conformance_requests(shape), mode="eagle-drop"
+        conformance_shape(shape), "on", conformance_requests(shape), mtp_hash_mode="eagle-drop"
     )
 
 

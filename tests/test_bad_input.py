@@ -183,7 +183,7 @@ def test_a_failing_figure_leaves_no_manifest(tiny: Path, tmp_path: Path, capsys,
 
 # ------------------------------------------------------------------ Medium
 def test_layout_tp3_is_a_one_line_error(capsys) -> None:
-    one_line_error(capsys, ["layout", "--tp", "3"], "tensor_parallel_size 3", "not divisible by 3")
+    one_line_error(capsys, ["pool-plan", "--tp", "3"], "tensor_parallel_size 3", "not divisible by 3")
 
 
 @pytest.mark.parametrize("command", ["run", "compare"])
@@ -250,7 +250,7 @@ def test_non_utf8_scenario_names_file_and_line(tmp_path: Path, capsys) -> None:
 
 def test_non_utf8_model_names_file_and_line(tmp_path: Path, capsys) -> None:
     model = _non_utf8(tmp_path / "m.yaml", DEFAULT_MODEL.read_text())
-    one_line_error(capsys, ["layout", "--model", str(model)], f"{model}:", "not UTF-8")
+    one_line_error(capsys, ["pool-plan", "--model", str(model)], f"{model}:", "not UTF-8")
 
 
 def test_non_utf8_gates_file_names_file_and_line(tmp_path: Path, capsys) -> None:
@@ -442,7 +442,7 @@ def test_absurd_pool_is_bounded_with_its_reason(tiny: Path, capsys) -> None:
     one_line_error(
         capsys, ["run", str(tiny), "--set", "deployment.kv_cache_memory_bytes=4.1e15"], "1e+12", "288 GB"
     )
-    one_line_error(capsys, ["layout", "--kv-cache-memory", "4.1e15"], "288 GB")
+    one_line_error(capsys, ["pool-plan", "--kv-cache-memory", "4.1e15"], "288 GB")
 
 
 def test_yaml_aliases_are_refused(tmp_path: Path) -> None:

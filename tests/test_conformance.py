@@ -45,7 +45,7 @@ _scenario, _requests = conformance_shape, conformance_requests
 
 
 def _conform(shape: str, layout: str, mode: str) -> ConformanceResult:
-    return run_conformance(_scenario(shape), layout, _requests(shape), mode=mode)
+    return run_conformance(_scenario(shape), layout, _requests(shape), mtp_hash_mode=mode)
 
 
 # Each shape's run, shared by the tests that read vLLM's trajectory.
@@ -320,7 +320,7 @@ def test_control_a_chunk_split_moved(monkeypatch):
 # -------------------------------------------------------------------- CLI
 def test_conform_exits_0_when_identical(capsys):
     status = main(
-        ["conform", str(CONFORMANCE / "long-chunked.yaml"), "--layout", "off", "--mode", "lookahead"]
+        ["conform", str(CONFORMANCE / "long-chunked.yaml"), "--layout", "off", "--mtp-hash-mode", "lookahead"]
     )
     out = capsys.readouterr().out
     assert status == 0

@@ -15,7 +15,7 @@ from helpers.scenarios import run, scenario
 
 from sim.analysis.runs import scenario_workload
 from sim.engine import Simulation
-from sim.workloads.spec import RequestSpec
+from sim.workloads.spec import WorkloadRequest
 
 # A queue that builds (4 sequences, arrivals faster than service) and no
 # preemption, so a request waits from arrival to admission exactly once.
@@ -64,7 +64,7 @@ def test_mtp_hash_mode_reaches_vllms_classes(tmp_path):
         # the next token too, so a prompt of exactly two blocks has two
         # hashes, or one (its last block has no next token yet).
         block = simulation.plan.block_size
-        spec = RequestSpec(
+        spec = WorkloadRequest(
             request_id="two-blocks",
             arrival_s=0.0,
             prompt_len=2 * block,

@@ -38,7 +38,7 @@ from sim.engine import Simulation, simulate
 from sim.kv_cache_plan import plan_kv_cache
 from sim.scenario import Scenario, load_scenario
 from sim.step_time import StepTimeModel
-from sim.workloads.spec import FreshIds, RequestSpec, Workload
+from sim.workloads.spec import FreshIds, Workload, WorkloadRequest
 
 STEP_OVERHEAD_S = HAND_STEP_TIME["step_overhead_s"]
 # Ties at one instant, in causal order: a step ends and its tokens land, then
@@ -75,7 +75,7 @@ def _workload(*requests: tuple[str, float, int, int]) -> Workload:
     content, so no prefix hits change the work."""
     ids = FreshIds()
     specs = tuple(
-        RequestSpec(
+        WorkloadRequest(
             request_id=rid,
             arrival_s=arrival_s,
             prompt_len=prompt,
@@ -521,7 +521,7 @@ def _same_prompt_twice() -> Workload:
         name="timeline",
         source="hand-built",
         requests=tuple(
-            RequestSpec(
+            WorkloadRequest(
                 request_id=rid,
                 arrival_s=at,
                 prompt_len=7000,
@@ -598,7 +598,7 @@ def test_preemptions_and_sampled_drafts_are_vllms(hand_scenario_file, monkeypatc
         name="timeline",
         source="hand-built",
         requests=tuple(
-            RequestSpec(
+            WorkloadRequest(
                 request_id=f"r{i}",
                 arrival_s=0.1 * i,
                 prompt_len=3100,

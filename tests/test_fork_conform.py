@@ -143,7 +143,7 @@ def test_no_package_index_is_one_line_exit_2_and_nothing_kept(tmp_path, capsys, 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--mode", "lookahead"], "the fork hashes with the EAGLE drop only"),
+        (["--mtp-hash-mode", "lookahead"], "the fork hashes with the EAGLE drop only"),
     ],
 )
 def test_what_the_fork_cannot_run_is_one_line(tmp_path, capsys, argv, message):

@@ -120,8 +120,8 @@ def test_replayssm_without_drafts_falls_back(flash_next):
     assert on.worker_configs == off.worker_configs
 
 
-def test_layout_command_reports_the_shipped_deployment(capsys):
-    argv = ["layout", "--json", "--layout", "on", "--block-size", "4096", "--use-replayssm"]
+def test_pool_plan_command_reports_the_shipped_deployment(capsys):
+    argv = ["pool-plan", "--json", "--layout", "on", "--block-size", "4096", "--use-replayssm"]
     assert main([*argv, "--prefix-match-unit", "64"]) == 0
     shipped = json.loads(capsys.readouterr().out)["on"]
     assert (shipped["block_size"], shipped["num_blocks"], shipped["kv_cache_tokens"]) == (4096, 248, 924_993)
@@ -144,8 +144,8 @@ def test_the_shipped_scenario_is_the_deployment():
     assert (plan.kv_cache_tokens, plan.hash_block_size) == (924_993, 64)
 
 
-# serve-v2.5.sh as exec'd (halt95/qwen38-flash-next-3090s; /work/shared/notes/
-# fork-patch-series.md section 4): no --async-scheduling flag, but vLLM 0.33.0
+# serve-v2.5.sh as exec'd (halt95/qwen38-flash-next-3090s, scripts/serve-v2.5.sh;
+# the received note fork-patch-series.md, section 4): no --async-scheduling flag, but vLLM 0.33.0
 # on Model Runner V2 under PP schedules asynchronously (docs/fidelity.md).
 SERVE_V25 = {"max_num_seqs": 8, "kv_cache_memory_bytes": 4_100_000_000, "block_size": 4096}
 SERVE_V25_UNIT, SERVE_V25_BUDGET = 64, 1024
@@ -303,7 +303,7 @@ def test_partial_hits_release_their_copy_blocks(tmp_path, monkeypatch):
     ],
 )
 def test_impossible_units_and_blocks_are_one_line_errors(capsys, flags, needles):
-    assert main(["layout", *flags]) == 2
+    assert main(["pool-plan", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvsim: error:") and err.count("\n") == 1, err
     assert "Traceback" not in err
@@ -317,7 +317,7 @@ FITTING_UNITS = [["--prefix-match-unit", "64"], ["--block-size", "4096", "--pref
 @pytest.mark.parametrize("flags", FITTING_UNITS)
 def test_units_that_fit_are_accepted(capsys, flags):
     """CONTROL for the errors above."""
-    assert main(["layout", "--json", *flags]) == 0
+    assert main(["pool-plan", "--json", *flags]) == 0
     assert json.loads(capsys.readouterr().out)["on"]["hash_block_size"] == int(flags[-1])
 
 
@@ -359,7 +359,7 @@ def test_partial_hits_conform_to_vllms_scheduler(tmp_path, monkeypatch):
 
     scenario = _partial_hit_scenario(tmp_path)
     requests = scenario_workload(scenario).requests
-    result = run_conformance(scenario, "on", requests, mode="eagle-drop")
+    result = run_conformance(scenario, "on", requests, mtp_hash_mode="eagle-drop")
     comparison = result.comparison
     assert comparison.num_steps > 0 and comparison.conforms, comparison.first_difference
     build = backends.build_kv_cache_manager
@@ -370,4 +370,4 @@ def test_partial_hits_conform_to_vllms_scheduler(tmp_path, monkeypatch):
         return build(replace(plan, hash_block_size=plan.block_size), **kwargs)
 
     monkeypatch.setattr(backends, "build_kv_cache_manager", on_the_block)
-    assert not run_conformance(scenario, "on", requests, mode="eagle-drop").comparison.conforms
+    assert not run_conformance(scenario, "on", requests, mtp_hash_mode="eagle-drop").comparison.conforms

@@ -29,7 +29,7 @@ from sim.vllm_bridge import (
     init_none_hash,
     sha256,
 )
-from sim.workloads import RequestSpec
+from sim.workloads import WorkloadRequest
 
 
 def _scheduler(defer: bool) -> Scheduler:
@@ -51,9 +51,9 @@ def _scheduler(defer: bool) -> Scheduler:
     return Scheduler(scheduler_config, manager, fast_path=False)
 
 
-def _spec(index: int) -> RequestSpec:
+def _spec(index: int) -> WorkloadRequest:
     ids = tuple(tokens(index + 1, 3))
-    return RequestSpec(
+    return WorkloadRequest(
         request_id=f"r{index}", arrival_s=0.0, prompt_len=48, output_len=10, prefix_ids=ids, prefix_unit=16
     )
 

@@ -223,7 +223,7 @@ def _no_constants(name: str) -> None:
 @pytest.fixture(scope="module")
 def baseline_rss_mib() -> float:
     # Pay vLLM's import and a first plan before measuring growth.
-    main(["layout", "--json"])
+    main(["pool-plan", "--json"])
     return peak_rss_mib()
 
 

@@ -1,6 +1,6 @@
 """The pool each layout gives (issue: foundation), against the fork's logged
 figures. Each case runs the code path users run (``plan_kv_cache``, and the
-``kvsim layout --json`` command for the table)."""
+``kvsim pool-plan --json`` command for the table)."""
 
 from __future__ import annotations
 
@@ -23,15 +23,15 @@ POOL_FIGURES = {
 PLE = "language_model.model.layers.2.ple"
 
 
-def _layout_json(capsys, *flags: str) -> dict:
-    assert main(["layout", "--json", *flags]) == 0
+def _pool_plan_json(capsys, *flags: str) -> dict:
+    assert main(["pool-plan", "--json", *flags]) == 0
     return json.loads(capsys.readouterr().out)
 
 
 @pytest.mark.parametrize("ssm", sorted(POOL_FIGURES))
-def test_layout_command_reports_the_forks_figures(capsys, ssm):
+def test_pool_plan_command_reports_the_forks_figures(capsys, ssm):
     block, strides, blocks, per_request, tokens = POOL_FIGURES[ssm]
-    report = _layout_json(capsys, "--ssm-dtype", ssm)
+    report = _pool_plan_json(capsys, "--ssm-dtype", ssm)
     for name, index in (("off", 0), ("on", 1)):
         figures = report[name]
         assert figures["block_size"] == block
@@ -45,8 +45,8 @@ def test_layout_command_reports_the_forks_figures(capsys, ssm):
     assert report["off"]["ring_slots_per_block"] == 1
 
 
-def test_layout_text_prints_the_boot_lines(capsys):
-    assert main(["layout"]) == 0
+def test_pool_plan_prints_the_boot_lines(capsys):
+    assert main(["pool-plan"]) == 0
     out = capsys.readouterr().out
     assert "GPU KV cache size: 806,792 tokens" in out
     assert "GPU KV cache size: 853,994 tokens" in out
@@ -199,7 +199,7 @@ def test_flags_change_the_figures_as_arithmetic_says(flash_next, reference, on, 
     ],
 )
 def test_bad_deployment_is_a_one_line_error(capsys, flags, message):
-    assert main(["layout", *flags]) == 2
+    assert main(["pool-plan", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvsim: error:") and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
@@ -212,7 +212,7 @@ def test_unknown_model_key_names_key_and_file(capsys, tmp_path, flash_next):
     import yaml
 
     path.write_text(yaml.safe_dump(data))
-    assert main(["layout", "--model", str(path)]) == 2
+    assert main(["pool-plan", "--model", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"{path}: unknown key 'gdn.num_kv_heads'" in err and err.count("\n") == 1
 

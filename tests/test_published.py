@@ -1,6 +1,8 @@
 """The rig's published figures, each run as a scenario: every figure of the
-shared note (/work/shared/notes/flash-next-rig.md) within 10 %. The figures
-are facts from the fork's bench cards (scenarios/rig/published.yaml)."""
+note "Flash-Next and the rig: public facts" (``flash-next-rig.md``, which the
+project received and does not ship) within 10 %. The figures are facts from
+the fork's bench cards (halt95/qwen38-flash-next-3090s,
+benchmarks/*/BENCH-CARD.md), each cited in scenarios/rig/published.yaml."""
 
 from __future__ import annotations
 

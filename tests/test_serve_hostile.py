@@ -322,12 +322,12 @@ def test_a_replay_stopped_with_ctrl_c_leaves_no_running_request_and_its_blocks_f
     free. The controls: the requests were running when the stop came; an
     engine that does not abort keeps running them."""
     from sim.serving.client import ClientConfig, Replay
-    from sim.workloads import RequestSpec
+    from sim.workloads import WorkloadRequest
 
     if not aborts:
         monkeypatch.setattr(LiveEngine, "abort", lambda self, request_id, cause: False)
     requests = [
-        RequestSpec(
+        WorkloadRequest(
             request_id=f"r{i}",
             arrival_s=0.01 * i,
             prompt_len=300,

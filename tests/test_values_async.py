@@ -28,7 +28,7 @@ from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import ScheduledRequest, SchedulerOutput, StepTally
 from sim.sched.scheduler import SchedulerConfig
 from sim.vllm_bridge import RequestStatus
-from sim.workloads import RequestSpec
+from sim.workloads import WorkloadRequest
 
 
 def _output(step: int, tokens: int = 1) -> SchedulerOutput:
@@ -415,8 +415,8 @@ def test_a_waiting_request_with_any_stale_token_in_flight_is_not_resumed(stale, 
     assert _async_scheduler()._skips_waiting(_in_flight(0, 0, stale=stale)) is skipped
 
 
-def _spec(index: int, prompt: int, output: int, arrival_s: float) -> RequestSpec:
-    return RequestSpec(
+def _spec(index: int, prompt: int, output: int, arrival_s: float) -> WorkloadRequest:
+    return WorkloadRequest(
         request_id=f"r{index}",
         arrival_s=arrival_s,
         prompt_len=prompt,
@@ -438,7 +438,8 @@ SHORT_OUTPUTS = (
 
 
 def _short_outputs_conform():
-    return run_async_conformance(conformance_shape("long-chunked"), "off", SHORT_OUTPUTS, mode="eagle-drop")
+    shape = conformance_shape("long-chunked")
+    return run_async_conformance(shape, "off", SHORT_OUTPUTS, mtp_hash_mode="eagle-drop")
 
 
 def test_short_outputs_take_vllms_steps(monkeypatch):

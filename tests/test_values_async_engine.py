@@ -19,7 +19,7 @@ from sim.conformance import async_engine
 from sim.conformance.driver import BackendUnavailable, conformance_scenario, plan_for, vllm_settings
 from sim.sched.engine_core import EngineCall
 from sim.sched.output import ScheduledRequest, SchedulerOutput
-from sim.workloads.spec import RequestSpec
+from sim.workloads.spec import WorkloadRequest
 
 
 def _output(request_id: str, reason: FinishReason | None) -> EngineCoreOutput:
@@ -145,7 +145,7 @@ def test_vllms_side_refuses_a_prompt_of_max_model_len_as_vllms_input_processor_d
     _, engine = _engines("long-chunked", max_model_len=4096)
     for request_id, prompt_len in (("at", 4096), ("under", 4095)):
         engine.add_request(
-            RequestSpec(
+            WorkloadRequest(
                 request_id=request_id,
                 arrival_s=2.5,
                 prompt_len=prompt_len,
@@ -209,11 +209,11 @@ def test_the_gate_stops_both_sides_at_the_scenarios_horizon():
     than the full run, and still conforms (both sides stop alike)."""
     shape = conformance_shape("long-chunked")
     requests = conformance_requests("long-chunked")
-    full = async_engine.run_async_conformance(shape, "off", requests, mode="eagle-drop")
+    full = async_engine.run_async_conformance(shape, "off", requests, mtp_hash_mode="eagle-drop")
     horizon_s = full.right.times_s[len(full.right.times_s) // 2]
     section = shape.simulation.model_copy(update={"max_time_s": horizon_s})
     cut = async_engine.run_async_conformance(
-        shape.model_copy(update={"simulation": section}), "off", requests, mode="eagle-drop"
+        shape.model_copy(update={"simulation": section}), "off", requests, mtp_hash_mode="eagle-drop"
     )
     assert cut.conforms and 0 < cut.num_steps < full.num_steps
     assert max(cut.left.times_s) <= horizon_s and max(cut.right.times_s) <= horizon_s
@@ -230,7 +230,8 @@ def test_the_gate_runs_the_mode_the_layout_and_the_fencing_it_is_given():
     shape, requests = conformance_shape("heavy-preemption"), conformance_requests("heavy-preemption")
 
     def run(layout: str, **kwargs):
-        return async_engine.run_async_conformance(shape, layout, requests, mode="eagle-drop", **kwargs)
+        run_async = async_engine.run_async_conformance
+        return run_async(shape, layout, requests, mtp_hash_mode="eagle-drop", **kwargs)
 
     default, unfenced, fenced = run("on"), run("on", fenced=False), run("on", fenced=True)
     assert _free_blocks(default) == _free_blocks(unfenced) != _free_blocks(fenced)
@@ -244,7 +245,7 @@ def test_the_gate_hashes_in_the_mode_it_is_given():
     hits = {
         mode: [
             s.prefix_cache_hits_tokens
-            for s in async_engine.run_async_conformance(shape, "on", requests, mode=mode).right.steps
+            for s in async_engine.run_async_conformance(shape, "on", requests, mtp_hash_mode=mode).right.steps
         ]
         for mode in ("eagle-drop", "lookahead")
     }

@@ -201,7 +201,7 @@ def _report(monkeypatch, capsys, comparison: Comparison, fence: Comparison | Non
     monkeypatch.setattr("sim.scenario.load_scenario", lambda *a, **k: scenario)
     monkeypatch.setattr("sim.analysis.runs.scenario_workload", lambda s: SimpleNamespace(requests=()))
     monkeypatch.setattr("sim.conformance.driver.run_conformance", lambda *a, **k: result)
-    args = argparse.Namespace(scenario="hand", set=[], layout="on", mode=None, engine="sync")
+    args = argparse.Namespace(scenario="hand", set=[], layout="on", mtp_hash_mode=None, engine="sync")
     status = conform_command.cmd_conform(args)
     return status, capsys.readouterr().out
 
@@ -243,6 +243,16 @@ def test_the_fenced_frees_line_compares_fence_off_with_fence_on(monkeypatch, cap
     unchanged = compare(trajectory("fence off", [5, 2]), trajectory("fence on", [5, 2]))
     _, out = _report(monkeypatch, capsys, same, unchanged)
     assert "0 of 2 steps change (none); steps 2 -> 2; min free blocks 2 -> 2" in out
+
+
+def test_the_fork_report_prints_the_step_before_the_first_difference(capsys):
+    """``--fork``'s difference: the step before (identical on both sides),
+    then both sides at the first differing step (it imported a name the
+    module does not have, so a fork that differed ended in an ImportError)."""
+    conform_command._print_difference(compare(trajectory("kvsim", [4, 3, 2]), trajectory("fork", [4, 3, 5])))
+    out = capsys.readouterr().out
+    assert out.startswith("step 2 (identical on both sides):\n") and "    num_free_blocks: 3\n" in out
+    assert "first difference at step 3: num_free_blocks" in out and "  fork:\n" in out
 
 
 def test_long_lists_are_cut_to_twelve_with_their_count():
@@ -317,7 +327,7 @@ def test_a_conformance_run_stops_both_sides_at_the_horizon_and_adds_the_fence_on
     from sim.conformance.driver import run_conformance
 
     scenario, requests = _long_chunked()
-    full = run_conformance(scenario, "off", requests, mode="lookahead")
+    full = run_conformance(scenario, "off", requests, mtp_hash_mode="lookahead")
     assert full.fence is None and full.comparison.conforms
     horizon_s = full.comparison.left.times_s[len(full.comparison.left.times_s) // 2]
     section = scenario.simulation.model_copy(update={"max_time_s": horizon_s})
@@ -325,7 +335,7 @@ def test_a_conformance_run_stops_both_sides_at_the_horizon_and_adds_the_fence_on
         scenario.model_copy(update={"simulation": section}),
         "off",
         requests,
-        mode="lookahead",
+        mtp_hash_mode="lookahead",
         with_fence_effect=True,
     )
     for side in (cut.comparison.left, cut.comparison.right):

@@ -50,7 +50,7 @@ from sim.serving.launch import (
 from sim.serving.launch import free_port as free_port_launch
 from sim.serving.recording import replay_frames, requests_frame, samples_frame
 from sim.serving.server_metrics import SCRAPED
-from sim.workloads import RequestSpec
+from sim.workloads import WorkloadRequest
 
 # SplitMix64 (Steele, Lea, Flood 2014; Vigna's reference splitmix64.c)
 # seeded with 0: its first outputs, the finaliser applied to 1, 2, 3, 4
@@ -202,9 +202,9 @@ class Scripted:
         return app
 
 
-def _spec(request_id: str, arrival_s: float, output_len: int = 2, prompt_len: int = 1) -> RequestSpec:
+def _spec(request_id: str, arrival_s: float, output_len: int = 2, prompt_len: int = 1) -> WorkloadRequest:
     # One chunk of id 0, one token per chunk: the prompt is [0, 1, ...][:prompt_len].
-    return RequestSpec(
+    return WorkloadRequest(
         request_id=request_id,
         arrival_s=arrival_s,
         prompt_len=prompt_len,
@@ -225,7 +225,7 @@ DONE_LINE = b"data: [DONE]\n\n"
 
 
 def _replay(
-    server: Scripted, specs: list[RequestSpec], warnings: list[str] | None = None, **config: Any
+    server: Scripted, specs: list[WorkloadRequest], warnings: list[str] | None = None, **config: Any
 ) -> ReplayOutcome:
     """Run a replay of ``specs`` against ``server`` (bounded: 15 s)."""
     warn = (warnings if warnings is not None else []).append
@@ -660,8 +660,8 @@ def test_the_boot_log_is_read_for_its_size_layout_and_notes():
 def test_a_boot_log_unlike_the_plan_names_each_mismatch():
     plan_off = {"kv_cache_tokens": 1000, "side_cache_layout": False}
     assert check_boot_log(BOOT_ON, plan_off).mismatches == [
-        "GPU KV cache size: server 1,234,567 tokens, kvsim layout 1,000",
-        "side-cache layout: server on, kvsim layout off",
+        "GPU KV cache size: server 1,234,567 tokens, kvsim's plan 1,000",
+        "side-cache layout: server on, kvsim off",
     ]
     off_log = "GPU KV cache size: 1000 tokens\nSide-cache layout: off (VLLM_E2_SIDE_CACHE_LAYOUT)\n"
     report = check_boot_log(off_log, plan_off)

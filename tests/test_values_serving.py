@@ -188,7 +188,7 @@ def test_the_async_engine_streams_the_same_positions(tmp_path):
     """``engine.mode: async`` (a batch queue: calls that apply no output
     come first): the same request gives one token a step, finished on the
     last, as in sync mode. (The ids are not pinned: in async mode the third
-    comes out as 69, not its position 66; see docs/mutation-report.md.)"""
+    comes out as 69, not its position 66; see docs/mutation/report.md.)"""
     engine, _ = _engine(tmp_path, speed=50.0, engine={"mode": "async"})
 
     async def check() -> list[TokenDelta]:

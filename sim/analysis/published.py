@@ -65,7 +65,7 @@ class Figure(StrictModel):
     card: str
     date: str
     release: str
-    note: bool = False  # in the shared note (held to the bound in CI)
+    note: bool = False  # in the received note flash-next-rig.md (held to the bound in CI)
     fitted: str | None = None
     # Scenario keys the figure's deployment differs by (dotted, as --set).
     settings: dict[str, Any] = {}

@@ -10,7 +10,7 @@ A new command is a new module here plus one line in ``COMMAND_MODULES``.
 
 # The order is the order of ``kvsim --help``.
 COMMAND_MODULES: tuple[str, ...] = (
-    "layout",
+    "pool_plan",
     "run",
     "capacity",
     "plot",

@@ -24,7 +24,7 @@ def register(subparsers: Any) -> None:
         "--layout", choices=["off", "on"], default="on", help="side-cache layout (default on)"
     )
     conform.add_argument(
-        "--mode",
+        "--mtp-hash-mode",
         choices=MTP_HASH_MODES,
         help="MTP block hashing (default: the scenario's scheduler.mtp_hash_mode)",
     )
@@ -66,10 +66,14 @@ def cmd_conform(args: argparse.Namespace) -> int:
     workload = scenario_workload(scenario)
     if (args.engine or scenario.engine.mode) == "async":
         return _conform_async(scenario, args, workload.requests)
-    result = run_conformance(scenario, args.layout, workload.requests, mode=args.mode, with_fence_effect=True)
+    result = run_conformance(
+        scenario, args.layout, workload.requests, mtp_hash_mode=args.mtp_hash_mode, with_fence_effect=True
+    )
     comparison = result.comparison
-    mode = args.mode or scenario.scheduler.mtp_hash_mode
-    print(f"kvsim conform: {scenario.name}, layout {args.layout}, MTP hashing {mode}, fenced frees off")
+    mtp_hash_mode = args.mtp_hash_mode or scenario.scheduler.mtp_hash_mode
+    print(
+        f"kvsim conform: {scenario.name}, layout {args.layout}, MTP hashing {mtp_hash_mode}, fenced frees off"
+    )
     print(f"  kvsim: {_hashing(result.kvsim_hashing)}")
     print(f"  vllm:  {_hashing(result.vllm_hashing)}")
     print(
@@ -89,10 +93,10 @@ def cmd_conform(args: argparse.Namespace) -> int:
 def _conform_async(scenario: Any, args: argparse.Namespace, requests: Any) -> int:
     from sim.conformance.async_engine import max_concurrent_batches, run_async_conformance
 
-    comparison = run_async_conformance(scenario, args.layout, requests, mode=args.mode)
-    mode = args.mode or scenario.scheduler.mtp_hash_mode
+    comparison = run_async_conformance(scenario, args.layout, requests, mtp_hash_mode=args.mtp_hash_mode)
+    mtp_hash_mode = args.mtp_hash_mode or scenario.scheduler.mtp_hash_mode
     print(
-        f"kvsim conform --engine async: {scenario.name}, layout {args.layout}, MTP hashing {mode}, "
+        f"kvsim conform --engine async: {scenario.name}, layout {args.layout}, MTP hashing {mtp_hash_mode}, "
         f"{max_concurrent_batches(scenario)} micro-batches in flight, fenced frees off"
     )
     print(
@@ -197,9 +201,10 @@ def _conform_fork(scenario: Any, args: argparse.Namespace) -> int:
 
 
 def _refuse_unsupported(args: argparse.Namespace) -> None:
-    if args.mode == "lookahead":
+    if args.mtp_hash_mode == "lookahead":
         raise ConfigError(
-            "--fork --mode lookahead: the fork hashes with the EAGLE drop only (its hasher has no lookahead)"
+            "--fork --mtp-hash-mode lookahead: the fork hashes with the EAGLE drop only "
+            "(its hasher has no lookahead)"
         )
 
 
@@ -244,12 +249,10 @@ def _project_relative(path: Path) -> str:
 def _print_difference(comparison: Any) -> None:
     """The first differing step's columns, both sides' state there and the
     step before it (identical on both sides)."""
-    from sim.commands.conform import print_first_difference
-
     step = comparison.first_difference
     if step is not None and step > 1:
         before = comparison.state(comparison.left, step - 1)
         print(f"step {step - 1} (identical on both sides):")
         for name, value in vars(before).items():
             print(f"    {name}: {_short(value)}")
-    print_first_difference(comparison)
+    _print_first_difference(comparison)

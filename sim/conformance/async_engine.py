@@ -333,7 +333,7 @@ def run_async_conformance(
     layout: SideCacheSwitch,
     requests: Iterable[RequestSpec],
     *,
-    mode: MTPHashMode | None = None,
+    mtp_hash_mode: MTPHashMode | None = None,
     stagger: int | None = None,
     depth: int | None = None,
     fenced: bool = False,
@@ -344,7 +344,7 @@ def run_async_conformance(
     KV-consumer connector under overlapping batches) and kvsim's fence
     (the fork's). ``stagger`` and ``depth`` change kvsim's side only (the
     controls)."""
-    compared = conformance_scenario(scenario, mode)
+    compared = conformance_scenario(scenario, mtp_hash_mode)
     if fenced:
         section = compared.scheduler.model_copy(update={"defer_block_free": True})
         compared = compared.model_copy(update={"scheduler": section})

@@ -323,14 +323,14 @@ def vllm_settings(scenario: Scenario, plan: KVCachePlan) -> Any:
     )
 
 
-def conformance_scenario(scenario: Scenario, mode: MTPHashMode | None = None) -> Scenario:
+def conformance_scenario(scenario: Scenario, mtp_hash_mode: MTPHashMode | None = None) -> Scenario:
     """The scenario as compared: fenced frees off (vLLM fences only with a
     KV-consumer connector), the requested MTP hashing mode, and upstream
     vLLM 0.33.0 (every fork patch off: vLLM's Scheduler is the oracle only
     for what vLLM itself does; the fork's patches are pinned by their own
     tests, ``tests/test_fork_*.py``)."""
     section = scenario.scheduler.model_copy(
-        update={"defer_block_free": False, **({"mtp_hash_mode": mode} if mode else {})}
+        update={"defer_block_free": False, **({"mtp_hash_mode": mtp_hash_mode} if mtp_hash_mode else {})}
     )
     return scenario.model_copy(update={"scheduler": section, "fork": ForkSection(base="upstream")})
 
@@ -354,11 +354,11 @@ def run_conformance(
     layout: SideCacheSwitch,
     requests: Iterable[RequestSpec],
     *,
-    mode: MTPHashMode | None = None,
+    mtp_hash_mode: MTPHashMode | None = None,
     with_fence_effect: bool = False,
 ) -> ConformanceResult:
     """kvsim against vLLM's Scheduler on the same trace (fence off)."""
-    compared = conformance_scenario(scenario, mode)
+    compared = conformance_scenario(scenario, mtp_hash_mode)
     requests = tuple(requests)
     plan = plan_for(compared, layout)
     vllm = vllm_backend(compared, plan)

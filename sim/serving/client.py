@@ -23,7 +23,7 @@ import aiohttp
 
 from sim.serving import ARRIVAL_HEADER
 from sim.serving.server_metrics import SCRAPED, parse_metrics
-from sim.workloads import RequestSpec
+from sim.workloads import WorkloadRequest
 
 Warn = Callable[[str], None]
 
@@ -128,7 +128,7 @@ def _one_line(text: str, limit: int = 200) -> str:
 
 
 class Replay:
-    def __init__(self, requests: tuple[RequestSpec, ...], config: ClientConfig, warn: Warn) -> None:
+    def __init__(self, requests: tuple[WorkloadRequest, ...], config: ClientConfig, warn: Warn) -> None:
         self.requests = requests
         self.config = config
         self._warn = warn
@@ -245,7 +245,7 @@ class Replay:
             stop_waiter.cancel()
         return stop.is_set()
 
-    def _payload(self, spec: RequestSpec) -> dict[str, Any]:
+    def _payload(self, spec: WorkloadRequest) -> dict[str, Any]:
         return {
             "model": self.model,
             "prompt": map_token_ids(spec.prompt_token_ids(), self.config.vocab_size),
@@ -258,7 +258,9 @@ class Replay:
             "return_token_ids": True,
         }
 
-    async def _send(self, session: aiohttp.ClientSession, spec: RequestSpec, record: RequestRecord) -> None:
+    async def _send(
+        self, session: aiohttp.ClientSession, spec: WorkloadRequest, record: RequestRecord
+    ) -> None:
         record.sent_s = self.now_s()
         timeout = aiohttp.ClientTimeout(
             total=self.config.request_timeout_s, connect=self.config.connect_timeout_s

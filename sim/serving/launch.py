@@ -132,13 +132,13 @@ def check_boot_log(text: str, plan: dict[str, Any]) -> BootReport:
     elif report.kv_cache_tokens != plan["kv_cache_tokens"]:
         report.mismatches.append(
             f"GPU KV cache size: server {report.kv_cache_tokens:,} tokens, "
-            f"kvsim layout {plan['kv_cache_tokens']:,}"
+            f"kvsim's plan {plan['kv_cache_tokens']:,}"
         )
     if report.side_cache_layout is None:
         report.mismatches.append("boot log has no 'Side-cache layout: on|off' line")
     elif report.side_cache_layout != expected_layout:
         report.mismatches.append(
-            f"side-cache layout: server {report.side_cache_layout}, kvsim layout {expected_layout}"
+            f"side-cache layout: server {report.side_cache_layout}, kvsim {expected_layout}"
         )
     return report
 

@@ -1,6 +1,6 @@
 """Workloads: what requests arrive when, how long they are, what they share.
 
-No twin in vLLM: this layer feeds the simulator plain ``RequestSpec``s. It
+No twin in vLLM: this layer feeds the simulator plain ``WorkloadRequest``s. It
 imports nothing above plain Python, numpy, pydantic and pyyaml (no vLLM,
 simpy, torch, pandas or matplotlib), so the layering test can check it.
 
@@ -63,9 +63,9 @@ from sim.workloads.shipped import (
 )
 from sim.workloads.spec import (
     FRESH_ID_BASE,
-    RequestSpec,
     TraceError,
     Workload,
+    WorkloadRequest,
     materialise_tokens,
 )
 from sim.workloads.synthetic import SYNTHETIC_PREFIX_UNIT, synthetic
@@ -107,7 +107,7 @@ __all__ = [
     "LogNormal",
     "LogNormalLength",
     "Poisson",
-    "RequestSpec",
+    "WorkloadRequest",
     "TraceError",
     "TraceFormat",
     "Uniform",

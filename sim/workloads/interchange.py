@@ -39,9 +39,9 @@ from sim.workloads.loaders import (
 from sim.workloads.shipped import display_path
 from sim.workloads.spec import (
     FreshIds,
-    RequestSpec,
     TraceError,
     Workload,
+    WorkloadRequest,
     request_id,
     sort_requests,
 )
@@ -71,7 +71,7 @@ def load_timed_trace(
     """Read vLLM's ``timed_trace`` JSON lines; ``hash_ids`` become the prefix
     ids, one per ``chunk_tokens`` tokens."""
     path = Path(path)
-    requests: list[RequestSpec] = []
+    requests: list[WorkloadRequest] = []
     previous: tuple[float, str] | None = None
     for line, text in _lines(path):
         record = _json_record(path, line, text)
@@ -82,7 +82,7 @@ def load_timed_trace(
         previous = (time_s, f"{record['timestamp']} s")
         prompt_len = _int_field(path, line, record, "input_length")
         requests.append(
-            RequestSpec(
+            WorkloadRequest(
                 request_id=_record_id(path, line, record, len(requests)),
                 arrival_s=time_s,
                 prompt_len=prompt_len,
@@ -110,7 +110,7 @@ def load_timed_csv(path: Path | str, *, name: str | None = None) -> Workload:
     lines = _lines(path)
     _check_header(path, lines, TIMED_CSV_HEADER)
     fresh = FreshIds()
-    requests: list[RequestSpec] = []
+    requests: list[WorkloadRequest] = []
     previous: tuple[float, str] | None = None
     for line, text in lines:
         arrival, prompt, output = _row(path, line, text, TIMED_CSV_HEADER)
@@ -139,7 +139,7 @@ def is_timed_csv_header(text: str) -> bool:
     return tuple(_cells(text)) == TIMED_CSV_HEADER
 
 
-def chunk_tokens_of(requests: Iterable[RequestSpec]) -> int:
+def chunk_tokens_of(requests: Iterable[WorkloadRequest]) -> int:
     """The one prefix unit of a workload (``timed_trace`` has one chunk size)."""
     units = {r.prefix_unit for r in requests}
     if len(units) != 1:

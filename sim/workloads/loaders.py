@@ -42,9 +42,9 @@ from sim.workloads.shipped import TraceFormat, display_path
 from sim.workloads.spec import (
     MAX_WORKLOAD_REQUESTS,
     FreshIds,
-    RequestSpec,
     TraceError,
     Workload,
+    WorkloadRequest,
     ceil_div,
     check_tokens,
     request_id,
@@ -180,10 +180,10 @@ def _check_order(path: Path, line: int, time: tuple[float, str], previous: tuple
 
 def no_prefix_request(
     index: int, arrival_s: float, prompt_len: int, output_len: int, fresh: FreshIds
-) -> RequestSpec:
+) -> WorkloadRequest:
     """A request of a trace without prefix information: every chunk of its
     prompt gets a fresh content id, so it shares no block with another."""
-    return RequestSpec(
+    return WorkloadRequest(
         request_id=request_id(index),
         arrival_s=arrival_s,
         prompt_len=prompt_len,
@@ -212,7 +212,7 @@ def load_mooncake(
     which are re-based so the first request arrives at 0."""
     path = Path(path)
     _check_max_requests(max_requests)
-    requests: list[RequestSpec] = []
+    requests: list[WorkloadRequest] = []
     previous: tuple[float, str] | None = None
     origin_ms = 0.0
     for line, text in _lines(path):
@@ -230,7 +230,7 @@ def load_mooncake(
         prompt_len = _int_field(path, line, record, "input_length")
         output_len = _int_field(path, line, record, "output_length")
         requests.append(
-            RequestSpec(
+            WorkloadRequest(
                 request_id=request_id(len(requests)),
                 arrival_s=(time_ms - origin_ms) / 1000.0,
                 prompt_len=prompt_len,
@@ -312,7 +312,7 @@ def load_azure(path: Path | str, *, name: str | None = None, max_requests: int |
     lines = _lines(path)
     _check_header(path, lines, AZURE_HEADER)
     fresh = FreshIds()
-    requests: list[RequestSpec] = []
+    requests: list[WorkloadRequest] = []
     first_ticks: int | None = None
     previous: tuple[float, str] | None = None
     for line, text in lines:

@@ -31,8 +31,8 @@ from sim.workloads.distributions import LengthDistribution
 from sim.workloads.spec import (
     MAX_WORKLOAD_REQUESTS,
     FreshIds,
-    RequestSpec,
     Workload,
+    WorkloadRequest,
     ceil_div,
     sort_requests,
 )
@@ -90,18 +90,18 @@ def _session_id(session: int, turn: int) -> str:
 
 def _one_session(
     session: int, shape: SessionShape, rng: np.random.Generator, fresh: FreshIds
-) -> list[RequestSpec]:
+) -> list[WorkloadRequest]:
     """One session's turns. Draw order, fixed: start, first history, then
     per turn its reply, and (for the next turn) its tool result and think time."""
     history = History(shared_ids(shape.shared_prefix_tokens, shape.prefix_unit), shape.prefix_unit, fresh)
     arrival_s = float(rng.uniform(0.0, shape.start_spread_s)) if shape.start_spread_s else 0.0
     history.append(int(shape.first_history.sample(1, rng)[0]))
-    turns: list[RequestSpec] = []
+    turns: list[WorkloadRequest] = []
     think_s = 0.0
     while history.num_tokens <= shape.max_context_tokens and len(turns) < shape.max_turns:
         reply = int(shape.reply.sample(1, rng)[0])
         turns.append(
-            RequestSpec(
+            WorkloadRequest(
                 request_id=_session_id(session, len(turns)),
                 arrival_s=arrival_s,
                 prompt_len=history.num_tokens,
@@ -125,7 +125,7 @@ def agent_sessions(
     """``shape.num_sessions`` sessions, each drawn from its own stream
     spawned from ``rng`` (a session's draws never shift another's); no
     follow-up arrives after ``until_s``."""
-    requests: list[RequestSpec] = []
+    requests: list[WorkloadRequest] = []
     fresh = FreshIds()  # one counter: no chunk of one session is another's
     for session, stream in enumerate(rng.spawn(shape.num_sessions)):
         requests += _one_session(session, shape, stream, fresh)

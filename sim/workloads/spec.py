@@ -34,7 +34,7 @@ from sim.config import MAX_REQUEST_TOKENS, ConfigError
 # buffers of vLLM's input batch) for ~3 M fresh 512-token chunks.
 FRESH_ID_BASE = 1 << 20
 # Requests in one workload (a trace as loaded, or a synthetic recipe): about
-# 300 MB of request specs; slice bigger traces (window_s, sample_fraction)
+# 300 MB of workload requests; slice bigger traces (window_s, sample_fraction)
 # before handing them to kvsim.
 MAX_WORKLOAD_REQUESTS = 1_000_000
 
@@ -100,7 +100,7 @@ def materialise_tokens(prefix_ids: Iterable[int], prefix_unit: int, prompt_len: 
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class RequestSpec:
+class WorkloadRequest:
     """One request as the simulator will submit it.
 
     ``arrival_s`` is seconds from the workload start; ``output_len`` is the
@@ -182,11 +182,11 @@ class FreshIds:
         return ids
 
 
-def _sort_key(request: RequestSpec) -> tuple[float, str]:
+def _sort_key(request: WorkloadRequest) -> tuple[float, str]:
     return (request.arrival_s, request.request_id)
 
 
-def sort_requests(requests: Iterable[RequestSpec]) -> tuple[RequestSpec, ...]:
+def sort_requests(requests: Iterable[WorkloadRequest]) -> tuple[WorkloadRequest, ...]:
     """The workload order: by arrival, ties broken by request id."""
     return tuple(sorted(requests, key=_sort_key))
 
@@ -203,7 +203,7 @@ class Workload:
 
     name: str
     source: str
-    requests: tuple[RequestSpec, ...]
+    requests: tuple[WorkloadRequest, ...]
     # Closed-loop workloads (sessions): a follow-up due after this time never
     # arrives, nor do the turns after it (None: every follow-up arrives).
     follow_ups_until_s: float | None = None
@@ -223,7 +223,7 @@ class Workload:
                 raise ValueError(f"requests: {r.request_id} follows {r.follows!r}, not an earlier request")
             earlier.add(r.request_id)
 
-    def follow_ups(self) -> dict[str, RequestSpec]:
+    def follow_ups(self) -> dict[str, WorkloadRequest]:
         """Request id -> the turn that follows it (closed-loop workloads)."""
         return {r.follows: r for r in self.requests if r.follows is not None}
 

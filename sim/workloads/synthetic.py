@@ -16,8 +16,8 @@ from sim.workloads.distributions import (
 from sim.workloads.spec import (
     FRESH_ID_BASE,
     FreshIds,
-    RequestSpec,
     Workload,
+    WorkloadRequest,
     ceil_div,
     request_id,
     sort_requests,
@@ -71,7 +71,7 @@ def synthetic(
     output_lens = output.sample(num_requests, rng)
     fresh = FreshIds()
     requests = [
-        RequestSpec(
+        WorkloadRequest(
             request_id=request_id(index),
             arrival_s=float(times_s[index]),
             prompt_len=shared_prefix_tokens + int(own_lens[index]),

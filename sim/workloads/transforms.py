@@ -12,10 +12,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from sim.workloads.spec import RequestSpec, Workload, ceil_div, sort_requests
+from sim.workloads.spec import Workload, WorkloadRequest, ceil_div, sort_requests
 
 
-def _derive(w: Workload, requests: list[RequestSpec], note: str) -> Workload:
+def _derive(w: Workload, requests: list[WorkloadRequest], note: str) -> Workload:
     return Workload(name=w.name, source=f"{w.source}; {note}", requests=sort_requests(requests))
 
 
@@ -89,7 +89,7 @@ def spread_bursts(w: Workload, quantum_s: float, rng: np.random.Generator) -> Wo
     return _derive(w, moved, f"arrivals spread over {quantum_s:g} s quanta")
 
 
-def _clamp(request: RequestSpec, max_prompt_len: int, max_output_len: int) -> RequestSpec:
+def _clamp(request: WorkloadRequest, max_prompt_len: int, max_output_len: int) -> WorkloadRequest:
     if request.prompt_len <= max_prompt_len and request.output_len <= max_output_len:
         return request
     prompt_len = min(request.prompt_len, max_prompt_len)

@@ -1,5 +1,5 @@
 """The tiny scheduler (32-token blocks, the tiny model) and what drives it:
-request specs with a prefix family, an engine that checks the allocator
+workload requests with a prefix family, an engine that checks the allocator
 after every step, fixed acceptance draws."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from sim.kv_cache_manager import build_kv_cache_manager
 from sim.sched.engine_core import EngineCore
 from sim.sched.model_runner import AcceptanceModel, ModelRunner, accepted_drafts
 from sim.sched.scheduler import Scheduler, SchedulerConfig
-from sim.workloads import RequestSpec
+from sim.workloads import WorkloadRequest
 
 MAX_LEN = 512
 
 
-def tiny_spec(index: int, prompt: int, output: int = 20, family: int | None = None) -> RequestSpec:
+def tiny_spec(index: int, prompt: int, output: int = 20, family: int | None = None) -> WorkloadRequest:
     ids = tuple((family if family is not None else 1000 + index) * 100 + i for i in range(-(-prompt // 16)))
-    return RequestSpec(
+    return WorkloadRequest(
         request_id=f"r{index:03d}",
         arrival_s=0.0,
         prompt_len=prompt,

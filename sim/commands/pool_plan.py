@@ -1,4 +1,5 @@
-"""``kvsim layout``: the KV pool each layout gives, as the fork logs it at boot."""
+"""``kvsim pool-plan``: the KV pool each side-cache layout gives, as the fork
+logs it at boot."""
 
 from __future__ import annotations
 
@@ -11,15 +12,15 @@ from sim.commands.common import add_model_flags, model_and_deployment
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "layout", help="the KV pool each layout gives, as the fork logs it at boot"
+        "pool-plan", help="the KV pool each layout gives, as the fork logs it at boot"
     )
     add_model_flags(parser)
     parser.add_argument("--layout", choices=["both", "on", "off"], default="both")
     parser.add_argument("--json", action="store_true", help="one JSON object with keys off and on")
-    parser.set_defaults(func=cmd_layout)
+    parser.set_defaults(func=cmd_pool_plan)
 
 
-def cmd_layout(args: argparse.Namespace) -> int:
+def cmd_pool_plan(args: argparse.Namespace) -> int:
     model, deployment = model_and_deployment(args)
     from sim.kv_cache_plan import format_plan, plan_kv_cache
     from sim.vllm_bridge import vllm_info
@@ -30,7 +31,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
         print(json.dumps({name: plan.to_dict() for name, plan in plans.items()}, indent=2))
         return 0
     print(
-        f"kvsim layout: {model.name} (SSM state {model.ssm_state_dtype}) on "
+        f"kvsim pool-plan: {model.name} (SSM state {model.ssm_state_dtype}) on "
         f"TP{deployment.tensor_parallel_size} x PP{deployment.pipeline_parallel_size}, "
         f"{deployment.kv_cache_memory_bytes:,} B per rank,"
         f" max_model_len {deployment.max_model_len:,}, max_num_seqs {deployment.max_num_seqs}"
