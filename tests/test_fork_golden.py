@@ -29,7 +29,7 @@ from sim.conformance.golden import (
     kvsim_against_golden,
     read_golden,
 )
-from sim.fork_patches import ForkPatches
+from sim.fork.patches import ForkPatches
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "fork-golden"
 FILES = sorted(GOLDEN.glob("*.jsonl.gz"))

@@ -15,22 +15,22 @@ from typing import Any, Protocol
 import numpy as np
 
 from sim.engine import allocator_options
-from sim.fork_patches import ForkPatches
+from sim.fork.patches import ForkPatches
+from sim.fork.pins import PinningKVCacheManager
+from sim.fork.retention import RetainingMambaManager
+from sim.fork.side_cache_rings import RingCircularBufferManager
 from sim.kv_cache_manager import (
     KVCacheManager,
     MTPHashing,
-    RingCircularBufferManager,
     build_kv_cache_manager,
     scheduler_kv_cache_config,
 )
-from sim.kv_cache_pins import PinningKVCacheManager
 from sim.kv_cache_plan import KVCachePlan
 from sim.scenario import Scenario
 from sim.sched.engine_core import EngineCore, ScheduledStep
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import ScheduledRequest, SchedulerOutput
 from sim.sched.scheduler import DRAFT_TOKEN_ID, RequestSpec, Scheduler, SchedulerConfig
-from sim.single_type_kv_cache_manager import RetainingMambaManager
 from sim.vllm_bridge import MambaManager
 from sim.vllm_bridge.fork_server import free_queue_digest, num_fenced_blocks
 
