@@ -1,5 +1,6 @@
 """Helpers over vLLM's ``kv_cache_interface`` specs: a group's per-layer
-specs and a spec converted to a kvsim subclass of its type. No twin in vLLM
+specs, a spec converted to a kvsim subclass of its type, and kvsim's spec
+types registered with their managers. No twin in vLLM
 (0.33.0 reads them inline); the fork's spec types are in ``sim/fork/``
 (``side_cache_rings.py``: 0088, ``retention.py``: 0086/0087/0093).
 """
@@ -12,6 +13,7 @@ from sim.vllm_bridge import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    KVCacheSpecRegistry,
     UniformTypeKVCacheSpecs,
 )
 
@@ -56,3 +58,15 @@ def convert_spec(spec: KVCacheSpec, spec_cls: type, **extra: object) -> KVCacheS
     values = {f.name: getattr(spec, f.name) for f in fields(spec) if f.init}
     values.update(extra)
     return spec_cls(**values)
+
+
+def register_managers(*registrations: tuple[type, type, type]) -> None:
+    """Map kvsim's spec types to kvsim's managers in vLLM's registry, each
+    as (spec type, manager class, vLLM base spec type).
+
+    vLLM fills its built-in registrations lazily on first use, only while the
+    registry is empty, so they must be in place before kvsim adds its own.
+    """
+    KVCacheSpecRegistry._ensure_registered()
+    for spec_type, manager_class, base_spec_type in registrations:
+        KVCacheSpecRegistry.register(spec_type, manager_class, uniform_type_base_spec=base_spec_type)

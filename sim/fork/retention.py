@@ -21,13 +21,8 @@ from operator import itemgetter
 from typing import Any
 
 from sim.fork.patches import ForkPatches
-from sim.vllm_bridge import (
-    BlockPool,
-    KVCacheBlock,
-    KVCacheSpecRegistry,
-    MambaManager,
-    MambaSpec,
-)
+from sim.kv_cache_interface import register_managers
+from sim.vllm_bridge import BlockPool, KVCacheBlock, MambaManager, MambaSpec
 
 
 @dataclass(frozen=True)
@@ -270,17 +265,10 @@ class PartialTailHoldingMambaManager(RetainingMambaManager):
 
 
 def _register() -> None:
-    """Map kvsim's Mamba spec types to kvsim's managers in vLLM's registry.
-
-    vLLM fills its built-in registrations lazily on first use, only while the
-    registry is empty, so they must be in place before kvsim adds its own.
-    """
-    KVCacheSpecRegistry._ensure_registered()
-    KVCacheSpecRegistry.register(
-        RetainedCheckpointMambaSpec, RetainingMambaManager, uniform_type_base_spec=MambaSpec
-    )
-    KVCacheSpecRegistry.register(
-        PartialTailHoldingMambaSpec, PartialTailHoldingMambaManager, uniform_type_base_spec=MambaSpec
+    """kvsim's Mamba spec types served by kvsim's Mamba managers, in vLLM's registry."""
+    register_managers(
+        (RetainedCheckpointMambaSpec, RetainingMambaManager, MambaSpec),
+        (PartialTailHoldingMambaSpec, PartialTailHoldingMambaManager, MambaSpec),
     )
 
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sim.kv_cache_interface import convert_spec, first_layer_spec
+from sim.kv_cache_interface import convert_spec, first_layer_spec, register_managers
 from sim.vllm_bridge import (
     BlockPool,
     CircularBufferManager,
@@ -28,7 +28,6 @@ from sim.vllm_bridge import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
-    KVCacheSpecRegistry,
     KVCacheTensor,
 )
 
@@ -243,15 +242,8 @@ class RingCircularBufferManager(CircularBufferManager):
 
 
 def _register() -> None:
-    """Map kvsim's ring spec type to kvsim's ring manager in vLLM's registry.
-
-    vLLM fills its built-in registrations lazily on first use, only while the
-    registry is empty, so they must be in place before kvsim adds its own.
-    """
-    KVCacheSpecRegistry._ensure_registered()
-    KVCacheSpecRegistry.register(
-        RingSlotsSpec, RingCircularBufferManager, uniform_type_base_spec=CircularBufferSpec
-    )
+    """kvsim's ring spec type served by kvsim's ring manager, in vLLM's registry."""
+    register_managers((RingSlotsSpec, RingCircularBufferManager, CircularBufferSpec))
 
 
 _register()
