@@ -243,8 +243,9 @@ def _project_relative(path: Path) -> str:
 
 def _print_difference(comparison: Any) -> None:
     """The first differing step's columns, both sides' state there and the
-    step before it (identical on both sides)."""
-    from sim.commands.conform import print_first_difference
+    step before it (identical on both sides), then where the differing fork
+    state is twinned (``sim/fork/``)."""
+    from sim.conformance.backends import fork_state_twins
 
     step = comparison.first_difference
     if step is not None and step > 1:
@@ -252,4 +253,8 @@ def _print_difference(comparison: Any) -> None:
         print(f"step {step - 1} (identical on both sides):")
         for name, value in vars(before).items():
             print(f"    {name}: {_short(value)}")
-    print_first_difference(comparison)
+    _print_first_difference(comparison)
+    if step is not None and "fork_state" in comparison.differing_fields(step):
+        kvsim, fork = (comparison.state(t, step) for t in (comparison.left, comparison.right))
+        for line in fork_state_twins(kvsim.fork_state, fork.fork_state):
+            print(f"  fork state {line}")

@@ -157,6 +157,25 @@ class KvsimBackend:
         )
 
 
+# Where each fork-state column is twinned (``sim/fork/``) and the patches it
+# shows, so that a ``kvsim conform --fork`` difference names what to read.
+FORK_STATE_TWINS: dict[str, str] = {
+    "pinned_waiters": "sim/fork/pins.py, sim/fork/scheduler_pins.py (0095, 0096)",
+    "graces": "sim/fork/pins.py, sim/fork/scheduler_pins.py (0097)",
+    "num_grace_pinned_blocks": "sim/fork/pins.py (0097)",
+    "retained": "sim/fork/retention.py (0086, 0087, 0093)",
+    "num_deferred_frees": "sim/fork/frees.py (0018, 0023)",
+    "free_queue": "sim/fork/frees.py (0023, 0086: the order blocks are freed in)",
+}
+
+
+def fork_state_twins(kvsim: Any, fork: Any) -> list[str]:
+    """Each fork-state column that differs between two steps' ``fork_state``
+    (pairs of column and value), with its twin and patches."""
+    mine, theirs = dict(kvsim or ()), dict(fork or ())
+    return [f"{key}: {twin}" for key, twin in FORK_STATE_TWINS.items() if mine.get(key) != theirs.get(key)]
+
+
 def kvsim_fork_state(scheduler: Scheduler) -> tuple[tuple[str, Any], ...]:
     """kvsim's twin of what the fork's server reports (``fork_server.fork_state``):
     waiter pins, graces in release order, retained checkpoints per Mamba
