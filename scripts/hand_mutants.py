@@ -123,8 +123,8 @@ class Mutant:
 
 SETTLED = "sim/sched/settled.py"
 ASYNC = "sim/sched/async_scheduler.py"
-PINS = "sim/kv_cache_pins.py"
-SCHED_PINS = "sim/sched/pins.py"
+PINS = "sim/fork/pins.py"
+SCHED_PINS = "sim/fork/scheduler_pins.py"
 MISSED = "sim/sched/missed_lookups.py"
 STEADY = "sim/sched/steady.py"
 

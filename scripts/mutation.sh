@@ -144,11 +144,11 @@ declare -A MODULES=(
   # pure-function ones (judging, tolerances, the baseline rewrite) and
   # tests/test_gate_reports.py (run, report, --update on a sub-second gate).
   [gates]="sim/analysis/gates.py|tests/test_gate_reports.py tests/test_ordering_rules.py tests/test_gates.py::test_judge tests/test_gates.py::test_parse_tolerance tests/test_gates.py::test_parse_tolerance_rejects tests/test_gates.py::test_rewrite_changes_only_the_values"
-  [single_type_kv_cache_manager]="sim/single_type_kv_cache_manager.py|tests/test_allocator.py tests/test_ordering_rules.py tests/test_allocator_invariant_rules.py"
+  [single_type_kv_cache_manager]="sim/fork/side_cache_rings.py sim/fork/retention.py|tests/test_allocator.py tests/test_ordering_rules.py tests/test_allocator_invariant_rules.py"
   # The conformance gate (kvsim's scheduler and allocator step for step
   # against vLLM's own Scheduler, 12 short runs, about 6 s) runs last:
   # mutmut runs the fastest tests first.
-  [kv_cache_manager]="sim/kv_cache_manager.py|tests/test_mtp_hashing.py tests/test_allocator.py tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_conformance.py::test_every_step_is_identical"
+  [kv_cache_manager]="sim/kv_cache_manager.py sim/fork/frees.py|tests/test_mtp_hashing.py tests/test_allocator.py tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_conformance.py::test_every_step_is_identical"
   [scheduler]="sim/sched/scheduler.py sim/sched/queues.py sim/sched/freeing.py sim/sched/fast_path.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_engine_timeline.py tests/test_steady.py tests/test_conformance.py::test_every_step_is_identical tests/test_aborts.py $FAST_PATH_TESTS"
   [settled]="sim/sched/settled.py|$FAST_PATH_TESTS tests/test_values_fast_path.py"
   # The steady lane: its hand counts, its checks that make every skipped
@@ -259,9 +259,9 @@ tests/test_serve_hostile.py::test_hostile_clients_leave_the_server_responsive_an
   # (tests/test_fork_pins.py, about 10 s); the partial-tail hold and the
   # retention it extends, restricted by a third field (default mutant
   # globs, overridden by KVSIM_MUTANTS) to those two classes of their file.
-  [kv_cache_pins]="sim/kv_cache_pins.py|tests/test_fork_pins.py tests/test_values_fork_pins.py"
-  [sched_pins]="sim/sched/pins.py|tests/test_fork_pins.py tests/test_values_fork_pins.py tests/test_values_fast_path.py"
-  [partial_tail]="sim/single_type_kv_cache_manager.py|tests/test_fork_partial_tail.py tests/test_fork_retention.py tests/test_fork_draft_group.py tests/test_fork_prompt_tail.py tests/test_allocator.py tests/test_allocator_invariant_rules.py tests/test_values_fork_mamba.py|*ǁPartialTailHoldingMambaManagerǁ* *ǁRetainingMambaManagerǁ*"
+  [kv_cache_pins]="sim/fork/pins.py|tests/test_fork_pins.py tests/test_values_fork_pins.py"
+  [sched_pins]="sim/fork/scheduler_pins.py|tests/test_fork_pins.py tests/test_values_fork_pins.py tests/test_values_fast_path.py"
+  [partial_tail]="sim/fork/retention.py|tests/test_fork_partial_tail.py tests/test_fork_retention.py tests/test_fork_draft_group.py tests/test_fork_prompt_tail.py tests/test_allocator.py tests/test_allocator_invariant_rules.py tests/test_values_fork_mamba.py|*ǁPartialTailHoldingMambaManagerǁ* *ǁRetainingMambaManagerǁ*"
   # The async engine (issue 26 item 3): the pipeline clock, the one engine
   # loop, the AsyncScheduler twin, its steady lane, the batch-queue core.
   # Hand timelines (tests/test_values_async.py) and a few async conformance

@@ -9,7 +9,7 @@ one shared ``BlockPool`` serving every KV-cache group:
   entries, retained Mamba checkpoints, ring slot pages, popped blocks waiting
   for the fence, both ends of a pending copy-on-write copy (a sub-block
   prefix hit's tail, vLLM's ``_apply_cow``), the fork's waiter and grace
-  pins (``sim/kv_cache_pins.py``);
+  pins (``sim/fork/pins.py``);
 * a block id belongs to one group at a time, and a block with two holders is
   a cached (hashed) block or a copy's end: no block has two exclusive owners;
 * ring slots are unique, single-owner, and lie in pages the ring holds; a
@@ -24,8 +24,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sim.fork.retention import RetainingMambaManager
+from sim.fork.side_cache_rings import RingCircularBufferManager, RingSlotPool
 from sim.kv_cache_manager import KVCacheManager
-from sim.single_type_kv_cache_manager import RetainingMambaManager, RingCircularBufferManager, RingSlotPool
 from sim.vllm_bridge import KVCacheBlock
 
 

@@ -1,94 +1,21 @@
-"""Twin of the fork's additions to ``vllm/v1/kv_cache_interface.py`` (patch
-0088): the slot-packed ring as a spec type, the slot-packed tensor and the
-config that knows about both.
-
-Upstream 0.33.0 has no ``slots_per_block`` anywhere. kvsim carries it on
-subclasses of vLLM's own classes, so everything that reads a config (the
-planner's capacity code, ``KVCacheManager``, the worker's view binding) keeps
-working unchanged, and the spec type picks the slot-packing ring manager
-through vLLM's spec -> manager registry.
+"""Helpers over vLLM's ``kv_cache_interface`` specs: a group's per-layer
+specs, a spec converted to a kvsim subclass of its type, and kvsim's spec
+types registered with their managers. No twin in vLLM
+(0.33.0 reads them inline); the fork's spec types are in ``sim/fork/``
+(``side_cache_rings.py``: 0088, ``retention.py``: 0086/0087/0093).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 from sim.vllm_bridge import (
-    CircularBufferSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
-    KVCacheTensor,
-    MambaSpec,
+    KVCacheSpecRegistry,
     UniformTypeKVCacheSpecs,
 )
-
-
-@dataclass(frozen=True, kw_only=True)
-class RingSlotsSpec(CircularBufferSpec):
-    """A QSA raw-key ring as kvsim's ring manager serves it: each request's
-    ring block is one of ``slots_per_block`` equal slots of a shared pool
-    block (fork: ``KVCacheGroupSpec.slots_per_block``); 1 is the old layout's
-    whole block per request.
-
-    Worker configs carry it only for packed rings (so the old layout's
-    configs stay exactly vLLM's); the scheduler's view carries it for every
-    ring, which selects kvsim's ring manager through vLLM's spec registry.
-    """
-
-    slots_per_block: int = 1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.slots_per_block < 1:
-            raise ValueError(f"slots_per_block must be positive, got {self.slots_per_block}")
-
-
-@dataclass(frozen=True)
-class RetainedCheckpointMambaSpec(MambaSpec):
-    """A Mamba group whose manager keeps each request's newest cached
-    checkpoint state (the fork's ``VLLM_E2_MAMBA_RETAIN_CHECKPOINT``,
-    patches 0086/0087). Scheduler-side only: the worker sees the same block
-    tables either way.
-    """
-
-
-@dataclass(frozen=True)
-class PartialTailHoldingMambaSpec(RetainedCheckpointMambaSpec):
-    """A retaining Mamba group whose manager also holds a partial hit's
-    copy-on-write endpoints (the fork's patch 0093, same switch as
-    0086/0087). Scheduler-side only, like its base."""
-
-
-@dataclass
-class SlotPackedKVCacheTensor(KVCacheTensor):
-    """A tensor whose view has ``slots_per_block`` view blocks per pool block:
-    ``block_stride`` is one slot, and view block ``pool_block * S + slot`` lies
-    inside pool block ``pool_block`` (fork: ``KVCacheTensor.slots_per_block``).
-    """
-
-    slots_per_block: int = 1
-
-
-@dataclass
-class SideCacheKVCacheConfig(KVCacheConfig):
-    """A ``KVCacheConfig`` with slot-packed ring groups."""
-
-    @property
-    def slot_packed_group_ids(self) -> tuple[int, ...]:
-        """Groups whose blocks are slots of shared pool blocks: whole-block
-        zeroing skips them (their bytes lie in pool blocks only the ring
-        manager owns)."""
-        return tuple(
-            group_id
-            for group_id, group in enumerate(self.kv_cache_groups)
-            if group_slots_per_block(group) > 1
-        )
-
-    def num_blocks_of(self, tensor: KVCacheTensor) -> int:
-        if isinstance(tensor, SlotPackedKVCacheTensor) and not tensor.host_resident:
-            return self.num_blocks * tensor.slots_per_block
-        return super().num_blocks_of(tensor)
 
 
 def group_layer_specs(group: KVCacheGroupSpec) -> list[KVCacheSpec]:
@@ -115,18 +42,6 @@ def first_layer_spec(group: KVCacheGroupSpec) -> KVCacheSpec:
     return spec
 
 
-def group_slots_per_block(group: KVCacheGroupSpec) -> int:
-    """Ring slots per pool block of ``group``; 1 when it is not slot-packed.
-
-    kvsim carries the count on the ring's spec; the fork, when installed,
-    carries it on the group itself.
-    """
-    spec = first_layer_spec(group)
-    if isinstance(spec, RingSlotsSpec):
-        return spec.slots_per_block
-    return int(getattr(group, "slots_per_block", 1))
-
-
 def convert_spec(spec: KVCacheSpec, spec_cls: type, **extra: object) -> KVCacheSpec:
     """``spec`` (or every layer of a uniform collection) as ``spec_cls``, a
     kvsim subclass of its type, with the same field values plus ``extra``."""
@@ -145,6 +60,13 @@ def convert_spec(spec: KVCacheSpec, spec_cls: type, **extra: object) -> KVCacheS
     return spec_cls(**values)
 
 
-def as_slot_packed(spec: KVCacheSpec, slots_per_block: int) -> KVCacheSpec:
-    """``spec`` (a ring, or a uniform collection of rings) with ring slots."""
-    return convert_spec(spec, RingSlotsSpec, slots_per_block=slots_per_block)
+def register_managers(*registrations: tuple[type, type, type]) -> None:
+    """Map kvsim's spec types to kvsim's managers in vLLM's registry, each
+    as (spec type, manager class, vLLM base spec type).
+
+    vLLM fills its built-in registrations lazily on first use, only while the
+    registry is empty, so they must be in place before kvsim adds its own.
+    """
+    KVCacheSpecRegistry._ensure_registered()
+    for spec_type, manager_class, base_spec_type in registrations:
+        KVCacheSpecRegistry.register(spec_type, manager_class, uniform_type_base_spec=base_spec_type)

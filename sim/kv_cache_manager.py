@@ -2,45 +2,33 @@
 scheduler builds it (prefix caching on, MTP as EAGLE), with kvsim's ring and
 Mamba managers selected through vLLM's spec registry.
 
-Twin of ``vllm/v1/core/kv_cache_manager.py``: the only addition is the ring
-claim record (``take_new_ring_block_ids``), which the fork's scheduler hands
-to the workers once per step so they clear the new rings' tag words.
+The manager classes are the fork's twins (``sim/fork/``): ``frees.py``'s
+``KVCacheManager`` (vLLM's plus the fork's free paths and ring claim record)
+and, with a pin patch on, ``pins.py``'s ``PinningKVCacheManager``.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
-from functools import cached_property
 from typing import Any
 
 from sim.config import MTP_HASH_MODES, MTPHashMode
-from sim.fork_patches import AS_SHIPPED, ForkPatches
-from sim.kv_cache_interface import (
-    PartialTailHoldingMambaSpec,
-    RetainedCheckpointMambaSpec,
-    RingSlotsSpec,
-    convert_spec,
-    group_slots_per_block,
-)
+from sim.fork.frees import KVCacheManager
+from sim.fork.patches import AS_SHIPPED, ForkPatches
+from sim.fork.pins import PinningKVCacheManager
+from sim.fork.retention import retaining_mamba_spec_type
+from sim.fork.side_cache_rings import RingSlotsSpec, group_slots_per_block
+from sim.kv_cache_interface import convert_spec
 from sim.kv_cache_plan import KVCachePlan
-from sim.single_type_kv_cache_manager import (
-    RetainingMambaManager,
-    RingCircularBufferManager,
-    RingSlotPool,
-)
 from sim.vllm_bridge import (
     CircularBufferSpec,
-    KVCacheBlock,
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
-    Request,
-    SingleTypeKVCacheManager,
     init_none_hash,
     sha256,
 )
-from sim.vllm_bridge import KVCacheManager as _VllmKVCacheManager
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,95 +94,6 @@ class MTPHashing:
             enable_prefix_caching=enable_prefix_caching,
             kv_connector=engine.kv_transfer_config is not None,
         )
-
-
-class BlockObserver:
-    """Hooks for a caller that watches blocks leave requests (the pool
-    replay, ``sim/pool_replay/``); a no-op here. The manager calls it; an
-    observer reads, never changes, the allocator."""
-
-    def blocks_freed(self, request: Request) -> None:
-        """``request``'s blocks are about to be freed or popped for a fenced free."""
-
-
-class KVCacheManager(_VllmKVCacheManager):
-    """vLLM's manager plus the fork's ring claim record and the fork's
-    coordinator changes to freeing, with a block observer (kvsim has no coordinator of its own:
-    the free paths are twinned here, where vLLM's manager calls them).
-
-    - Retained checkpoints go back last (patch 0086): ``free`` and
-      ``pop_blocks_for_free`` release every group's table first, then the
-      checkpoints, so a finished request's checkpoint is never evicted
-      ahead of the attention prefix it resumes.
-    - ``deferred_free_eviction_order`` (patch 0023, port of vLLM #48532):
-      a deferred free evicts in the same order as an immediate one (each
-      group's tail first, group after group). Upstream 0.33.0 returns the
-      groups' blocks concatenated and the caller reverses the whole list,
-      which frees the last group first.
-    """
-
-    deferred_free_eviction_order: bool = True
-    observer: BlockObserver = BlockObserver()
-
-    @property
-    def managers(self) -> tuple[SingleTypeKVCacheManager, ...]:
-        return self.coordinator.single_type_managers
-
-    # The managers are fixed at construction; the gauges read these every step.
-    @cached_property
-    def ring_managers(self) -> tuple[RingCircularBufferManager, ...]:
-        return tuple(m for m in self.managers if isinstance(m, RingCircularBufferManager))
-
-    @cached_property
-    def _retaining_managers(self) -> tuple[RetainingMambaManager, ...]:
-        return tuple(m for m in self.managers if isinstance(m, RetainingMambaManager))
-
-    @property
-    def ring_slot_pools(self) -> list[RingSlotPool]:
-        return [m.slot_pool for m in self.ring_managers if m.slot_pool is not None]
-
-    def take_new_ring_block_ids(self) -> list[int]:
-        """Ring ids claimed since the last call, in claim order (the worker
-        clears their tag words before the step that first writes them)."""
-        return [i for m in self.ring_managers for i in m.take_new_ring_block_ids()]
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Free pool blocks (evictable cached ones included), as the
-        admission check counts them."""
-        return self.block_pool.get_num_free_blocks()
-
-    def num_retained_checkpoints(self) -> int:
-        return sum(m.num_retained_checkpoints() for m in self._retaining_managers)
-
-    def _pop_retained_checkpoints(self, request_id: str) -> list[KVCacheBlock]:
-        return [b for m in self._retaining_managers for b in m.pop_retained_checkpoints(request_id)]
-
-    def free(self, request: Request) -> None:
-        self.observer.blocks_freed(request)
-        retained = self._pop_retained_checkpoints(request.request_id)
-        super().free(request)
-        if retained:
-            self.block_pool.free_blocks(retained)
-
-    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
-        """The request's blocks, not yet freed, under vLLM's contract: the
-        caller frees the list reversed. With patch 0023 that reversal is
-        ``free``'s eviction order exactly (e.g. two groups of blocks 1-3 and
-        4-6 evict as 3, 2, 1, 6, 5, 4); upstream's is 6, 5, 4, 3, 2, 1."""
-        self.observer.blocks_freed(request)
-        retained = self._pop_retained_checkpoints(request.request_id)
-        if not self.deferred_free_eviction_order:
-            return retained + super().pop_blocks_for_free(request)
-        request_id = request.request_id
-        eviction_order = [b for m in self.managers for b in reversed(m.pop_blocks_for_free(request_id))]
-        return (eviction_order + retained)[::-1]
-
-
-def retaining_mamba_spec_type(fork: ForkPatches) -> type[RetainedCheckpointMambaSpec]:
-    """The spec type (hence manager) of a Mamba group under retention:
-    with patch 0093's hold or without it."""
-    return PartialTailHoldingMambaSpec if fork.mamba_hold_partial_tail else RetainedCheckpointMambaSpec
 
 
 def _scheduler_group(group: KVCacheGroupSpec, fork: ForkPatches) -> KVCacheGroupSpec:
@@ -280,9 +179,6 @@ def _manager_class(fork: ForkPatches) -> type[KVCacheManager]:
     then the fork's pinning manager (patches 0095-0097)."""
     if not (fork.waiter_pins or fork.grace_pins):
         return KVCacheManager
-    # Imported here: the pinning manager subclasses this module's manager.
-    from sim.kv_cache_pins import PinningKVCacheManager
-
     return PinningKVCacheManager
 
 

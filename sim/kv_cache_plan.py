@@ -3,7 +3,7 @@ does at boot, and summarise it in the figures its boot log prints.
 
 Old layout (switch 0): vLLM's own planner, nothing of kvsim's in the
 arithmetic. New layout (switch 1, the fork's default): kvsim's side-cache
-layout pass (``sim.kv_cache_utils``) on top of the planner's groups. When the
+layout pass (``sim.fork.side_cache_layout``, patch 0088) on top of the planner's groups. When the
 installed vLLM is the fork and already has the pass, its result is used.
 """
 
@@ -15,9 +15,10 @@ import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sim import kv_cache_utils as side
 from sim.config import ConfigError, DeploymentConfig, ModelConfig
-from sim.kv_cache_interface import first_layer_spec, group_layer_specs, group_slots_per_block
+from sim.fork import side_cache_layout as side
+from sim.fork.side_cache_rings import group_slots_per_block
+from sim.kv_cache_interface import first_layer_spec, group_layer_specs
 from sim.model_specs import LayerSpecs, build_worker_specs
 from sim.vllm_bridge import (
     SIDE_CACHE_SWITCH,

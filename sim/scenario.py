@@ -30,7 +30,7 @@ from sim.config import (
     read_yaml,
     validate,
 )
-from sim.fork_patches import ForkPatches
+from sim.fork.patches import ForkPatches
 from sim.paths import DEFAULT_MODEL, SCENARIOS_DIR
 from sim.rig import check_rig_names
 from sim.step_time import StepTimeConfig, even_partition
@@ -146,7 +146,7 @@ ForkBase = Literal["fork", "upstream"]
 
 
 class ForkSection(StrictModel):
-    """The fork's decision-changing patches (``sim.fork_patches``): ``base``
+    """The fork's decision-changing patches (``sim.fork.patches``): ``base``
     ``fork`` (as shipped, the default) or ``upstream`` (vLLM 0.33.0, every
     patch off), then any patch key set on or off. ``fork: upstream`` is
     ``fork: {base: upstream}``."""

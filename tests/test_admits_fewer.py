@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 
 from sim.analysis.runs import run_scenario
+from sim.fork.retention import RetainingMambaManager
 from sim.scenario import load_scenario
-from sim.single_type_kv_cache_manager import RetainingMambaManager
 
 HORIZON_S = 180.0  # the shipped run stops at 300 s
 

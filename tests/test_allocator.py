@@ -17,8 +17,8 @@ from helpers.allocator import (
     tokens,
 )
 
+from sim.fork.side_cache_rings import RingCircularBufferManager, RingSlotPool
 from sim.kv_cache_manager import KVCacheManager
-from sim.single_type_kv_cache_manager import RingCircularBufferManager, RingSlotPool
 from sim.vllm_bridge import BlockPool
 
 K = 3
@@ -327,8 +327,8 @@ def test_the_manager_defaults_are_the_forks():
     caching is on; with caching off a repeated prompt never hits."""
     from helpers.allocator import tiny_plan
 
+    from sim.fork.retention import RetainingMambaManager
     from sim.kv_cache_manager import build_kv_cache_manager
-    from sim.single_type_kv_cache_manager import RetainingMambaManager
 
     default = build_kv_cache_manager(tiny_plan(False))
     assert any(isinstance(m, RetainingMambaManager) for m in default.managers)
@@ -401,7 +401,8 @@ def test_the_ring_records_blocks_for_kv_zeroing_exactly_as_upstream(zeroing: boo
 
 
 def test_kvsims_specs_select_kvsims_managers_in_vllms_registry():
-    """``_register`` (run at import) puts kvsim's spec types in vLLM's
+    """``_register`` (run at import of ``sim/fork/side_cache_rings.py`` and
+    ``sim/fork/retention.py``) puts kvsim's spec types in vLLM's
     spec registry. Re-run here on a registry without them (mutation tools
     swap code in only after import): vLLM then serves a ``RingSlotsSpec``
     with kvsim's ring manager, a ``RetainedCheckpointMambaSpec`` with the
@@ -414,17 +415,16 @@ def test_kvsims_specs_select_kvsims_managers_in_vllms_registry():
     ``is_uniform_with_collection``, which does not read it.)"""
     from vllm.v1 import kv_cache_spec_registry as registry
 
-    from sim.kv_cache_interface import (
+    from sim.fork.retention import (
+        PartialTailHoldingMambaManager,
         PartialTailHoldingMambaSpec,
         RetainedCheckpointMambaSpec,
-        RingSlotsSpec,
-        convert_spec,
-    )
-    from sim.single_type_kv_cache_manager import (
-        PartialTailHoldingMambaManager,
         RetainingMambaManager,
-        _register,
     )
+    from sim.fork.retention import _register as register_retention
+    from sim.fork.side_cache_rings import RingSlotsSpec
+    from sim.fork.side_cache_rings import _register as register_rings
+    from sim.kv_cache_interface import convert_spec
     from sim.vllm_bridge import CircularBufferManager, KVCacheSpecRegistry, MambaManager
 
     manager = tiny_manager(False)
@@ -440,7 +440,8 @@ def test_kvsims_specs_select_kvsims_managers_in_vllms_registry():
         assert KVCacheSpecRegistry.get_manager_class(ring_spec) is CircularBufferManager
         assert KVCacheSpecRegistry.get_manager_class(mamba_spec) is MambaManager
         assert KVCacheSpecRegistry.get_manager_class(retaining_spec) is MambaManager
-        _register()
+        register_rings()
+        register_retention()
         assert KVCacheSpecRegistry.get_manager_class(ring_spec) is RingCircularBufferManager
         assert KVCacheSpecRegistry.get_manager_class(mamba_spec) is PartialTailHoldingMambaManager
         assert KVCacheSpecRegistry.get_manager_class(retaining_spec) is RetainingMambaManager

@@ -21,8 +21,8 @@ from sim.allocator_invariants import (
     allocator_problems,
     check_allocator,
 )
+from sim.fork.side_cache_rings import RingSlotPool
 from sim.kv_cache_manager import KVCacheManager
-from sim.single_type_kv_cache_manager import RingSlotPool
 from sim.vllm_bridge import BlockPool, KVCacheBlock
 
 POOL = 120

@@ -29,7 +29,7 @@ from helpers.fast_path import (
 from sim.analysis.gates import DEFAULT_GATES, gate_scenario, load_gates
 from sim.analysis.runs import scenario_workload
 from sim.engine import Simulation
-from sim.kv_cache_pins import PinningKVCacheManager
+from sim.fork.pins import PinningKVCacheManager
 from sim.scenario import load_scenario
 from sim.sched.missed_lookups import MissedPinLookups
 from sim.sched.scheduler import Scheduler

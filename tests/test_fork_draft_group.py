@@ -28,7 +28,7 @@ from helpers.allocator import TINY_MODEL, tiny_plan
 from helpers.fork import mamba_spec, partial_hit_split, prefill, unit_request
 
 from sim.config import DeploymentConfig, load_model
-from sim.fork_patches import ForkPatches
+from sim.fork.patches import ForkPatches
 from sim.kv_cache_manager import KVCacheManager, build_kv_cache_manager
 from sim.model_specs import build_worker_specs
 from sim.vllm_bridge import (

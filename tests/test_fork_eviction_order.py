@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers.fork import BLOCK, decode, free_queue_ids, hybrid_manager, prefill, request, tokens
 
-from sim.fork_patches import ForkPatches
+from sim.fork.patches import ForkPatches
 from sim.kv_cache_manager import KVCacheManager
 from sim.vllm_bridge import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, init_none_hash, sha256
 

@@ -19,17 +19,22 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import re
 from pathlib import Path
 
 import pytest
 
+from sim.commands.conform import _print_difference
+from sim.conformance.backends import FORK_STATE_TWINS, fork_state_twins
+from sim.conformance.driver import compare
 from sim.conformance.golden import (
     GoldenFrames,
     first_difference,
     kvsim_against_golden,
     read_golden,
 )
-from sim.fork_patches import ForkPatches
+from sim.fork.patches import ForkPatches
+from sim.paths import PROJECT_ROOT
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "fork-golden"
 FILES = sorted(GOLDEN.glob("*.jsonl.gz"))
@@ -109,6 +114,11 @@ CONTROLS = {
 }
 
 
+# The patch numbers of the pins, from docs/fork-patches.md: a difference in
+# their fork state must point at the twin of that patch.
+PIN_PATCHES = {"grace_pins": "0097", "waiter_pins": "0095"}
+
+
 def test_every_modelled_patch_has_a_control():
     assert set(CONTROLS) == set(ForkPatches.names())
 
@@ -123,6 +133,8 @@ def test_a_patch_turned_off_leaves_the_golden_frames(patch):
     if how == "exactly":
         assert difference.step == _first_step_where(golden, shows)
         assert "fork_state" in difference.columns
+        twins = fork_state_twins(difference.kvsim["fork_state"], difference.fork["fork_state"])
+        assert any("sim/fork/pins.py" in twin and PIN_PATCHES[patch] in twin for twin in twins), twins
     elif how == "at the latest":
         assert difference.step <= _first_step_where(golden, shows)
     elif how == "step 1":
@@ -163,6 +175,23 @@ def test_kvsim_reports_the_fork_columns_in_the_forks_shape():
     state = trajectory.steps[0]
     assert dataclasses.asdict(state)["fork_state"] is not None
     assert [key for key, _ in state.fork_state] == [key for key, _ in golden.steps[0]["fork_state"]]
+    # Every fork-state column points at a twin that exists.
+    assert set(FORK_STATE_TWINS) == {key for key, _ in state.fork_state}
+    for twin in FORK_STATE_TWINS.values():
+        paths = re.findall(r"sim/fork/\w+\.py", twin)
+        assert paths and all((PROJECT_ROOT / path).is_file() for path in paths), twin
+
+
+def test_a_fork_state_difference_names_its_twin(capsys):
+    """``kvsim conform --fork``'s report of a difference in the fork's own
+    state names the module twinning it and the patch: graces off against
+    kvsim as shipped (the fork's side here) part at the first grace (0097)."""
+    golden, shipped = _replayed(GOLDEN / "fork-mooncake-on.jsonl.gz")
+    no_graces = kvsim_against_golden(golden, ("fork.grace_pins=false",))
+    _print_difference(compare(no_graces, shipped))
+    printed = capsys.readouterr().out
+    assert "fork state graces: sim/fork/pins.py, sim/fork/scheduler_pins.py (0097)" in printed
+    assert "fork state retained" not in printed  # CONTROL: a column that agrees is not named
 
 
 def test_retention_without_prefix_caching_leaves_the_golden_frames(monkeypatch):

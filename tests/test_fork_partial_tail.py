@@ -33,7 +33,7 @@ from helpers.fork import (
 )
 
 from sim.allocator_invariants import check_allocator
-from sim.fork_patches import ForkPatches
+from sim.fork.patches import ForkPatches
 
 UNIT = 8
 ATTN, MAMBA = 0, 1

@@ -36,13 +36,13 @@ from helpers.pins import (
 )
 from helpers.scenarios import write_scenario
 
-from sim.fork_patches import ForkPatches
+from sim.fork.patches import ForkPatches
+from sim.fork.pins import PinningKVCacheManager
+from sim.fork.scheduler_pins import SchedulerPins
 from sim.kv_cache_manager import KVCacheManager
-from sim.kv_cache_pins import PinningKVCacheManager
 from sim.paths import PROJECT_ROOT
 from sim.scenario import load_scenario
 from sim.sched.fast_path import NoFastPath
-from sim.sched.pins import SchedulerPins
 from sim.vllm_bridge import RequestStatus
 
 PINS_ON = ForkPatches()

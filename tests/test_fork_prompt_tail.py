@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 from helpers.fork import BLOCK, decode, hybrid_manager, partial_hit_split, prefill, tokens
 
-from sim.fork_patches import ForkPatches
+from sim.fork.patches import ForkPatches
 from sim.vllm_bridge import Request, SamplingParams, get_request_block_hasher, sha256
 
 UNIT = 8

@@ -24,8 +24,8 @@ from helpers.fork import (
     tokens,
 )
 
-from sim.fork_patches import ForkPatches
-from sim.single_type_kv_cache_manager import RetainingMambaManager
+from sim.fork.patches import ForkPatches
+from sim.fork.retention import RetainingMambaManager
 
 
 @pytest.fixture(params=[True, False], ids=["retain-on", "retain-off-control"])

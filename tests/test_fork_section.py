@@ -11,9 +11,9 @@ from helpers.scenarios import scenario
 
 from sim.config import ConfigError
 from sim.engine import Simulation
-from sim.fork_patches import AS_SHIPPED, ForkPatches
+from sim.fork.patches import AS_SHIPPED, ForkPatches
+from sim.fork.retention import PartialTailHoldingMambaManager, RetainingMambaManager
 from sim.scenario import ForkSection
-from sim.single_type_kv_cache_manager import PartialTailHoldingMambaManager, RetainingMambaManager
 
 
 def test_the_section_has_one_key_per_modelled_patch():

@@ -11,18 +11,22 @@ import pytest
 
 SIM = Path(__file__).resolve().parents[1] / "sim"
 
-# Lowest first. A module may import only modules of its own or a lower layer.
+# Lowest first. A module may import only modules of its own or a lower layer;
+# the most specific entry names a module's layer. The fork's twins
+# (``sim/fork/``) sit on the floors of what they twin, each module by name.
 LAYERS: list[tuple[str, ...]] = [
-    ("sim.config", "sim.paths", "sim.metrics", "sim.fork_patches", "sim.model_arch"),
+    ("sim.config", "sim.paths", "sim.metrics", "sim.model_arch", "sim.fork", "sim.fork.patches"),
     ("sim.vllm_bridge",),
-    ("sim.model_specs", "sim.kv_cache_interface", "sim.kv_cache_utils", "sim.kv_cache_plan"),
     (
-        "sim.single_type_kv_cache_manager",
-        "sim.kv_cache_manager",
-        "sim.kv_cache_pins",
-        "sim.allocator_invariants",
+        "sim.model_specs",
+        "sim.kv_cache_interface",
+        "sim.fork.side_cache_rings",
+        "sim.fork.retention",
+        "sim.fork.side_cache_layout",
+        "sim.kv_cache_plan",
     ),
-    ("sim.sched",),
+    ("sim.fork.frees", "sim.fork.pins", "sim.kv_cache_manager", "sim.allocator_invariants"),
+    ("sim.sched", "sim.fork.scheduler_pins"),
     ("sim.workloads", "sim.rig", "sim.step_time", "sim.pipeline_clock", "sim.scenario", "sim.engine"),
     ("sim.analysis", "sim.results", "sim.bench", "sim.conformance", "sim.pool_replay"),
     ("sim.serving",),
@@ -34,7 +38,7 @@ FORBIDDEN = {
     "sim.sched": {"simpy", "pandas", "matplotlib"},
     "sim.kv_cache_plan": {"simpy", "pandas", "matplotlib"},
     "sim.kv_cache_manager": {"simpy", "pandas", "matplotlib"},
-    "sim.kv_cache_pins": {"simpy", "pandas", "matplotlib"},
+    "sim.fork": {"simpy", "pandas", "matplotlib"},
     "sim.workloads": {"vllm", "simpy", "torch", "pandas", "matplotlib"},
 }
 
@@ -45,19 +49,31 @@ def _module_name(path: Path) -> str:
 
 
 def _layer(module: str) -> int:
-    for index, members in enumerate(LAYERS):
-        if any(module == m or module.startswith(m + ".") for m in members):
-            return index
-    raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+    matches = [
+        (len(member), index)
+        for index, members in enumerate(LAYERS)
+        for member in members
+        if module == member or module.startswith(member + ".")
+    ]
+    assert matches, f"{module} is in no layer: add it to LAYERS"
+    return max(matches)[1]
+
+
+def _is_module(name: str) -> bool:
+    path = SIM.parent / name.replace(".", "/")
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at the top, in a function or for type
+    checking alike (``from package import module`` names the module)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
+            submodules = {f"{node.module}.{alias.name}" for alias in node.names}
+            names |= {name for name in submodules if _is_module(name)} or {node.module}
     return names
 
 
@@ -90,6 +106,58 @@ def test_the_checker_catches_an_upward_import(tmp_path):
     probe.write_text(text)
     assert "sim.engine" in _imports(probe)
     assert _layer("sim.engine") > _layer("sim.sched.scheduler")
+
+
+def test_every_fork_module_names_its_own_layer():
+    """A new module in ``sim/fork/`` chooses its floor: it is not placed by
+    the package's entry (the package itself imports nothing)."""
+    listed = {member for members in LAYERS for member in members}
+    fork = {_module_name(p) for p in (SIM / "fork").glob("*.py")}
+    assert fork - listed == set()
+    assert _imports(SIM / "fork" / "__init__.py") == set()
+
+
+# The room that had an import circle (``kv_cache_manager`` <-> the pins, by a
+# deferred import in the factory): no cycle among these, however imported.
+CYCLE_FREE = {_module_name(p) for p in (SIM / "fork").glob("*.py")} | {"sim.kv_cache_manager"}
+
+
+def _module_path(module: str) -> Path:
+    path = SIM.parent / module.replace(".", "/")
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _import_cycle(paths: dict[str, Path]) -> list[str] | None:
+    """One import cycle among ``paths`` (module -> file), or None."""
+    graph = {module: sorted(_imports(path) & paths.keys()) for module, path in paths.items()}
+    done: set[str] = set()
+
+    def visit(module: str, trail: list[str]) -> list[str] | None:
+        if module in trail:
+            return trail[trail.index(module) :] + [module]
+        if module in done:
+            return None
+        for imported in graph[module]:
+            if (cycle := visit(imported, trail + [module])) is not None:
+                return cycle
+        done.add(module)
+        return None
+
+    return next((c for m in sorted(graph) if (c := visit(m, [])) is not None), None)
+
+
+def test_no_import_cycle_in_the_fork_or_with_the_manager_factory():
+    assert _import_cycle({m: _module_path(m) for m in CYCLE_FREE}) is None
+
+
+def test_the_cycle_check_catches_the_factorys_old_deferred_import(tmp_path):
+    """CONTROL: the pins importing the factory's module again (the old
+    circle: the factory imported them inside a function) is a cycle."""
+    probe = tmp_path / "pins.py"
+    back_up = "\nfrom sim.kv_cache_manager import MTPHashing\n"
+    probe.write_text((SIM / "fork" / "pins.py").read_text() + back_up)
+    paths = {m: _module_path(m) for m in CYCLE_FREE} | {"sim.fork.pins": probe}
+    assert _import_cycle(paths) == ["sim.fork.pins", "sim.kv_cache_manager", "sim.fork.pins"]
 
 
 def _prints(path: Path) -> bool:

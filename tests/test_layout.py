@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from sim import kv_cache_utils as side
 from sim.cli import main
-from sim.kv_cache_interface import SlotPackedKVCacheTensor
+from sim.fork import side_cache_layout as side
+from sim.fork.side_cache_rings import SlotPackedKVCacheTensor
 from sim.kv_cache_plan import plan_kv_cache
 from sim.model_specs import build_worker_specs
 from sim.vllm_bridge import kv_cache_utils, planning

@@ -15,10 +15,10 @@ from helpers.scheduler import CheckedEngine, FixedDraws, tiny_scheduler, tiny_sp
 
 from sim.allocator_invariants import check_allocator
 from sim.analysis.gates import GateSpec, check_row, on_vs_off_row
-from sim.kv_cache_utils import RING_MAX_SLOTS, RING_SLOT_ALIGN, _largest_slots
+from sim.fork.side_cache_layout import RING_MAX_SLOTS, RING_SLOT_ALIGN, _largest_slots
+from sim.fork.side_cache_rings import RingSlotPool
 from sim.sched.model_runner import OUTPUT_TOKEN_BASE, AcceptanceModel, ModelRunner
 from sim.sched.output import ScheduledRequest, SchedulerOutput
-from sim.single_type_kv_cache_manager import RingSlotPool
 from sim.vllm_bridge import BlockPool
 
 

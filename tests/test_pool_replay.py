@@ -20,11 +20,11 @@ import torch
 
 from sim.analysis.runs import scenario_workload
 from sim.cli import main
+from sim.fork.side_cache_rings import RingSlotPool
 from sim.pool_replay import PoolCorruption, PoolReplay, replay_pool, with_pool_bytes
 from sim.pool_replay.views import WorkerViews, allocate_worker_views
 from sim.scenario import load_scenario
 from sim.sched.scheduler import Scheduler
-from sim.single_type_kv_cache_manager import RingSlotPool
 from sim.vllm_bridge import KVCacheBlock
 
 DATA = Path(__file__).parent / "data"

@@ -22,7 +22,7 @@ from helpers.allocator import MAX_LEN, TINY_MODEL, K, tiny_plan
 from helpers.scheduler import CheckedEngine, tiny_scheduler, tiny_spec
 
 from sim.config import DeploymentConfig, load_model
-from sim.fork_patches import ForkPatches
+from sim.fork.patches import ForkPatches
 from sim.kv_cache_manager import MTPHashing, build_kv_cache_manager
 from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
 from sim.sched.output import ScheduledRequest, SchedulerOutput

@@ -22,7 +22,7 @@ from sim.analysis.patches import SHIPPED_ROW, UPSTREAM_ROW, markdown_table, off_
 from sim.analysis.runs import run_scenario, scenario_workload
 from sim.cli import main
 from sim.config import validate
-from sim.fork_patches import ForkPatches
+from sim.fork.patches import ForkPatches
 from sim.workloads.config import WorkloadConfig, build_workload
 
 

@@ -26,8 +26,8 @@ from sim.analysis.capacity import CapacitySearch, find_max_rate, run_capacity_se
 from sim.analysis.sweep import GridAxis, parse_grid, plan_runs, run_sweep
 from sim.commands.sweep import register as register_cli
 from sim.config import ConfigError
+from sim.fork.retention import RetainingMambaManager
 from sim.paths import DEFAULT_MODEL, PROJECT_ROOT
-from sim.single_type_kv_cache_manager import RetainingMambaManager
 
 # Tens of requests on a small pool (116 blocks): a run takes well under a
 # second, the pool binds (old layout ~5 at once, new ~6) and the run stops

@@ -15,9 +15,9 @@ from helpers import pins
 from helpers.fast_path import audited, one_request
 from helpers.scheduler import CheckedEngine, tiny_scheduler, tiny_spec
 
+from sim.fork.scheduler_pins import SchedulerPins
 from sim.sched.fast_path import AuditCounts, FastPath, FastPathScheduling, NoFastPath, _settled_steps
 from sim.sched.missed_lookups import MissedPinLookups
-from sim.sched.pins import SchedulerPins
 from sim.sched.queues import WaitingQueue
 from sim.sched.scheduler import Scheduler, _StepState
 from sim.sched.settled import SettledSteps

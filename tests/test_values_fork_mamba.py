@@ -26,8 +26,8 @@ from helpers.fork import (
     unit_request,
 )
 
-from sim.fork_patches import ForkPatches
-from sim.single_type_kv_cache_manager import PartialTailHoldingMambaManager, RetainingMambaManager
+from sim.fork.patches import ForkPatches
+from sim.fork.retention import PartialTailHoldingMambaManager, RetainingMambaManager
 from sim.vllm_bridge import MambaManager
 
 RETAIN_ONLY = ForkPatches(mamba_hold_partial_tail=False)

@@ -1,6 +1,7 @@
 """Value tests for the fork's prefix-hit pins (patches 0095-0097 of
 ``halt95/qwen38-flash-next-3090s``), written against the survivors of their
-mutation run (``scripts/mutation.sh kv_cache_pins sched_pins``).
+mutation run (``scripts/mutation.sh kv_cache_pins sched_pins``: ``sim/fork/pins.py``,
+``sim/fork/scheduler_pins.py``).
 
 Each expected value is vLLM 0.33.0's allocation arithmetic or the fork's
 rule worked by hand on the rigs of ``tests/helpers/pins.py`` (the fork
@@ -27,11 +28,11 @@ from helpers.pins import (
     tail_tokens,
 )
 
-from sim.fork_patches import ForkPatches
+from sim.fork.patches import ForkPatches
+from sim.fork.pins import PinningKVCacheManager
+from sim.fork.scheduler_pins import NoPins, SchedulerPins, scheduler_pins
 from sim.kv_cache_manager import KVCacheManager
-from sim.kv_cache_pins import PinningKVCacheManager
 from sim.sched.fast_path import NoFastPath
-from sim.sched.pins import NoPins, SchedulerPins, scheduler_pins
 from sim.vllm_bridge import RequestStatus, init_none_hash, sha256
 
 NO_GRACES = ForkPatches(grace_pins=False)

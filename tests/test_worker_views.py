@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from sim.config import DeploymentConfig, ModelConfig
-from sim.kv_cache_interface import config_layer_specs, group_slots_per_block
+from sim.fork.side_cache_rings import group_slots_per_block
+from sim.kv_cache_interface import config_layer_specs
 from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
 from sim.pool_replay.views import (
     LayerView,

@@ -2,7 +2,7 @@
 fork ships it, with each patch off in turn, and as upstream vLLM.
 
 No twin in vLLM or the fork (the fork has no switch for most patches; kvsim
-gives each a ``fork:`` key, ``sim.fork_patches``). The rows follow
+gives each a ``fork:`` key, ``sim.fork.patches``). The rows follow
 ``ForkPatches``' fields, whatever they are, so a patch added there gets its
 row here without a change.
 """
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pandas as pd
 
 from sim.analysis.runs import run_scenario
-from sim.fork_patches import ForkPatches
+from sim.fork.patches import ForkPatches
 from sim.scenario import ForkSection, Scenario, SideCacheSwitch
 
 SHIPPED_ROW = "as shipped"

@@ -248,7 +248,10 @@ def _project_relative(path: Path) -> str:
 
 def _print_difference(comparison: Any) -> None:
     """The first differing step's columns, both sides' state there and the
-    step before it (identical on both sides)."""
+    step before it (identical on both sides), then where the differing fork
+    state is twinned (``sim/fork/``)."""
+    from sim.conformance.backends import fork_state_twins
+
     step = comparison.first_difference
     if step is not None and step > 1:
         before = comparison.state(comparison.left, step - 1)
@@ -256,3 +259,7 @@ def _print_difference(comparison: Any) -> None:
         for name, value in vars(before).items():
             print(f"    {name}: {_short(value)}")
     _print_first_difference(comparison)
+    if step is not None and "fork_state" in comparison.differing_fields(step):
+        kvsim, fork = (comparison.state(t, step) for t in (comparison.left, comparison.right))
+        for line in fork_state_twins(kvsim.fork_state, fork.fork_state):
+            print(f"  fork state {line}")

@@ -13,7 +13,7 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "patches",
         help="run a scenario as the fork ships it, with each modelled patch off, and as upstream",
-        description="One row per run: the fork as shipped, each patch of sim/fork_patches.py off in "
+        description="One row per run: the fork as shipped, each patch of sim/fork/patches.py off in "
         "turn, and fork: upstream; per row admitted, preemptions, prefix hit rate, follow-up TTFT "
         "and peak KV usage (docs/fork-patches.md, 'What each patch buys').",
     )

@@ -15,22 +15,22 @@ from typing import Any, Protocol
 import numpy as np
 
 from sim.engine import allocator_options
-from sim.fork_patches import ForkPatches
+from sim.fork.patches import ForkPatches
+from sim.fork.pins import PinningKVCacheManager
+from sim.fork.retention import RetainingMambaManager
+from sim.fork.side_cache_rings import RingCircularBufferManager
 from sim.kv_cache_manager import (
     KVCacheManager,
     MTPHashing,
-    RingCircularBufferManager,
     build_kv_cache_manager,
     scheduler_kv_cache_config,
 )
-from sim.kv_cache_pins import PinningKVCacheManager
 from sim.kv_cache_plan import KVCachePlan
 from sim.scenario import Scenario
 from sim.sched.engine_core import EngineCore, ScheduledStep
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import ScheduledRequest, SchedulerOutput
 from sim.sched.scheduler import DRAFT_TOKEN_ID, RequestSpec, Scheduler, SchedulerConfig
-from sim.single_type_kv_cache_manager import RetainingMambaManager
 from sim.vllm_bridge import MambaManager
 from sim.vllm_bridge.fork_server import free_queue_digest, num_fenced_blocks
 
@@ -155,6 +155,25 @@ class KvsimBackend:
             prefix_cache_hits_tokens=output.prefix_cache_hits,
             fork_state=kvsim_fork_state(self.scheduler) if self.reports_fork_state else None,
         )
+
+
+# Where each fork-state column is twinned (``sim/fork/``) and the patches it
+# shows, so that a ``kvsim conform --fork`` difference names what to read.
+FORK_STATE_TWINS: dict[str, str] = {
+    "pinned_waiters": "sim/fork/pins.py, sim/fork/scheduler_pins.py (0095, 0096)",
+    "graces": "sim/fork/pins.py, sim/fork/scheduler_pins.py (0097)",
+    "num_grace_pinned_blocks": "sim/fork/pins.py (0097)",
+    "retained": "sim/fork/retention.py (0086, 0087, 0093)",
+    "num_deferred_frees": "sim/fork/frees.py (0018, 0023)",
+    "free_queue": "sim/fork/frees.py (0023, 0086: the order blocks are freed in)",
+}
+
+
+def fork_state_twins(kvsim: Any, fork: Any) -> list[str]:
+    """Each fork-state column that differs between two steps' ``fork_state``
+    (pairs of column and value), with its twin and patches."""
+    mine, theirs = dict(kvsim or ()), dict(fork or ())
+    return [f"{key}: {twin}" for key, twin in FORK_STATE_TWINS.items() if mine.get(key) != theirs.get(key)]
 
 
 def kvsim_fork_state(scheduler: Scheduler) -> tuple[tuple[str, Any], ...]:

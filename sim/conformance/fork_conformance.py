@@ -21,6 +21,7 @@ from sim.conformance.backends import KvsimBackend, kvsim_fork_state, model_runne
 from sim.conformance.driver import Comparison, Trajectory, compare, drive, plan_for
 from sim.conformance.fork_backend import ForkBackend, ForkEngine, ForkProcess
 from sim.engine import scheduler_config
+from sim.fork.frees import fork_defers_block_free
 from sim.scenario import Scenario, SideCacheSwitch
 from sim.sched.scheduler import RequestSpec
 from sim.step_time import StepTimeModel
@@ -52,15 +53,6 @@ class ClockTape:
 
     def handoff_s(self, output: Any) -> float:
         return self._answer(lambda m: m.handoff_s(output))
-
-
-def fork_defers_block_free(max_concurrent_batches: int) -> bool:
-    """Patch 0018's gate, as the fork's ``Scheduler.__init__`` derives it:
-    fenced frees whenever more than one batch may be in flight and a raw-key
-    ring group exists (Flash-Next's model file requires one), connector or
-    not. kvsim's simulations take ``scheduler.defer_block_free`` as a switch
-    instead (default on; ``docs/fidelity.md``)."""
-    return max_concurrent_batches > 1
 
 
 def fork_compared_scenario(scenario: Scenario, engine_mode: EngineMode = "sync") -> Scenario:

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sim.kv_cache_interface import config_layer_specs, first_layer_spec, group_slots_per_block
+from sim.fork.side_cache_rings import group_slots_per_block
+from sim.kv_cache_interface import config_layer_specs, first_layer_spec
 from sim.pool_replay.fingerprints import CHUNK_WORDS, MAX_LABEL, POSITION_MASK, ZERO_POSITION
 from sim.pool_replay.views import WorkerViews
 from sim.vllm_bridge import CircularBufferSpec, MambaSpec

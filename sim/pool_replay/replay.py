@@ -14,7 +14,7 @@ import torch
 
 from sim.config import ConfigError
 from sim.engine import Simulation
-from sim.kv_cache_manager import BlockObserver
+from sim.fork.frees import BlockObserver
 from sim.pool_replay.fingerprints import REQUEST_BITS, UNKNOWN, ZERO_POSITION, fingerprint
 from sim.pool_replay.plan import Group, RowClass, build_groups, chunks, pool_words
 from sim.pool_replay.report import PoolReplayReport, ReplayStep

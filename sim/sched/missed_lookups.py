@@ -1,6 +1,6 @@
 """Waiters whose prefix-cache lookup found no hit, and pin passes known to
 pin nothing: the fast path's memos for the fork's waiter pins (pin point 3,
-``sim/sched/pins.py``).
+``sim/fork/scheduler_pins.py``).
 
 No twin in vLLM or the fork (both look every waiter up at the end of every
 schedule). A waiter with no hit is looked up again every step until the

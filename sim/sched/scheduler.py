@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
 
+from sim.fork.scheduler_pins import NoPins, SchedulerPins, scheduler_pins
 from sim.kv_cache_manager import KVCacheManager, MTPHashing
 from sim.sched.fast_path import FastPath, FastPathScheduling, NoFastPath
 from sim.sched.freeing import BlockFreeing
 from sim.sched.model_runner import OUTPUT_TOKEN_BASE
 from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepOutcome, StepTally
-from sim.sched.pins import NoPins, SchedulerPins, scheduler_pins
 from sim.sched.queues import RequestQueues, WaitingQueue
 from sim.sched.stats import StatsReporting
 from sim.sched.steady import NO_STEADY, SteadyItems

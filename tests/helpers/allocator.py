@@ -11,10 +11,11 @@ from pathlib import Path
 
 from sim.allocator_invariants import check_allocator
 from sim.config import DeploymentConfig, load_model
-from sim.fork_patches import ForkPatches
+from sim.fork.patches import ForkPatches
+from sim.fork.retention import RetainingMambaManager
+from sim.fork.side_cache_rings import RingCircularBufferManager
 from sim.kv_cache_manager import KVCacheManager, build_kv_cache_manager
 from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
-from sim.single_type_kv_cache_manager import RetainingMambaManager, RingCircularBufferManager
 from sim.vllm_bridge import (
     KVCacheBlock,
     MambaAlignedSplit,

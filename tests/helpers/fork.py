@@ -20,8 +20,9 @@ import torch
 
 from helpers import allocator
 from helpers.allocator import ALIGNED_SPLIT, BLOCK, K, Split, decode, request, tokens  # noqa: F401 (tests take them)
-from sim.fork_patches import ForkPatches
-from sim.kv_cache_manager import KVCacheManager, retaining_mamba_spec_type
+from sim.fork.patches import ForkPatches
+from sim.fork.retention import retaining_mamba_spec_type
+from sim.kv_cache_manager import KVCacheManager
 from sim.vllm_bridge import (
     FullAttentionSpec,
     KVCacheBlock,

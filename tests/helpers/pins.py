@@ -23,9 +23,9 @@ import torch
 
 from helpers import allocator
 from helpers.fork import mamba_spec
-from sim.fork_patches import AS_SHIPPED, ForkPatches
+from sim.fork.patches import AS_SHIPPED, ForkPatches
+from sim.fork.pins import PinningKVCacheManager
 from sim.kv_cache_manager import KVCacheManager, MTPHashing
-from sim.kv_cache_pins import PinningKVCacheManager
 from sim.sched.output import ModelRunnerOutput, SchedulerOutput
 from sim.sched.scheduler import Scheduler, SchedulerConfig
 from sim.vllm_bridge import (

@@ -8,7 +8,7 @@ import numpy as np
 
 from helpers.allocator import K, tiny_plan
 from sim.allocator_invariants import check_allocator
-from sim.fork_patches import AS_SHIPPED, ForkPatches
+from sim.fork.patches import AS_SHIPPED, ForkPatches
 from sim.kv_cache_manager import build_kv_cache_manager
 from sim.sched.engine_core import EngineCore
 from sim.sched.model_runner import AcceptanceModel, ModelRunner, accepted_drafts

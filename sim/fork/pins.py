@@ -22,7 +22,7 @@ extra reference keep such a prefix out of the free queue:
 
 Pins never cost anyone blocks: ``yield_pinned_hits`` releases them (graces
 oldest first, then waiter pins newest first) before a running request
-would be preempted (``sim/sched/pins.py``). Pinned blocks are referenced,
+would be preempted (``scheduler_pins.py``). Pinned blocks are referenced,
 so admission and the watermark count them as used.
 """
 
@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sim.kv_cache_manager import KVCacheManager
-from sim.single_type_kv_cache_manager import RetainingMambaManager
+from sim.fork.frees import KVCacheManager
+from sim.fork.retention import RetainingMambaManager
 from sim.vllm_bridge import KVCacheBlock, KVCacheBlocks, Request, RequestStatus
 
 HitBlocks = tuple[Sequence[KVCacheBlock], ...]
@@ -88,7 +88,7 @@ class PinningKVCacheManager(KVCacheManager):
         # Blocks missing when the last allocate_slots returned None (0097).
         self.last_alloc_shortfall = 0
         # Whether the last ``pin_waiting_hit`` looked the request up and found
-        # no hit (the fast path remembers such waiters, ``sim/sched/pins.py``).
+        # no hit (the fast path remembers such waiters, ``scheduler_pins.py``).
         self.pin_lookup_found_no_hit = False
         self._last_need: tuple[int, bool] = (0, False)
         self._record_block_needs()

@@ -1,4 +1,6 @@
-"""Which of the fork's decision-changing patches a run applies.
+"""Which of the fork's decision-changing patches a run applies: one switch
+each for 0023, 0086/0087, 0093, 0095/0096 and 0097, and two base-version
+rules (not patches).
 
 No twin in vLLM: the fork (``halt95/qwen38-flash-next-3090s``, release
 v2.5.1) reads one environment switch for its Mamba checkpoint retention and

@@ -1,5 +1,6 @@
-"""Twin of the fork's side-cache layout pass (patch 0088, ``kv_cache_utils.py``),
-written for vLLM 0.33.0's planner.
+"""Fork patch 0088: twin of the fork's side-cache layout pass (its additions to
+``vllm/v1/core/kv_cache_utils.py``), written for vLLM 0.33.0's planner. The
+slot-packed ring's spec, tensor, config and manager are ``side_cache_rings.py``.
 
 The packed block-outermost pool strides every block by the widest group and
 every group draws whole blocks from it. Two layout-only changes stop charging
@@ -22,14 +23,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from sim.kv_cache_interface import (
+from sim.fork.side_cache_rings import (
     SideCacheKVCacheConfig,
     SlotPackedKVCacheTensor,
     as_slot_packed,
-    config_layer_specs,
-    group_layer_specs,
     group_slots_per_block,
 )
+from sim.kv_cache_interface import config_layer_specs, group_layer_specs
 from sim.vllm_bridge import (
     CircularBufferSpec,
     KVCacheConfig,

@@ -1,6 +1,6 @@
 """The scheduler side of the fork's prefix-hit pins (patches 0095, 0096,
 0097 of ``halt95/qwen38-flash-next-3090s``; the manager side is
-``sim/kv_cache_pins.py``). No twin in vLLM 0.33.0.
+``pins.py``). No twin in vLLM 0.33.0.
 
 The scheduler enters here at three named points, each a call on
 ``Scheduler.pins`` (a ``NoPins`` when the manager pins nothing, so the
@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Iterator
 from typing import TYPE_CHECKING
 
-from sim.kv_cache_manager import KVCacheManager
-from sim.kv_cache_pins import PinningKVCacheManager
+from sim.fork.frees import KVCacheManager
+from sim.fork.pins import PinningKVCacheManager
 from sim.vllm_bridge import KVCacheBlocks, Request, RequestStatus
 
 if TYPE_CHECKING:
