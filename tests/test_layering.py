@@ -23,7 +23,15 @@ LAYERS: list[tuple[str, ...]] = [
         "sim.allocator_invariants",
     ),
     ("sim.sched",),
-    ("sim.workloads", "sim.rig", "sim.step_time", "sim.pipeline_clock", "sim.scenario", "sim.engine"),
+    (
+        "sim.workloads",
+        "sim.rig",
+        "sim.step_time",
+        "sim.pipeline_clock",
+        "sim.scenario",
+        "sim.engine_assembly",
+        "sim.engine",
+    ),
     ("sim.analysis", "sim.results", "sim.bench", "sim.conformance", "sim.pool_replay"),
     ("sim.serving",),
     ("sim.commands",),
@@ -35,6 +43,7 @@ FORBIDDEN = {
     "sim.kv_cache_plan": {"simpy", "pandas", "matplotlib"},
     "sim.kv_cache_manager": {"simpy", "pandas", "matplotlib"},
     "sim.kv_cache_pins": {"simpy", "pandas", "matplotlib"},
+    "sim.engine_assembly": {"simpy", "pandas", "matplotlib"},
     "sim.workloads": {"vllm", "simpy", "torch", "pandas", "matplotlib"},
 }
 
