@@ -19,9 +19,9 @@ one engine loop (``engine_loop.py``) lets the step's time pass in between,
 on whatever clock its caller keeps (``engine_loop.make_call`` makes the
 whole call at once, for callers without a clock). Whether a call leaves the
 engine idle is the loop's judgement (``engine_loop.idle_after``); a core
-says only what is in flight and lets it complete. Steady decode steps take kvsim's fast lane
-(``steady.py``; ``async_steady.py`` in the batch queue) when the fast path
-is on. Plain Python: no SimPy.
+says only what is in flight and lets it complete. Steady decode steps take
+kvsim's fast lane (``steady.py``; ``async_steady.py`` in the batch queue)
+when the fast path is on. Plain Python: no SimPy.
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ another (``SerialClock``) or a pipeline of stages (``PipelineClock``,
 whether more requests may come, whether to stop, and records each call.
 vLLM spins on empty steps while waiting for a request; an idle engine here
 sleeps until one arrives (nothing else can change it). Whether a call left
-the engine idle is judged here, once for every core (``idle_after``). The generator
-returns whether the run stalled: requests remain that nothing can schedule.
+the engine idle is judged here, once for every core (``idle_after``). The
+generator returns whether the run stalled: requests remain that nothing can
+schedule.
 """
 
 from __future__ import annotations
