@@ -163,6 +163,10 @@ declare -A MODULES=(
   [stats]="sim/sched/stats.py|tests/test_engine_stats.py tests/test_metrics.py tests/test_engine_timeline.py"
   # tests/test_simulation.py pins the engine too but takes seconds a test.
   [engine]="sim/engine.py|tests/test_engine_timeline.py"
+  # The one engine assembly (scheduler_config, allocator_options, the
+  # runner's stream, each mode's parts): the runs it builds, the config's
+  # fields, the stream against its seed by hand.
+  [engine_assembly]="sim/engine_assembly.py|tests/test_engine_timeline.py tests/test_metrics.py tests/test_values_conformance.py::test_the_backends_sample_through_the_engines_own_rng_stream"
   # Where simulation meets measurement (issue 26): the value tests
   # (tests/test_values_*.py, hand frames and numpy, vLLM's metric
   # definitions, a fault server) and the fast tests already pinning each.
@@ -290,7 +294,7 @@ tests/test_steady.py::test_the_check_catches_a_waiting_loop_wrongly_skipped"
   [sessions]="sim/workloads/sessions.py|tests/test_values_sessions.py tests/test_sessions.py::test_turn_n_prompt_is_the_prefix_plus_the_history_so_far tests/test_sessions.py::test_every_turn_is_a_token_prefix_of_the_next_and_sessions_share_only_the_prefix tests/test_sessions.py::test_the_workload_is_deterministic_per_seed"
   [bench]="sim/bench.py|$BENCH_TESTS|*target_lines* *_target_line* *AllocatorTimer* *_allocator_shares* *step_cost_ratios* *x__measure__*"
 )
-ORDER=(engine scheduler settled steady engine_core pipeline_clock engine_loop async_scheduler async_steady fast_path missed_lookups output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving server_metrics live_engine server openai_requests recording client launch loaders config async_engine pool_replay kv_cache_pins sched_pins partial_tail waiting_queue bench scenario_record sessions)
+ORDER=(engine engine_assembly scheduler settled steady engine_core pipeline_clock engine_loop async_scheduler async_steady fast_path missed_lookups output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving server_metrics live_engine server openai_requests recording client launch loaders config async_engine pool_replay kv_cache_pins sched_pins partial_tail waiting_queue bench scenario_record sessions)
 
 toml_list() { printf '"%s", ' "$@" | sed 's/, $//'; }
 

@@ -224,7 +224,7 @@ def _run_vllm(scenario, layout: str, workload) -> tuple[float, int, float, float
     from sim.conformance.driver import drive, plan_for, vllm_backend
     from sim.step_time import StepTimeModel
 
-    if scenario.engine.mode == "async":
+    if scenario.engine.batch_queue:
         return _run_vllm_engine(scenario, layout, workload)
     backend = vllm_backend(scenario, plan_for(scenario, layout))  # type: ignore[arg-type]
     step_time = StepTimeModel(scenario.step_time_config())

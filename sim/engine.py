@@ -26,18 +26,13 @@ import simpy
 from tqdm import tqdm
 
 from sim.allocator_invariants import check_allocator
-from sim.config import ModelConfig
-from sim.kv_cache_manager import MTPHashing, build_kv_cache_manager
-from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
+from sim.engine_assembly import build_engine
+from sim.kv_cache_plan import KVCachePlan
 from sim.metrics import SAMPLE_RECORD, SAMPLED_TOTALS, STEP_RECORD
-from sim.pipeline_clock import PipelineClock, SerialClock
-from sim.scenario import MAX_SAMPLE_ROWS, AllocatorSection, Scenario, SideCacheSwitch
-from sim.sched.async_scheduler import AsyncScheduler
-from sim.sched.engine_core import BatchQueueEngineCore, EngineCall, EngineCore
-from sim.sched.engine_loop import Idle, run_engine
-from sim.sched.model_runner import AcceptanceModel, ModelRunner
+from sim.scenario import MAX_SAMPLE_ROWS, Scenario, SideCacheSwitch
+from sim.sched.engine_core import EngineCall
+from sim.sched.engine_loop import IDLE, run_engine
 from sim.sched.output import SchedulerOutput, StepOutcome
-from sim.sched.scheduler import Scheduler, SchedulerConfig
 from sim.sched.stats import Columns, SchedulerGauges, flat_columns, flat_row
 from sim.step_time import StepTimeModel
 from sim.workloads import Workload, WorkloadRequest
@@ -62,12 +57,6 @@ class Recording:
     samples_truncated: bool = False
 
 
-def _runner_rng(seed: int) -> np.random.Generator:
-    """The simulation's own RNG stream, derived from the scenario seed and
-    independent of the workload's."""
-    return np.random.default_rng(np.random.SeedSequence([seed, 1]))
-
-
 class Simulation:
     """``steady_lane=False``: the sync engine core without the fast path's
     steady lane (a caller that reads requests between steps: ``kvsim serve``)."""
@@ -85,27 +74,14 @@ class Simulation:
         self.layout = layout
         self.workload = workload
         self.progress = progress
-        model = scenario.load_model()  # read once
-        self.plan: KVCachePlan = plan_kv_cache(model, scenario.deployment, side_cache_layout=layout == "on")
-        config = scheduler_config(scenario, model, self.plan)
-        self.kv_cache_manager = build_kv_cache_manager(
-            self.plan,
-            **allocator_options(scenario.allocator),
-            fork=scenario.fork.patches(),
-            mtp_hashing=config.mtp_hashing,
-        )
-        acceptance = AcceptanceModel(conditional_rates=scenario.mtp.acceptance_rates)
-        self.model_runner = ModelRunner(acceptance, _runner_rng(scenario.seed))
         self.step_time = StepTimeModel(scenario.step_time_config())
-        self.scheduler: Scheduler
-        self.core: EngineCore | BatchQueueEngineCore
-        self.clock: SerialClock | PipelineClock
-        if scenario.engine.mode == "async":
-            self._build_async_engine(config, steady_lane)
-        else:
-            self.scheduler = Scheduler(config, self.kv_cache_manager, fast_path=scenario.simulation.fast_path)
-            self.core = EngineCore(self.scheduler, self.model_runner, steady_lane=steady_lane)
-            self.clock = SerialClock(self.step_time.step_time_s)
+        engine = build_engine(scenario, layout, steady_lane=steady_lane, step_time=self.step_time)
+        self.plan: KVCachePlan = engine.plan
+        self.kv_cache_manager = engine.kv_cache_manager
+        self.model_runner = engine.model_runner
+        self.scheduler = engine.scheduler
+        self.core = engine.core
+        self.clock = engine.clock
         self.env = simpy.Environment()
         self._wakeup = self.env.event()
         # The processes are events that trigger when they end.
@@ -119,19 +95,6 @@ class Simulation:
         self._follow_ups: dict[str, WorkloadRequest] = {}
         self._num_pending_follow_ups = 0
         self.recording = Recording(scenario=scenario.name, layout=layout, plan=self.plan.to_dict())
-
-    def _build_async_engine(self, config: SchedulerConfig, steady_lane: bool) -> None:
-        """The rig's loop: ``AsyncScheduler`` with a decode stagger of pp, a
-        batch queue of pp + 1 micro-batches, the pipeline clock."""
-        pp = self.scenario.deployment.pipeline_parallel_size
-        scheduler = AsyncScheduler(
-            config, self.kv_cache_manager, decode_stagger=pp, fast_path=self.scenario.simulation.fast_path
-        )
-        self.scheduler = scheduler
-        self.core = BatchQueueEngineCore(
-            scheduler, self.model_runner, self.scenario.max_concurrent_batches, steady_lane=steady_lane
-        )
-        self.clock = PipelineClock(pp, self.step_time.stage_s, self.step_time.handoff_s)
 
     # ------------------------------------------------------------------- run
     def start(self) -> None:
@@ -227,7 +190,7 @@ class Simulation:
         try:
             while True:
                 pause = next(steps)
-                yield self._sleep() if isinstance(pause, Idle) else self.env.timeout(pause)
+                yield self._sleep() if pause is IDLE else self.env.timeout(pause)
         except StopIteration as end:
             self.recording.stalled = end.value
         self.recording.end_time_s = float(self.env.now)
@@ -336,44 +299,6 @@ def _with_clock(names: tuple[str, ...]) -> tuple[str, ...]:
     """A step row's names: the clock's, then the scheduler's stats' (one
     tuple per stats shape, so the step columns check it once)."""
     return ("time_s", "step_time_s", *names)
-
-
-def scheduler_config(scenario: Scenario, model: ModelConfig, plan: KVCachePlan) -> SchedulerConfig:
-    """The scheduler's flags: every field of the scenario's ``scheduler:``
-    section by name (a section field the scheduler lacks is a TypeError here,
-    not a silently ignored key), the rest from the deployment, plan and model."""
-    section = scenario.scheduler.model_dump()
-    section["max_concurrent_batches"] = scenario.max_concurrent_batches
-    patches = scenario.fork.patches()
-    # The hashing mode is a name in the scenario; the scheduler takes what it
-    # derives to for this engine (vLLM's derivation, in MTPHashing).
-    mtp_hashing = MTPHashing.for_engine(
-        section.pop("mtp_hash_mode"),
-        plan.engine,
-        enable_prefix_caching=scenario.allocator.enable_prefix_caching,
-    )
-    return SchedulerConfig(
-        **section,
-        mtp_hashing=mtp_hashing,
-        max_num_seqs=scenario.deployment.max_num_seqs,
-        max_model_len=scenario.deployment.max_model_len,
-        block_size=plan.block_size,
-        num_speculative_tokens=model.mtp.num_speculative_tokens,
-        threshold_caps_lone_request=patches.threshold_caps_lone_request,
-        caches_after_sampling=not patches.caches_at_allocation_only,
-    )
-
-
-# The ``allocator:`` section's fields -> ``build_kv_cache_manager``'s arguments.
-_ALLOCATOR_ARGUMENTS = {
-    "enable_prefix_caching": "enable_caching",
-}
-
-
-def allocator_options(section: AllocatorSection) -> dict[str, Any]:
-    """``build_kv_cache_manager``'s keyword arguments from every field of the
-    section (a new field without an argument is a KeyError, not ignored)."""
-    return {_ALLOCATOR_ARGUMENTS[name]: value for name, value in section.model_dump().items()}
 
 
 def simulate(

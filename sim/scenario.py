@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,6 +60,10 @@ class SchedulerSection(StrictModel):
     mtp_hash_mode: MTPHashMode = "eagle-drop"
 
 
+# The engine loops kvsim builds (``sim/engine_assembly.py``).
+EngineMode = Literal["sync", "async"]
+
+
 class EngineSection(StrictModel):
     """The engine loop. ``sync``: one step at a time, each output applied
     before the next schedule (vLLM's ``EngineCore.step``, what kvsim's
@@ -67,7 +72,15 @@ class EngineSection(StrictModel):
     V2 (a batch queue of pp + 1 micro-batches, ``AsyncScheduler``, the
     pipeline clock; ``kvsim conform --engine async``)."""
 
-    mode: Literal["sync", "async"] = "async"
+    mode: EngineMode = "async"
+
+    @property
+    def batch_queue(self) -> bool:
+        """The engine core is vLLM's batch queue (``step_with_batch_queue``
+        over ``AsyncScheduler``, pp + 1 micro-batches on the pipeline clock);
+        else one step at a time. The one place ``mode`` is compared: what
+        each mode builds is ``sim/engine_assembly.py``'s."""
+        return self.mode == "async"
 
 
 # The rig's default serving: thinking on (serve-v2.5.sh passes
@@ -261,7 +274,7 @@ class Scenario(StrictModel):
 
     @model_validator(mode="after")
     def _engine_mode_runs_here(self) -> Scenario:
-        if self.engine.mode != "async":
+        if not self.engine.batch_queue:
             return self
         if self.deployment.kv_connector:
             raise ValueError(
@@ -283,14 +296,27 @@ class Scenario(StrictModel):
         """Steps in flight: vLLM's derivation (``config/vllm.py``) with
         async scheduling on Model Runner V2, pp + 1; else the scheduler
         section's (pp, the synchronous PP value, by default 2)."""
-        if self.engine.mode == "async":
+        if self.engine.batch_queue:
             return self.deployment.pipeline_parallel_size + 1
         return self.scheduler.max_concurrent_batches
 
     def load_model(self) -> ModelConfig:
         """The model file, with ``mtp.num_speculative_tokens`` when the
         scenario sets it (K=0: no MTP layer is built, as vLLM without a
-        speculative config)."""
+        speculative config). Read once per scenario: kept on it (and on
+        its copies) by what it is read from, so a copy that names another
+        model file or K reads its own."""
+        key = (self.model, self.mtp.num_speculative_tokens)
+        models = self._models_read
+        if key not in models:
+            models[key] = self._read_model()
+        return models[key]
+
+    @cached_property
+    def _models_read(self) -> dict[tuple[str, int | None], ModelConfig]:
+        return {}
+
+    def _read_model(self) -> ModelConfig:
         model = load_model(Path(self.model))
         k = self.mtp.num_speculative_tokens
         if k is None or not model.mtp.num_layers:
@@ -403,7 +429,7 @@ def scenario_to_dict(scenario: Scenario) -> dict[str, Any]:
     flight (pp + 1) and refuses a ``scheduler.max_concurrent_batches`` that
     is named, so the record must not name its unused default."""
     data = scenario.model_dump(mode="json")
-    if scenario.engine.mode == "async":
+    if scenario.engine.batch_queue:
         del data["scheduler"]["max_concurrent_batches"]
     return data
 

@@ -71,7 +71,7 @@ def _kvsim_as_served() -> Any:
     """kvsim as ``kvsim serve`` steps it: the scheduler alone (settled
     allocations on), without the engine's steady lane."""
     scenario, plan, _, _ = _setup()
-    backend = kvsim_backend(scenario, plan)
+    backend = kvsim_backend(scenario, "on")
     backend.core.steady = None
     return backend
 
@@ -137,7 +137,7 @@ def test_the_zeroing_record_is_drained_every_step(drain, monkeypatch):
         ["workload.num_requests=120", "workload.output.lo=4", "workload.output.hi=8"],
     )
     plan = plan_for(scenario, "on")
-    backend = kvsim_backend(scenario, plan)
+    backend = kvsim_backend(scenario, "on")
     recorders = [m for m in backend.kv_cache_manager.managers if m.records_new_block_ids]
     assert recorders, "the model's attention groups record blocks for zeroing"
     trajectory = drive(

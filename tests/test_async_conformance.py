@@ -318,7 +318,7 @@ def _aborted_run(shape: str, layout: str) -> tuple[Comparison, tuple[str, ...], 
     vllm.scheduler.defer_block_free = False
     pp = compared.deployment.pipeline_parallel_size
     depth = async_engine.max_concurrent_batches(compared)
-    kvsim = _Aborting(async_engine.kvsim_engine(compared, plan, depth=depth, stagger=pp), ABORT_AT_CALL)
+    kvsim = _Aborting(async_engine.kvsim_engine(compared, layout, depth=depth, stagger=pp), ABORT_AT_CALL)
     step_time = async_engine.StepTimeModel(compared.step_time_config())
     runs = [
         async_engine.drive_engine(engine, _requests(shape), async_engine.async_clock(compared, step_time))

@@ -422,8 +422,8 @@ def test_the_conformance_allocators_take_the_scenarios_allocator_section(caching
     scenario = base.model_copy(update={"allocator": AllocatorSection(enable_prefix_caching=caching)})
     plan = plan_for(scenario, "on")
     managers = (
-        kvsim_backend(scenario, plan).kv_cache_manager,
-        kvsim_engine(scenario, plan, depth=2, stagger=1).scheduler.kv_cache_manager,
+        kvsim_backend(scenario, "on").kv_cache_manager,
+        kvsim_engine(scenario, "on", depth=2, stagger=1).scheduler.kv_cache_manager,
     )
     assert [m.enable_caching for m in managers] == [caching, caching]
     assert vllm_settings(scenario, plan).enable_prefix_caching is caching

@@ -33,6 +33,7 @@ import yaml
 from helpers.scenarios import HAND_STEP_TIME, RecordingBar, pre_rig
 
 import sim.engine
+import sim.engine_assembly
 from sim.analysis.frames import frames
 from sim.engine import Simulation, simulate
 from sim.kv_cache_plan import plan_kv_cache
@@ -475,9 +476,9 @@ def test_a_pool_no_request_fits_stalls_the_engine(hand_scenario, monkeypatch):
     finds nothing fits, sees no arrival left and stops: stalled, with both
     requests unadmitted and no step; the clock ends at 5.0. (The validated
     plans always fit a max_model_len request; this is the safety net.)"""
-    real = sim.engine.build_kv_cache_manager
+    real = sim.engine_assembly.build_kv_cache_manager
     monkeypatch.setattr(
-        sim.engine, "build_kv_cache_manager", lambda plan, **kw: real(plan, **kw, num_gpu_blocks=10)
+        sim.engine_assembly, "build_kv_cache_manager", lambda plan, **kw: real(plan, **kw, num_gpu_blocks=10)
     )
     no_check = hand_scenario.model_copy(
         update={"simulation": hand_scenario.simulation.model_copy(update={"check_invariants": False})}
@@ -592,7 +593,7 @@ def test_preemptions_and_sampled_drafts_are_vllms(hand_scenario_file, monkeypatc
     plan = plan_kv_cache(
         scenario.load_model(), scenario.deployment, side_cache_layout=False, num_gpu_blocks_override=40
     )
-    monkeypatch.setattr(sim.engine, "plan_kv_cache", lambda *args, **kwargs: plan)
+    monkeypatch.setattr(sim.engine_assembly, "plan_kv_cache", lambda *args, **kwargs: plan)
     ids = FreshIds()
     workload = Workload(
         name="timeline",
@@ -629,7 +630,7 @@ def test_fenced_frees_the_engine_waits_out_match_the_conformance_clock():
     (``sim.conformance.driver.drive``, the same engine model written
     without SimPy) over kvsim's scheduler, and every request finishes."""
     from sim.analysis.runs import scenario_workload
-    from sim.conformance.driver import drive, kvsim_backend, plan_for
+    from sim.conformance.driver import drive, kvsim_backend
     from sim.paths import SCENARIOS_DIR
 
     scenario = load_scenario(str(SCENARIOS_DIR / "conformance" / "heavy-preemption.yaml"))
@@ -637,7 +638,7 @@ def test_fenced_frees_the_engine_waits_out_match_the_conformance_clock():
     workload = scenario_workload(scenario)
     steps, requests = _run(scenario, workload)
     expected = drive(
-        kvsim_backend(scenario, plan_for(scenario, "off")),
+        kvsim_backend(scenario, "off"),
         workload.requests,
         StepTimeModel(scenario.step_time_config()),
     )

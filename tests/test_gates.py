@@ -16,7 +16,7 @@ import pytest
 import yaml
 from helpers.scenarios import pre_rig
 
-import sim.engine
+import sim.engine_assembly
 from sim.analysis import gates
 from sim.analysis.gates import DEFAULT_GATES, judge, parse_tolerance, rewrite_baselines, run_gates
 from sim.commands import gate as gate_command
@@ -128,7 +128,7 @@ def test_baselined_gates_pass(gates_file: Path, tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------ controls
-def _off_layout_for_both(real=sim.engine.plan_kv_cache):
+def _off_layout_for_both(real=sim.engine_assembly.plan_kv_cache):
     """A deliberately broken allocator: the side-cache layout loses its gain."""
     return lambda model, deployment, *, side_cache_layout, **kw: real(
         model, deployment, side_cache_layout=False, **kw
@@ -138,7 +138,7 @@ def _off_layout_for_both(real=sim.engine.plan_kv_cache):
 def test_a_worse_allocator_fails_the_gate(
     gates_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(sim.engine, "plan_kv_cache", _off_layout_for_both())
+    monkeypatch.setattr(sim.engine_assembly, "plan_kv_cache", _off_layout_for_both())
     assert cli(str(gates_file), "--report", str(tmp_path)) == 1
     err = capsys.readouterr().err.splitlines()
     assert (
@@ -173,7 +173,7 @@ def test_a_lowered_pool_fails_the_gate(
 def test_new_layout_admitting_fewer_fails_even_under_update(
     gates_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    real = sim.engine.plan_kv_cache
+    real = sim.engine_assembly.plan_kv_cache
 
     def smaller_on_pool(model, deployment, *, side_cache_layout, **kw):
         plan = real(model, deployment, side_cache_layout=side_cache_layout, **kw)
@@ -181,7 +181,7 @@ def test_new_layout_admitting_fewer_fails_even_under_update(
             return plan
         return real(model, deployment, side_cache_layout=True, num_gpu_blocks_override=plan.num_blocks // 3)
 
-    monkeypatch.setattr(sim.engine, "plan_kv_cache", smaller_on_pool)
+    monkeypatch.setattr(sim.engine_assembly, "plan_kv_cache", smaller_on_pool)
     assert cli(str(gates_file), "--update", "--report", str(tmp_path)) == 1
     (row,) = [r for r in report(tmp_path)["rows"] if r["layout"] == "on-vs-off"]
     assert row["verdict"] == "fail" and row["now"] < row["baseline"] == 16
@@ -191,7 +191,7 @@ def test_new_layout_admitting_fewer_fails_even_under_update(
 def test_junit_xml_has_a_failure_per_failing_row(
     gates_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sim.engine, "plan_kv_cache", _off_layout_for_both())
+    monkeypatch.setattr(sim.engine_assembly, "plan_kv_cache", _off_layout_for_both())
     assert cli(str(gates_file), "--report", str(tmp_path)) == 1
     suite = ET.parse(tmp_path / "gates.junit.xml").getroot().find("testsuite")
     assert suite is not None and suite.get("tests") == "6" and suite.get("failures") == "3"

@@ -27,7 +27,15 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     ("sim.fork.frees", "sim.fork.pins", "sim.kv_cache_manager", "sim.allocator_invariants"),
     ("sim.sched", "sim.fork.scheduler_pins"),
-    ("sim.workloads", "sim.rig", "sim.step_time", "sim.pipeline_clock", "sim.scenario", "sim.engine"),
+    (
+        "sim.workloads",
+        "sim.rig",
+        "sim.step_time",
+        "sim.pipeline_clock",
+        "sim.scenario",
+        "sim.engine_assembly",
+        "sim.engine",
+    ),
     ("sim.analysis", "sim.results", "sim.bench", "sim.conformance", "sim.pool_replay"),
     ("sim.serving",),
     ("sim.commands",),
@@ -39,6 +47,7 @@ FORBIDDEN = {
     "sim.kv_cache_plan": {"simpy", "pandas", "matplotlib"},
     "sim.kv_cache_manager": {"simpy", "pandas", "matplotlib"},
     "sim.fork": {"simpy", "pandas", "matplotlib"},
+    "sim.engine_assembly": {"simpy", "pandas", "matplotlib"},
     "sim.workloads": {"vllm", "simpy", "torch", "pandas", "matplotlib"},
 }
 

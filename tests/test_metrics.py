@@ -18,7 +18,8 @@ from helpers.scenarios import run, scenario
 
 from sim import metrics
 from sim.analysis import frames, gates
-from sim.engine import Simulation, allocator_options, scheduler_config
+from sim.engine import Simulation
+from sim.engine_assembly import allocator_options, scheduler_config
 from sim.metrics import FRAMES
 from sim.scenario import AllocatorSection, SchedulerSection
 from sim.sched.scheduler import Scheduler, SchedulerConfig

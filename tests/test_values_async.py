@@ -22,7 +22,7 @@ from sim.pipeline_clock import PipelineClock, SerialClock
 from sim.sched.async_scheduler import AsyncScheduler
 from sim.sched.async_steady import AsyncSteadyDecode
 from sim.sched.engine_core import BatchQueueEngineCore, EngineCall
-from sim.sched.engine_loop import IDLE, run_engine
+from sim.sched.engine_loop import IDLE, make_call, run_engine
 from sim.sched.fast_path import FastPathScheduling
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import ScheduledRequest, SchedulerOutput, StepTally
@@ -153,12 +153,23 @@ def test_a_silent_step_holds_back_nobody_even_at_time_zero():
 
 # -------------------------------------------------------- the engine loop
 class _ScriptedCore:
-    """An engine core whose calls are given: work while calls are left."""
+    """An engine core whose calls are given: work while calls are left.
+    ``in_flight``: whether a non-empty step is in flight; ``completes``:
+    what letting the steps in flight complete answers, in turn."""
 
-    def __init__(self, calls: list[EngineCall], unfinished: bool = False) -> None:
+    def __init__(
+        self,
+        calls: list[EngineCall],
+        unfinished: bool = False,
+        *,
+        in_flight: bool = False,
+        completes: tuple[bool, ...] = (),
+    ) -> None:
         self.calls = deque(calls)
         self.unfinished = unfinished
-        self.log: list[tuple[str, EngineCall]] = []
+        self.in_flight = in_flight
+        self.completes = deque(completes)
+        self.log: list[tuple[str, EngineCall | None]] = []
 
     def has_work(self) -> bool:
         return bool(self.calls)
@@ -173,6 +184,13 @@ class _ScriptedCore:
 
     def end_step(self, call: EngineCall) -> None:
         self.log.append(("end", call))
+
+    def only_empty_in_flight(self) -> bool:
+        return not self.in_flight
+
+    def complete_in_flight_steps(self) -> bool:
+        self.log.append(("complete", None))
+        return self.completes.popleft() if self.completes else False
 
 
 class _IO:
@@ -263,6 +281,7 @@ def test_a_call_that_does_not_block_is_recorded_with_no_step_and_not_ended():
         ("end", landed),
         ("begin", nothing),
         ("end", nothing),
+        ("complete", None),  # it ran and applied nothing: the idle rule asks
     ]
     assert clock.now_s == 7.25  # set from the caller's time before each call
 
@@ -288,7 +307,7 @@ def test_an_idle_call_with_arrivals_over_is_a_stall_only_with_requests_left(unfi
     without them the loop goes on, finds no work and returns False
     (control). A second call left in the script shows the loop stopped at
     the first: a stall returns at once."""
-    idle, after = EngineCall(idle=True), EngineCall(idle=True)
+    idle, after = EngineCall(), EngineCall()
     core, io = _ScriptedCore([idle, after], unfinished=unfinished), _IO()
     pauses, result = _drive(run_engine(core, _StubClock([]), io), io)
     assert (pauses, result) == ([], stalled)
@@ -296,18 +315,47 @@ def test_an_idle_call_with_arrivals_over_is_a_stall_only_with_requests_left(unfi
 
 
 def test_an_idle_call_with_arrivals_open_sleeps_until_one():
-    idle = EngineCall(idle=True)
+    idle = EngineCall()
     core, io = _ScriptedCore([idle], unfinished=True), _IO(ended=False)
     pauses, stalled = _drive(run_engine(core, _StubClock([]), io), io, lambda: setattr(io, "ended", True))
     assert (pauses, stalled) == ([IDLE], False)
     assert io.records == [(idle, 0.0, 0.0)]
 
 
+@pytest.mark.parametrize(
+    ("in_flight", "completes", "idle", "asked"),
+    [(False, (False,), True, 1), (False, (True,), False, 1), (True, (False,), False, 0)],
+    ids=["nothing-changed", "a-fence-passed", "a-step-in-flight"],
+)
+def test_the_loop_judges_an_empty_call_idle_once_for_every_core(in_flight, completes, idle, asked):
+    """The idle rule (``engine_loop.idle_after``): a call that ran and
+    applied nothing, with only empty steps in flight, lets the steps in
+    flight complete; it is idle only if that changed nothing. Controls: a
+    fence that passed (the engine changed: not idle) and a non-empty step
+    in flight (not asked to complete, not idle)."""
+    call = EngineCall()
+    core, io = _ScriptedCore([call], unfinished=True, in_flight=in_flight, completes=completes), _IO()
+    pauses, stalled = _drive(run_engine(core, _StubClock([]), io), io)
+    assert (call.idle, stalled, pauses) == (idle, idle, [])
+    assert core.log.count(("complete", None)) == asked
+
+
+@pytest.mark.parametrize("settle", [True, False], ids=["serve", "simulation-control"])
+def test_an_engine_at_rest_settles_its_steps_only_when_asked(settle):
+    """No work and arrivals open: with ``settle_at_rest`` (``kvsim serve``)
+    the steps in flight complete before the loop idles; without it (a
+    simulation) they are left to the next step."""
+    core, io = _ScriptedCore([]), _IO(ended=False)
+    loop = run_engine(core, _StubClock([]), io, settle_at_rest=settle)
+    assert next(loop) is IDLE
+    assert core.log == ([("complete", None)] if settle else [])
+
+
 @pytest.mark.parametrize("stop_after", [0, 1])
 def test_a_stopped_caller_gets_no_further_call(stop_after):
     """Stopped before the first call: none made; after one: one made. A
     stop is not a stall (False), with work and requests left."""
-    calls = [EngineCall(idle=True), EngineCall(idle=True)]
+    calls = [EngineCall(), EngineCall()]
     core, io = _ScriptedCore(calls, unfinished=True), _IO(ended=False, stop_after=stop_after)
     pauses, stalled = _drive(run_engine(core, _StubClock([]), io), io, lambda: None)
     assert stalled is False
@@ -612,7 +660,7 @@ def test_a_preempted_requests_one_stale_token_drains_and_it_resumes():
     scheduler = core.scheduler
     scheduler.add_request(tiny_spec(0, 90, output=5))
     scheduler.add_request(tiny_spec(1, 33, output=5))
-    calls = [core.step() for _ in range(3)]
+    calls = [make_call(core) for _ in range(3)]
     call = core.begin_step()
     victim = scheduler.requests["r001"]
     assert call.scheduled.preempted_request_ids == ("r001",)
@@ -623,7 +671,7 @@ def test_a_preempted_requests_one_stale_token_drains_and_it_resumes():
     assert cached == [("r000", 90)]
     assert call.outcome.first_token_request_ids == ("r000", "r001")
     assert (victim.num_stale_output_tokens, victim.num_output_tokens, victim.num_computed_tokens) == (0, 1, 0)
-    calls += [call] + [core.step() for _ in range(7)]
+    calls += [call] + [make_call(core) for _ in range(7)]
     assert [_scheduled(call) for call in calls[:8]] == [
         [("r000", 32, 0), ("r001", 32, 0)],
         [("r000", 58, 32), ("r001", 1, 32)],
@@ -649,11 +697,11 @@ def test_a_stale_token_that_reaches_max_tokens_finishes_the_waiting_request():
     scheduler = core.scheduler
     scheduler.add_request(tiny_spec(0, 90, output=5))
     scheduler.add_request(tiny_spec(1, 33, output=1))
-    calls = [core.step() for _ in range(4)]
+    calls = [make_call(core) for _ in range(4)]
     assert calls[3].scheduled.preempted_request_ids == ("r001",)
     assert calls[3].outcome.finished == {"r001": 1}
     assert "r001" not in scheduler.requests and list(scheduler.waiting) == []
-    calls += [core.step() for _ in range(2)]
+    calls += [make_call(core) for _ in range(2)]
     assert [_scheduled(call) for call in calls[3:]] == [[("r000", 4, 90)], [], [("r000", 4, 94)]]
     assert calls[5].outcome.finished == {"r000": 5}
 
@@ -671,7 +719,7 @@ def test_a_steps_outcome_sums_its_requests_and_trims_a_stop_within_the_drafts():
     scheduler = core.scheduler
     scheduler.add_request(tiny_spec(0, 30, output=5))
     scheduler.add_request(tiny_spec(1, 30, output=3))
-    calls = [core.step() for _ in range(5)]
+    calls = [make_call(core) for _ in range(5)]
     assert [_scheduled(call) for call in calls] == [
         [("r000", 30, 0), ("r001", 30, 0)],
         [],
@@ -697,7 +745,7 @@ def test_without_drafts_a_landed_output_caches_because_it_had_placeholders():
     scheduler.add_request(tiny_spec(0, 30, output=5))
     scheduler.add_request(tiny_spec(1, 30, output=3))
     while core.has_work():
-        core.step()
+        make_call(core)
     assert cached == [("r000", 30), ("r001", 30), ("r000", 31), ("r001", 31),
                       ("r000", 32), ("r001", 32), ("r000", 33), ("r000", 34)]  # fmt: skip
 
@@ -718,7 +766,7 @@ def test_the_batch_queue_calls_block_only_when_full_or_out_of_requests():
     core.scheduler.add_request(tiny_spec(1, 30, output=3))
     calls = []
     while core.has_work():
-        calls.append(core.step())
+        calls.append(make_call(core))
     assert [(None if c.scheduled is None else c.scheduled.step_index, c.samples, c.waits, c.idle,
              None if c.processed is None else c.processed.step_index) for c in calls] == [
         (1, True, False, False, None),
@@ -740,7 +788,7 @@ def test_a_request_that_never_fits_leaves_the_batch_queue_idle():
     prompt's first chunk (64) in a pool that fits it."""
     core, _ = _batch_queue(num_blocks=16)
     core.scheduler.add_request(tiny_spec(0, 400, output=5))
-    calls = [core.step() for _ in range(3)]
+    calls = [make_call(core) for _ in range(3)]
     assert [(c.scheduled.is_empty, c.samples, c.waits, c.idle) for c in calls] == [
         (True, False, False, True),
         (True, False, False, True),
@@ -748,5 +796,5 @@ def test_a_request_that_never_fits_leaves_the_batch_queue_idle():
     ]
     chunked, _ = _batch_queue()
     chunked.scheduler.add_request(tiny_spec(0, 100, output=5))
-    call = chunked.step()
+    call = make_call(chunked)
     assert (_scheduled(call), call.samples, call.waits, call.idle) == ([("r000", 64, 0)], False, False, False)

@@ -18,6 +18,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 from sim.conformance import async_engine
 from sim.conformance.driver import BackendUnavailable, conformance_scenario, plan_for, vllm_settings
 from sim.sched.engine_core import EngineCall
+from sim.sched.engine_loop import idle_after
 from sim.sched.output import ScheduledRequest, SchedulerOutput
 from sim.workloads.spec import WorkloadRequest
 
@@ -133,7 +134,7 @@ def _engines(shape: str, **deployment: int):
         scenario = scenario.model_copy(update={"deployment": section})
     plan = plan_for(scenario, "off")
     vllm_side = async_engine.vllm_engine(scenario, plan, vllm_settings(scenario, plan))
-    kvsim_side = async_engine.kvsim_engine(scenario, plan, depth=3, stagger=2)
+    kvsim_side = async_engine.kvsim_engine(scenario, "off", depth=3, stagger=2)
     return kvsim_side, vllm_side
 
 
@@ -299,14 +300,16 @@ def test_an_admitted_requests_drafts_are_padding_on_vllms_side():
 @pytest.mark.parametrize(("in_flight", "idle"), [((), True), ((0,), True), ((0, 1), False)])
 def test_a_vllm_call_that_schedules_and_lands_nothing_is_idle_only_with_nothing_in_flight(in_flight, idle):
     """``step_with_batch_queue`` scheduling nothing and landing nothing:
-    idle when only empty steps (or none) are in flight, not while a step
-    with requests is; it does not wait (no output landed)."""
+    idle by the engine loop's rule (``idle_after``) when only empty steps
+    (or none) are in flight, not while a step with requests is; it does not
+    wait (no output landed)."""
     engine = _vllm_side()
     for tokens in in_flight:
         item = (ScheduledRequest("r", tokens, 0, 0, tokens),) if tokens else ()
         engine._in_flight.append(SchedulerOutput(step_index=1, scheduled=item))
     call, state = engine.step()
-    assert (call.scheduled, call.processed, call.waits, call.idle) == (None, None, False, idle)
+    assert (call.scheduled, call.processed, call.waits) == (None, None, False)
+    assert idle_after(async_engine._EngineCalls(engine), call) is idle
     assert (state.step, state.num_free_blocks) == (0, 7)
 
 

@@ -15,6 +15,7 @@ from helpers.scheduler import tiny_spec
 
 from sim.sched.async_steady import AsyncSteadyDecode, _KeptAsync
 from sim.sched.engine_core import BatchQueueEngineCore
+from sim.sched.engine_loop import make_call
 from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepOutcome
 
 
@@ -36,7 +37,7 @@ def _drive(simulation) -> list[tuple]:
     core = simulation.core
     calls = []
     while core.has_work() and len(calls) < 500:
-        call = core.step()
+        call = make_call(core)
         taken = core.steady.num_taken if core.steady is not None else 0
         calls.append((call.scheduled, call.processed, call.outcome, taken))
     return calls
@@ -97,7 +98,7 @@ def _request_states(tmp_path, *, fast_path: bool) -> list[tuple]:
     core = simulation.core
     states = []
     while core.has_work() and len(states) < 500:
-        core.step()
+        make_call(core)
         core.flush()
         states.append(
             [

@@ -268,7 +268,7 @@ def test_the_fence_effect_is_kvsim_with_fenced_frees_off_against_on():
     part, the fenced side never has more free blocks (a fenced free returns
     a step later), and at some step it has fewer."""
     from sim.analysis.runs import scenario_workload
-    from sim.conformance.driver import conformance_scenario, fence_effect, kvsim_backend, plan_for
+    from sim.conformance.driver import conformance_scenario, fence_effect, kvsim_backend
     from sim.paths import SCENARIOS_DIR
     from sim.scenario import load_scenario
     from sim.step_time import StepTimeModel
@@ -276,15 +276,14 @@ def test_the_fence_effect_is_kvsim_with_fenced_frees_off_against_on():
     scenario = conformance_scenario(
         load_scenario(str(SCENARIOS_DIR / "conformance" / "heavy-preemption.yaml"))
     )
-    plan = plan_for(scenario, "off")
     requests = scenario_workload(scenario).requests
     step_time = StepTimeModel(scenario.step_time_config())
-    fence = fence_effect(scenario, plan, requests, step_time)
+    fence = fence_effect(scenario, "off", requests, step_time)
     assert (fence.left.backend, fence.right.backend) == ("fence off", "fence on")
     assert not scenario.scheduler.defer_block_free
     assert (
         fence.left.steps
-        == drive(kvsim_backend(scenario, plan), requests, step_time, scenario.simulation.max_time_s).steps
+        == drive(kvsim_backend(scenario, "off"), requests, step_time, scenario.simulation.max_time_s).steps
     )
     parted = next(
         (
@@ -388,7 +387,7 @@ def test_both_backends_hand_the_step_time_model_the_same_records():
     scenario, requests = _long_chunked()
     scenario = conformance_scenario(scenario, "lookahead")
     plan = plan_for(scenario, "off")
-    kvsim, vllm = kvsim_backend(scenario, plan), vllm_backend(scenario, plan)
+    kvsim, vllm = kvsim_backend(scenario, "off"), vllm_backend(scenario, plan)
     assert vllm.mtp_hashing() == kvsim.scheduler.config.mtp_hashing
     for request in requests:
         assert kvsim.add_request(request) and vllm.add_request(request)
@@ -424,14 +423,16 @@ def test_both_backends_hand_the_step_time_model_the_same_records():
 
 
 def test_the_backends_sample_through_the_engines_own_rng_stream():
-    """Draws match a ``kvsim run`` of the same seed: the stream is the
-    simulation's (``sim.engine``), not another of the seed's."""
-    from sim.conformance.backends import model_runner
-    from sim.engine import _runner_rng
+    """Draws match a ``kvsim run`` of the same seed: every engine's runner
+    (``engine_assembly.model_runner``) draws from the seed's second stream,
+    ``SeedSequence([seed, 1])``, not the workload's (``[seed]``)."""
+    import numpy as np
 
-    ours, engines = model_runner((0.5,), seed=7).uniforms.rng.random(4), _runner_rng(7).random(4)
-    assert list(ours) == list(engines)
-    assert list(model_runner((0.5,), seed=8).uniforms.rng.random(4)) != list(engines)  # control: another seed
+    from sim.engine_assembly import model_runner
+
+    stream = np.random.default_rng(np.random.SeedSequence([7, 1])).random(4)
+    assert list(model_runner((0.5,), seed=7).uniforms.rng.random(4)) == list(stream)
+    assert list(model_runner((0.5,), seed=8).uniforms.rng.random(4)) != list(stream)  # control: another seed
 
 
 # ------------------------------------- the backends on hand-built traces
@@ -445,7 +446,7 @@ def _backends(*overrides: str, mode: str = "eagle-drop"):
     path = str(SCENARIOS_DIR / "conformance" / "long-chunked.yaml")
     scenario = conformance_scenario(load_scenario(path, list(overrides)), mode)
     plan = plan_for(scenario, "off")
-    return kvsim_backend(scenario, plan), vllm_backend(scenario, plan)
+    return kvsim_backend(scenario, "off"), vllm_backend(scenario, plan)
 
 
 def _prompt(request_id: str, tokens: int, output_len: int) -> SimpleNamespace:

@@ -55,7 +55,7 @@ def register(subparsers: Any) -> None:
 def cmd_conform(args: argparse.Namespace) -> int:
     from sim.analysis.runs import scenario_workload
     from sim.conformance.driver import run_conformance
-    from sim.scenario import load_scenario
+    from sim.scenario import EngineSection, load_scenario
 
     scenario = load_scenario(args.scenario, args.set)
     fork, record = getattr(args, "fork", None), getattr(args, "record", None)
@@ -64,7 +64,8 @@ def cmd_conform(args: argparse.Namespace) -> int:
     if fork is not None:
         return _conform_fork(scenario, args)
     workload = scenario_workload(scenario)
-    if (args.engine or scenario.engine.mode) == "async":
+    engine = scenario.engine if args.engine is None else EngineSection(mode=args.engine)
+    if engine.batch_queue:
         return _conform_async(scenario, args, workload.requests)
     result = run_conformance(
         scenario, args.layout, workload.requests, mtp_hash_mode=args.mtp_hash_mode, with_fence_effect=True

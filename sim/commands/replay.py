@@ -69,13 +69,13 @@ def _warn(message: str) -> None:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from sim.analysis.runs import open_loop_workload
-    from sim.kv_cache_plan import plan_kv_cache
+    from sim.engine_assembly import plan_for
     from sim.scenario import load_scenario
 
     _check_args(args)
     scenario = load_scenario(args.scenario, args.set)
     workload = open_loop_workload(scenario, "kvsim replay")
-    plan = plan_kv_cache(scenario.load_model(), scenario.deployment, side_cache_layout=args.layout == "on")
+    plan = plan_for(scenario, args.layout)
     out_dir = Path(args.out) if args.out else Path("results") / f"{scenario.name}-replay-{args.layout}"
     return asyncio.run(_replay(args, scenario, workload, plan.to_dict(), out_dir))
 

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sim.conformance.backends import StepState, kvsim_kv_cache_manager, model_runner, scheduled_request
+from sim.conformance.backends import StepState, scheduled_request
 from sim.conformance.driver import (
     Comparison,
     TraceDriver,
@@ -40,13 +40,14 @@ from sim.conformance.driver import (
     vllm_settings,
     vllm_unavailable_as_one_line,
 )
-from sim.engine import scheduler_config
+from sim.engine_assembly import EngineParts, StepTimes, build_engine, model_runner, pipeline_clock
 from sim.kv_cache_manager import MTPHashMode, scheduler_kv_cache_config
 from sim.kv_cache_plan import KVCachePlan
 from sim.pipeline_clock import PipelineClock
 from sim.scenario import Scenario, SideCacheSwitch
 from sim.sched.async_scheduler import AsyncScheduler
 from sim.sched.engine_core import BatchQueueEngineCore, EngineCall
+from sim.sched.engine_loop import make_call
 from sim.sched.model_runner import ModelRunner
 from sim.sched.output import ScheduledRequest, SchedulerOutput
 from sim.sched.scheduler import RequestSpec
@@ -70,13 +71,10 @@ class _KvsimEngine:
 
     name = "kvsim"
 
-    def __init__(
-        self, scenario: Scenario, plan: KVCachePlan, runner: ModelRunner, depth: int, stagger: int
-    ) -> None:
-        config = scheduler_config(scenario, scenario.load_model(), plan)
-        manager = kvsim_kv_cache_manager(scenario, plan, config)
-        self.scheduler = AsyncScheduler(config, manager, decode_stagger=stagger)
-        self.core = BatchQueueEngineCore(self.scheduler, runner, depth)
+    def __init__(self, engine: EngineParts) -> None:
+        assert isinstance(engine.scheduler, AsyncScheduler) and isinstance(engine.core, BatchQueueEngineCore)
+        self.scheduler = engine.scheduler
+        self.core = engine.core
         self._prefix = (0, 0)
 
     def add_request(self, spec: RequestSpec) -> bool:
@@ -85,8 +83,11 @@ class _KvsimEngine:
     def has_work(self) -> bool:
         return self.core.has_work()
 
+    def only_empty_in_flight(self) -> bool:
+        return self.core.only_empty_in_flight()
+
     def step(self) -> tuple[EngineCall, EngineStepState]:
-        call = self.core.step()
+        call = make_call(self.core)
         scheduled = call.scheduled
         if scheduled is not None:
             queries, hits = self._prefix
@@ -186,6 +187,9 @@ class _VllmEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_requests() or bool(self.core.batch_queue)
 
+    def only_empty_in_flight(self) -> bool:
+        return all(output.is_empty for output in self._in_flight)
+
     def _on_schedule(self, out: Any) -> None:
         self._scheduled = converted = self._convert(out)
         self._in_flight.append(converted)
@@ -234,11 +238,6 @@ class _VllmEngine:
         scheduled = self._scheduled
         processed = self._in_flight.popleft() if outputs is not None else None
         call = EngineCall(scheduled, self._samples, waits=processed is not None, processed=processed)
-        call.idle = (
-            (scheduled is None or scheduled.is_empty)
-            and (processed is None or processed.is_empty)
-            and all(output.is_empty for output in self._in_flight)
-        )
         finished, prefix = _finished_and_prefix(outputs)
         s = self.scheduler
         state = _state(
@@ -270,7 +269,7 @@ def _finished_and_prefix(outputs: dict | None) -> tuple[list[str], tuple[int, in
 
 class _EngineCalls:
     """An engine making its whole call at once, as the engine loop drives
-    a core (``engine_loop.EngineCore``): the call is made before the
+    a core (``engine_loop.LoopCore``): the call is made before the
     clock blocks, and nothing is left to do after it."""
 
     def __init__(self, engine: _KvsimEngine | _VllmEngine | Any) -> None:
@@ -290,6 +289,13 @@ class _EngineCalls:
     def end_step(self, call: EngineCall) -> None:
         """Made already."""
 
+    def only_empty_in_flight(self) -> bool:
+        return self.engine.only_empty_in_flight()
+
+    def complete_in_flight_steps(self) -> bool:
+        """A batch queue's steps complete only when applied (as vLLM's)."""
+        return False
+
     def take_state(self) -> EngineStepState | None:
         state, self._state = self._state, None
         return state
@@ -308,13 +314,15 @@ def drive_engine(
     return driver.run(_EngineCalls(engine), engine.name)
 
 
-def async_clock(scenario: Scenario, step_time: StepTimeModel | Any) -> PipelineClock:
-    return PipelineClock(scenario.deployment.pipeline_parallel_size, step_time.stage_s, step_time.handoff_s)
+def async_clock(scenario: Scenario, step_time: StepTimes) -> PipelineClock:
+    return pipeline_clock(scenario, step_time)
 
 
-def kvsim_engine(scenario: Scenario, plan: KVCachePlan, *, depth: int, stagger: int) -> _KvsimEngine:
+def kvsim_engine(scenario: Scenario, layout: SideCacheSwitch, *, depth: int, stagger: int) -> _KvsimEngine:
+    """kvsim's batch-queue engine for the scenario (``build_engine``), with
+    ``depth`` micro-batches in flight and a decode stagger of ``stagger``."""
     return _KvsimEngine(
-        scenario, plan, model_runner(scenario.mtp.acceptance_rates, scenario.seed), depth, stagger
+        build_engine(scenario, layout, mode="async", decode_stagger=stagger, max_concurrent_batches=depth)
     )
 
 
@@ -355,7 +363,7 @@ def run_async_conformance(
         vllm = vllm_engine(compared, plan, vllm_settings(compared, plan))
     vllm.scheduler.defer_block_free = fenced
     kvsim = kvsim_engine(
-        compared, plan, depth=depth or max_concurrent_batches(compared), stagger=stagger or pp
+        compared, layout, depth=depth or max_concurrent_batches(compared), stagger=stagger or pp
     )
     step_time = StepTimeModel(compared.step_time_config())
     horizon_s = compared.simulation.max_time_s

@@ -12,25 +12,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
-
-from sim.engine import allocator_options
+from sim.engine_assembly import EngineParts
 from sim.fork.patches import ForkPatches
 from sim.fork.pins import PinningKVCacheManager
 from sim.fork.retention import RetainingMambaManager
 from sim.fork.side_cache_rings import RingCircularBufferManager
 from sim.kv_cache_manager import (
-    KVCacheManager,
     MTPHashing,
-    build_kv_cache_manager,
     scheduler_kv_cache_config,
 )
 from sim.kv_cache_plan import KVCachePlan
-from sim.scenario import Scenario
 from sim.sched.engine_core import EngineCore, ScheduledStep
-from sim.sched.model_runner import AcceptanceModel, ModelRunner
+from sim.sched.model_runner import ModelRunner
 from sim.sched.output import ScheduledRequest, SchedulerOutput
-from sim.sched.scheduler import DRAFT_TOKEN_ID, RequestSpec, Scheduler, SchedulerConfig
+from sim.sched.scheduler import DRAFT_TOKEN_ID, RequestSpec, Scheduler
 from sim.vllm_bridge import MambaManager
 from sim.vllm_bridge.fork_server import free_queue_digest, num_fenced_blocks
 
@@ -83,25 +78,6 @@ class Backend(Protocol):
     def execute(self, output: SchedulerOutput) -> StepState: ...
 
 
-def model_runner(acceptance_rates: tuple[float, ...], seed: int) -> ModelRunner:
-    """The workers' stand-in both backends sample through (the engine's
-    own RNG stream for ``seed``, so draws match a ``kvsim run`` too)."""
-    rng = np.random.default_rng(np.random.SeedSequence([seed, 1]))
-    return ModelRunner(AcceptanceModel(conditional_rates=acceptance_rates), rng)
-
-
-def kvsim_kv_cache_manager(scenario: Scenario, plan: KVCachePlan, config: SchedulerConfig) -> KVCacheManager:
-    """kvsim's ``KVCacheManager`` as a simulation builds it: the scenario's
-    ``allocator:`` section through the simulation's own ``allocator_options``
-    (one place maps every field), its fork patches, the config's hashing."""
-    return build_kv_cache_manager(
-        plan,
-        **allocator_options(scenario.allocator),
-        fork=scenario.fork.patches(),
-        mtp_hashing=config.mtp_hashing,
-    )
-
-
 class KvsimBackend:
     """kvsim's own scheduler over kvsim's ``KVCacheManager``."""
 
@@ -109,21 +85,14 @@ class KvsimBackend:
     # Report the fork's columns too (compared with the fork's own Scheduler).
     reports_fork_state = False
 
-    def __init__(
-        self,
-        scenario: Scenario,
-        plan: KVCachePlan,
-        config: SchedulerConfig,
-        runner: ModelRunner,
-        *,
-        reports_fork_state: bool = False,
-    ) -> None:
+    def __init__(self, engine: EngineParts, *, reports_fork_state: bool = False) -> None:
         self.reports_fork_state = reports_fork_state
-        self.kv_cache_manager = kvsim_kv_cache_manager(scenario, plan, config)
-        self.scheduler = Scheduler(config, self.kv_cache_manager)
+        self.kv_cache_manager = engine.kv_cache_manager
+        self.scheduler = engine.scheduler
         # The engine's own step, so steady steps take the lane they take in
         # a run (``sim/sched/steady.py``) and are compared too.
-        self.core = EngineCore(self.scheduler, runner)
+        assert isinstance(engine.core, EngineCore), "the synchronous engine core"
+        self.core = engine.core
         self._scheduled: ScheduledStep | None = None
 
     def add_request(self, spec: RequestSpec) -> bool:

@@ -24,20 +24,14 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol
 
 from sim.config import ConfigError
-from sim.conformance.backends import (
-    Backend,
-    KvsimBackend,
-    StepState,
-    VllmBackend,
-    model_runner,
-)
-from sim.engine import allocator_options, scheduler_config
+from sim.conformance.backends import Backend, KvsimBackend, StepState, VllmBackend
+from sim.engine_assembly import allocator_options, build_engine, model_runner, plan_for
 from sim.kv_cache_manager import MTPHashing, MTPHashMode
-from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
+from sim.kv_cache_plan import KVCachePlan
 from sim.pipeline_clock import PipelineClock, SerialClock
 from sim.scenario import ForkSection, Scenario, SideCacheSwitch
 from sim.sched.engine_core import EngineCall
-from sim.sched.engine_loop import IDLE, EngineCore, run_engine
+from sim.sched.engine_loop import IDLE, LoopCore, run_engine
 from sim.sched.scheduler import RequestSpec
 from sim.step_time import StepTimeModel
 
@@ -61,7 +55,7 @@ class Trajectory:
     clock_tape: tuple[float, ...] = ()
 
 
-class RecordingCore(EngineCore, Protocol):
+class RecordingCore(LoopCore, Protocol):
     """An engine core that keeps the comparison's record of each call."""
 
     def take_state(self) -> StepState | None:
@@ -173,8 +167,8 @@ def _arrival_order(spec: RequestSpec) -> tuple[float, str]:
 
 class _BackendCore:
     """A ``Backend`` as ``EngineCore.step`` drives it (``engine_core.py``):
-    an empty step lets the steps in flight complete; a step's state is
-    taken when its output is applied."""
+    one step at a time, an empty one not run; a step's state is taken when
+    its output is applied."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
@@ -189,13 +183,19 @@ class _BackendCore:
     def begin_step(self) -> EngineCall:
         output = self.backend.schedule()
         if output.is_empty:
-            return EngineCall(idle=not self.backend.complete_in_flight_steps())
+            return EngineCall()
         return EngineCall(output, waits=True)
 
     def end_step(self, call: EngineCall) -> None:
         assert call.scheduled is not None
         call.processed = call.scheduled
         self._state = self.backend.execute(call.scheduled)
+
+    def only_empty_in_flight(self) -> bool:
+        return True  # a step is applied in the call that hands it over
+
+    def complete_in_flight_steps(self) -> bool:
+        return self.backend.complete_in_flight_steps()
 
     def take_state(self) -> StepState | None:
         state, self._state = self._state, None
@@ -264,13 +264,11 @@ def compare(left: Trajectory, right: Trajectory) -> Comparison:
 
 
 # ------------------------------------------------------------------ set-up
-def kvsim_backend(scenario: Scenario, plan: KVCachePlan) -> KvsimBackend:
-    return KvsimBackend(
-        scenario,
-        plan,
-        scheduler_config(scenario, scenario.load_model(), plan),
-        model_runner(scenario.mtp.acceptance_rates, scenario.seed),
-    )
+def kvsim_backend(
+    scenario: Scenario, layout: SideCacheSwitch, *, reports_fork_state: bool = False
+) -> KvsimBackend:
+    """kvsim's synchronous engine for the scenario (``build_engine``)."""
+    return KvsimBackend(build_engine(scenario, layout, mode="sync"), reports_fork_state=reports_fork_state)
 
 
 def vllm_backend(scenario: Scenario, plan: KVCachePlan) -> VllmBackend:
@@ -345,10 +343,6 @@ class ConformanceResult:
     fence: Comparison | None = None
 
 
-def plan_for(scenario: Scenario, layout: SideCacheSwitch) -> KVCachePlan:
-    return plan_kv_cache(scenario.load_model(), scenario.deployment, side_cache_layout=layout == "on")
-
-
 def run_conformance(
     scenario: Scenario,
     layout: SideCacheSwitch,
@@ -362,13 +356,13 @@ def run_conformance(
     requests = tuple(requests)
     plan = plan_for(compared, layout)
     vllm = vllm_backend(compared, plan)
-    kvsim = kvsim_backend(compared, plan)
+    kvsim = kvsim_backend(compared, layout)
     step_time = StepTimeModel(compared.step_time_config())
     horizon_s = compared.simulation.max_time_s
     comparison = compare(
         drive(kvsim, requests, step_time, horizon_s), drive(vllm, requests, step_time, horizon_s)
     )
-    fence = fence_effect(compared, plan, requests, step_time) if with_fence_effect else None
+    fence = fence_effect(compared, layout, requests, step_time) if with_fence_effect else None
     return ConformanceResult(
         comparison=comparison,
         kvsim_hashing=kvsim.scheduler.config.mtp_hashing,
@@ -379,12 +373,12 @@ def run_conformance(
 
 
 def fence_effect(
-    scenario: Scenario, plan: KVCachePlan, requests: tuple[RequestSpec, ...], step_time: StepTimeModel
+    scenario: Scenario, layout: SideCacheSwitch, requests: tuple[RequestSpec, ...], step_time: StepTimeModel
 ) -> Comparison:
     """kvsim with fenced frees off against kvsim with them on (the fork's)."""
     fenced_section = scenario.scheduler.model_copy(update={"defer_block_free": True})
     fenced = scenario.model_copy(update={"scheduler": fenced_section})
     horizon_s = scenario.simulation.max_time_s
-    off = drive(kvsim_backend(scenario, plan), requests, step_time, horizon_s)
-    on = drive(kvsim_backend(fenced, plan), requests, step_time, horizon_s)
+    off = drive(kvsim_backend(scenario, layout), requests, step_time, horizon_s)
+    on = drive(kvsim_backend(fenced, layout), requests, step_time, horizon_s)
     return compare(replace(off, backend="fence off"), replace(on, backend="fence on"))

@@ -323,6 +323,9 @@ class ForkEngine(_ForkSide):
     def has_unfinished_requests(self) -> bool:
         return self._has_unfinished
 
+    def only_empty_in_flight(self) -> bool:
+        return self._only_empty_in_flight
+
     def _sample(self, question: dict[str, Any]) -> dict[str, Any]:
         output = _engine_output(question["scheduled"])
         sampled = self.runner.execute_sampling(output, question["samples"]).sampled_token_ids
@@ -338,12 +341,8 @@ class ForkEngine(_ForkSide):
         if scheduled is not None:
             self._in_flight.append(scheduled)
         processed = self._in_flight.popleft() if answer["processed"] else None
+        self._only_empty_in_flight = answer["in_flight_empty"]
         call = EngineCall(scheduled, answer["samples"], waits=processed is not None, processed=processed)
-        call.idle = (
-            (scheduled is None or scheduled.is_empty)
-            and (processed is None or processed.is_empty)
-            and answer["in_flight_empty"]
-        )
         state = _state(
             call,
             placeholders=answer["placeholders"],

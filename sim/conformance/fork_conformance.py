@@ -14,19 +14,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from sim.conformance.async_engine import async_clock, drive_engine, kvsim_engine
-from sim.conformance.backends import KvsimBackend, kvsim_fork_state, model_runner
-from sim.conformance.driver import Comparison, Trajectory, compare, drive, plan_for
+from sim.conformance.backends import kvsim_fork_state
+from sim.conformance.driver import Comparison, Trajectory, compare, drive, kvsim_backend
 from sim.conformance.fork_backend import ForkBackend, ForkEngine, ForkProcess
-from sim.engine import scheduler_config
+from sim.engine_assembly import model_runner
 from sim.fork.frees import fork_defers_block_free
-from sim.scenario import Scenario, SideCacheSwitch
+from sim.scenario import EngineMode, Scenario, SideCacheSwitch
 from sim.sched.scheduler import RequestSpec
 from sim.step_time import StepTimeModel
-
-EngineMode = Literal["sync", "async"]
 
 
 class ClockTape:
@@ -98,16 +96,13 @@ def kvsim_trajectory(
     """kvsim's fork mode as compared (what the golden frames are checked
     against); ``clock``: a recording's tape, kvsim's step-time model if None."""
     compared = fork_compared_scenario(scenario, engine_mode)
-    plan = plan_for(compared, layout)
     step_time = clock or StepTimeModel(compared.step_time_config())
     horizon_s = compared.simulation.max_time_s
     if engine_mode == "async":
         pp = compared.deployment.pipeline_parallel_size
-        engine = _ReportingKvsimEngine(kvsim_engine(compared, plan, depth=pp + 1, stagger=pp))
+        engine = _ReportingKvsimEngine(kvsim_engine(compared, layout, depth=pp + 1, stagger=pp))
         return drive_engine(engine, requests, async_clock(compared, step_time), horizon_s, follow_ups_until_s)
-    config = scheduler_config(compared, compared.load_model(), plan)
-    runner = model_runner(compared.mtp.acceptance_rates, compared.seed)
-    backend = KvsimBackend(compared, plan, config, runner, reports_fork_state=True)
+    backend = kvsim_backend(compared, layout, reports_fork_state=True)
     return drive(backend, requests, step_time, horizon_s, follow_ups_until_s)
 
 

@@ -16,10 +16,12 @@ vLLM's call blocks on ``future.result()`` between handing a step to the
 workers and applying the oldest step's output. Each core splits its call
 there: ``begin_step`` (up to the block) and ``end_step`` (after it), so the
 one engine loop (``engine_loop.py``) lets the step's time pass in between,
-on whatever clock its caller keeps. ``step`` makes the whole call at once
-(callers without a clock). Steady decode steps take kvsim's fast lane
-(``steady.py``; ``async_steady.py`` in the batch queue) when the fast path
-is on. Plain Python: no SimPy.
+on whatever clock its caller keeps (``engine_loop.make_call`` makes the
+whole call at once, for callers without a clock). Whether a call leaves the
+engine idle is the loop's judgement (``engine_loop.idle_after``); a core
+says only what is in flight and lets it complete. Steady decode steps take
+kvsim's fast lane (``steady.py``; ``async_steady.py`` in the batch queue)
+when the fast path is on. Plain Python: no SimPy.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ class EngineCall:
     outcome: StepOutcome | None = None
     # The processed step's sampled tokens (None: the steady lane kept them).
     sampled: ModelRunnerOutput | None = None
-    # Nothing but a new request can change the engine now.
+    # Nothing but a new request can change the engine now (set by the
+    # engine loop's idle rule, ``engine_loop.idle_after``).
     idle: bool = False
 
 
@@ -83,11 +86,10 @@ class EngineCore:
 
     def begin_step(self) -> EngineCall:
         """Schedule and hand the step to the workers. An empty step is not
-        run: the steps in flight complete instead (their fenced frees
-        return), and the engine is idle if that changed nothing."""
+        run (the call hands the workers nothing)."""
         scheduled = self.schedule()
         if scheduled.output.is_empty:
-            return EngineCall(idle=not self.scheduler.complete_in_flight_steps())
+            return EngineCall()
         self._in_flight = scheduled
         return EngineCall(scheduled=scheduled.output, waits=True)
 
@@ -116,15 +118,13 @@ class EngineCore:
         sampled = self.model_runner.execute(step.output, step.token_counts)
         return sampled, self.scheduler.update_from_output(step.output, sampled)
 
-    def step(self) -> tuple[SchedulerOutput, StepOutcome | None]:
-        """Schedule and complete one step at once. An empty step lets the
-        steps in flight complete (their fenced frees return) and has no
-        outcome."""
-        scheduled = self.schedule()
-        if scheduled.output.is_empty:
-            self.scheduler.complete_in_flight_steps()
-            return scheduled.output, None
-        return scheduled.output, self.complete(scheduled)
+    def only_empty_in_flight(self) -> bool:
+        return self._in_flight is None or self._in_flight.output.is_empty
+
+    def complete_in_flight_steps(self) -> bool:
+        """The steps the scheduler still counts in flight complete (with
+        ``max_concurrent_batches`` > 1 its fence trails the applied step)."""
+        return self.scheduler.complete_in_flight_steps()
 
     def flush(self) -> None:
         """Hand the steady requests their tokens (call this before reading
@@ -166,7 +166,7 @@ class BatchQueueEngineCore:
     def begin_step(self) -> EngineCall:
         scheduler = self.scheduler
         if not scheduler.has_requests():
-            return EngineCall(None, waits=bool(self.batch_queue), idle=not self.batch_queue)
+            return EngineCall(None, waits=bool(self.batch_queue))
         steady = self.steady
         scheduled = scheduler.schedule() if steady is None else steady.schedule()
         self.batch_queue.appendleft((scheduled, self._execute(scheduled)))
@@ -174,32 +174,25 @@ class BatchQueueEngineCore:
         if len(self.batch_queue) < self.max_concurrent_batches and (
             not scheduled.is_empty or scheduler.has_requests()
         ):
-            return EngineCall(scheduled, samples, idle=scheduled.is_empty and self.only_empty_in_flight())
+            return EngineCall(scheduled, samples)
         return EngineCall(scheduled, samples, waits=True)
 
     def end_step(self, call: EngineCall) -> None:
-        """The oldest step's output landed: apply it. The call was idle if
-        it scheduled and applied nothing and only empty steps are in flight."""
+        """The oldest step's output landed: apply it."""
         output, sampled = self.batch_queue.pop()
         call.processed, call.sampled = output, sampled
         if self.steady is None:
             call.outcome = self.scheduler.update_from_output(output, sampled)
         else:
             call.outcome = self.steady.complete(output, sampled)
-        scheduled = call.scheduled
-        call.idle = (
-            (scheduled is None or scheduled.is_empty) and output.is_empty and self.only_empty_in_flight()
-        )
-
-    def step(self) -> EngineCall:
-        """One whole call (callers without a clock)."""
-        call = self.begin_step()
-        if call.waits:
-            self.end_step(call)
-        return call
 
     def only_empty_in_flight(self) -> bool:
         return all(output.is_empty for output, _ in self.batch_queue)
+
+    def complete_in_flight_steps(self) -> bool:
+        """Nothing to force: a step in the batch queue completes when its
+        output is applied (``end_step``), as in vLLM."""
+        return False
 
     def flush(self) -> None:
         """Hand the steady requests their state (call this before reading

@@ -19,8 +19,10 @@ another (``SerialClock``) or a pipeline of stages (``PipelineClock``,
 ``sim/pipeline_clock.py``). The I/O (``EngineIO``) says what time it is,
 whether more requests may come, whether to stop, and records each call.
 vLLM spins on empty steps while waiting for a request; an idle engine here
-sleeps until one arrives (nothing else can change it). The generator
-returns whether the run stalled: requests remain that nothing can schedule.
+sleeps until one arrives (nothing else can change it). Whether a call left
+the engine idle is judged here, once for every core (``idle_after``). The
+generator returns whether the run stalled: requests remain that nothing can
+schedule.
 """
 
 from __future__ import annotations
@@ -55,13 +57,23 @@ class StepClock(Protocol):
         ...
 
 
-class EngineCore(Protocol):
-    """An engine core's call, split where it blocks (``engine_core.py``)."""
+class LoopCore(Protocol):
+    """An engine core as the loop drives it (``engine_core.py``): its call
+    split where it blocks, and what the idle rule (``idle_after``) asks."""
 
     def has_work(self) -> bool: ...
     def has_unfinished_requests(self) -> bool: ...
     def begin_step(self) -> EngineCall: ...
     def end_step(self, call: EngineCall) -> None: ...
+
+    def only_empty_in_flight(self) -> bool:
+        """Every step handed to the workers and not yet applied is empty."""
+        ...
+
+    def complete_in_flight_steps(self) -> bool:
+        """The engine idles: the steps in flight complete (the frees fenced
+        behind them return). True when that changed anything."""
+        ...
 
 
 class EngineIO(Protocol):
@@ -88,13 +100,22 @@ class EngineIO(Protocol):
 Pause = float | Idle
 
 
-def run_engine(core: EngineCore, clock: StepClock, io: EngineIO) -> Generator[Pause, None, bool]:
+def run_engine(
+    core: LoopCore, clock: StepClock, io: EngineIO, *, settle_at_rest: bool = False
+) -> Generator[Pause, None, bool]:
     """Run ``core`` until it has no work left and no request will come
-    (returns False), it stalls (True), or ``io`` stops it (False)."""
+    (returns False), it stalls (True), or ``io`` stops it (False).
+
+    ``settle_at_rest``: an engine left without requests lets its steps in
+    flight complete before it waits (``kvsim serve``: a server at rest holds
+    no block, and its gauges say so). A simulation leaves them to its next
+    step, as vLLM's busy loop waits on its input queue without stepping."""
     while not io.stopped():
         if not core.has_work():
             if io.arrivals_ended():
                 return False
+            if settle_at_rest:
+                core.complete_in_flight_steps()
             yield IDLE
             continue
         clock.now_s = io.start_s()
@@ -107,6 +128,7 @@ def run_engine(core: EngineCore, clock: StepClock, io: EngineIO) -> Generator[Pa
             if wait_s > 0:
                 yield wait_s
             core.end_step(call)
+        call.idle = idle_after(core, call)
         io.record(call, started_s, step_s)
         if call.idle:
             if not io.arrivals_ended():
@@ -114,3 +136,28 @@ def run_engine(core: EngineCore, clock: StepClock, io: EngineIO) -> Generator[Pa
             elif core.has_unfinished_requests():
                 return True
     return False
+
+
+def idle_after(core: LoopCore, call: EngineCall) -> bool:
+    """The idle rule, for every core: a call that ran nothing (it handed
+    the workers no step or an empty one, and applied none or an empty one)
+    while only empty steps are in flight lets the steps in flight complete
+    (their fenced frees return); if that changed nothing, nothing but a new
+    request can change the engine."""
+    if not (_is_empty(call.scheduled) and _is_empty(call.processed) and core.only_empty_in_flight()):
+        return False
+    return not core.complete_in_flight_steps()
+
+
+def _is_empty(output: SchedulerOutput | None) -> bool:
+    return output is None or output.is_empty
+
+
+def make_call(core: LoopCore) -> EngineCall:
+    """One whole call, for callers without a clock: begin it, apply the
+    oldest step's output if it waits for one, judge it by the idle rule."""
+    call = core.begin_step()
+    if call.waits:
+        core.end_step(call)
+    call.idle = idle_after(core, call)
+    return call

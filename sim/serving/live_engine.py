@@ -189,13 +189,12 @@ class LiveEngine:
 
     async def run(self) -> None:
         """The engine loop, its pauses slept on the scaled wall clock."""
-        steps = run_engine(self.sim.core, self.sim.clock, self)
+        # At rest the steps in flight complete, so the blocks fenced behind
+        # them (the last finished or aborted requests') return.
+        steps = run_engine(self.sim.core, self.sim.clock, self, settle_at_rest=True)
         for pause in steps:
             if pause is IDLE:
-                # Idle: the steps in flight complete, so the blocks fenced
-                # behind them (the last finished or aborted requests') return.
-                if self.scheduler.complete_in_flight_steps():
-                    self._publish_gauges()
+                self._publish_gauges()
                 await self._idle()
                 continue
             landed_s = self.sim.clock.now_s

@@ -10,8 +10,10 @@ from helpers.allocator import K, tiny_plan
 from sim.allocator_invariants import check_allocator
 from sim.fork.patches import AS_SHIPPED, ForkPatches
 from sim.kv_cache_manager import build_kv_cache_manager
-from sim.sched.engine_core import EngineCore
+from sim.sched.engine_core import EngineCore, ScheduledStep
+from sim.sched.engine_loop import make_call
 from sim.sched.model_runner import AcceptanceModel, ModelRunner, accepted_drafts
+from sim.sched.output import SchedulerOutput, StepOutcome
 from sim.sched.scheduler import Scheduler, SchedulerConfig
 from sim.workloads import WorkloadRequest
 
@@ -70,19 +72,28 @@ class FixedDraws:
 
 
 class CheckedEngine(EngineCore):
-    """The engine's own step (``EngineCore``), checking the allocator's
-    invariants after each step that ran."""
+    """The engine's own call (``EngineCore``) made whole, checking the
+    allocator's invariants after each step that ran."""
 
     def __init__(self, scheduler: Scheduler, rates=(0.8, 0.7, 0.6), seed: int = 0) -> None:
         super().__init__(
             scheduler, ModelRunner(AcceptanceModel(conditional_rates=rates), np.random.default_rng(seed))
         )
+        self._scheduled: ScheduledStep | None = None
 
-    def step(self):
-        output, outcome = super().step()
-        if outcome is not None:
+    def schedule(self) -> ScheduledStep:
+        self._scheduled = super().schedule()
+        return self._scheduled
+
+    def step(self) -> tuple[SchedulerOutput, StepOutcome | None]:
+        """One call (``engine_loop.make_call``: an empty step lets the steps
+        in flight complete): the step scheduled, empty when none ran, and
+        its outcome (None: none)."""
+        call = make_call(self)
+        if call.outcome is not None:
             check_allocator(self.scheduler.kv_cache_manager, self.scheduler.deferred_blocks())
-        return output, outcome
+        assert self._scheduled is not None
+        return self._scheduled.output, call.outcome
 
     def run(self, max_steps: int = 2000) -> list:
         """Step until every request finished (bounded)."""
