@@ -353,7 +353,7 @@ def test_partial_hits_conform_to_vllms_scheduler(tmp_path, monkeypatch):
     copy-on-write), kvsim's scheduler is step for step vLLM 0.33.0's own
     Scheduler built from a real VllmConfig with ``prefix_match_unit``.
     CONTROL: kvsim's manager hashing on the block instead differs."""
-    import sim.conformance.backends as backends
+    import sim.engine_assembly as assembly
     from sim.analysis.runs import scenario_workload
     from sim.conformance.driver import run_conformance
 
@@ -362,12 +362,12 @@ def test_partial_hits_conform_to_vllms_scheduler(tmp_path, monkeypatch):
     result = run_conformance(scenario, "on", requests, mtp_hash_mode="eagle-drop")
     comparison = result.comparison
     assert comparison.num_steps > 0 and comparison.conforms, comparison.first_difference
-    build = backends.build_kv_cache_manager
+    build = assembly.build_kv_cache_manager
 
     def on_the_block(plan, **kwargs):
         from dataclasses import replace
 
         return build(replace(plan, hash_block_size=plan.block_size), **kwargs)
 
-    monkeypatch.setattr(backends, "build_kv_cache_manager", on_the_block)
+    monkeypatch.setattr(assembly, "build_kv_cache_manager", on_the_block)
     assert not run_conformance(scenario, "on", requests, mtp_hash_mode="eagle-drop").comparison.conforms
