@@ -10,6 +10,7 @@ to the workers once per step so they clear the new rings' tag words.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
@@ -176,6 +177,12 @@ class KVCacheManager(_VllmKVCacheManager):
         super().free(request)
         if retained:
             self.block_pool.free_blocks(retained)
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Return blocks popped for a fenced free (or a copy-on-write's
+        retained ends) to the pool: kvsim's fenced frees, no twin in vLLM,
+        go through the manager like every other change to the allocator."""
+        self.block_pool.free_blocks(blocks)
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
         """The request's blocks, not yet freed, under vLLM's contract: the

@@ -187,7 +187,7 @@ def _completed(kept: _KeptAsync, tokens: list[int], item: ScheduledRequest) -> t
     output lands with ``tokens``: whether the lane applied them, and the
     step's outcome."""
     lane = object.__new__(AsyncSteadyDecode)
-    lane.num_spec, lane.step_tokens, lane.fast_path = 3, 4, SimpleNamespace(audit=False)
+    lane.num_spec, lane.step_tokens, lane.door = 3, 4, SimpleNamespace(audit=False)
     lane._kept = {"r": kept}
     ordinary: list[str] = []  # requests handed back and applied the ordinary way
     lane._leave = lambda request: ordinary.append("left")  # type: ignore[method-assign]
@@ -243,7 +243,7 @@ def test_a_step_tallies_the_lanes_decodes_on_top_of_the_ordinary_ones():
     accepted), then the kept "r" landing with two tokens (2 generated, 3
     drafted, 1 accepted): the step's outcome is their sums, 5, 6 and 3."""
     lane = object.__new__(AsyncSteadyDecode)
-    lane.num_spec, lane.step_tokens, lane.fast_path = 3, 4, SimpleNamespace(audit=False)
+    lane.num_spec, lane.step_tokens, lane.door = 3, 4, SimpleNamespace(audit=False)
     lane._kept = {
         "r": _KeptAsync(
             request=None, computed=104, in_flight=4, placeholders=4, eligible=0, num_tokens=101,
@@ -371,9 +371,9 @@ def test_a_new_lane_reads_k_and_the_stagger_off_its_scheduler():
     """K = 3 drafts: a decode of 1 + 3 = 4 tokens; stagger 2; nothing kept
     or taken yet."""
     scheduler = SimpleNamespace(config=SimpleNamespace(num_speculative_tokens=3), decode_stagger=2)
-    fast_path = SimpleNamespace(audit=False)
-    lane = AsyncSteadyDecode(scheduler, fast_path)
-    assert lane.scheduler is scheduler and lane.fast_path is fast_path
+    door = SimpleNamespace(audit=False)
+    lane = AsyncSteadyDecode(scheduler, door)
+    assert lane.scheduler is scheduler and lane.door is door
     assert (lane.num_spec, lane.step_tokens, lane.decode_stagger) == (3, 4, 2)
     assert (lane._kept, lane.num_taken) == ({}, 0)
 

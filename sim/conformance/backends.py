@@ -27,6 +27,7 @@ from sim.kv_cache_pins import PinningKVCacheManager
 from sim.kv_cache_plan import KVCachePlan
 from sim.scenario import Scenario
 from sim.sched.engine_core import EngineCore, ScheduledStep
+from sim.sched.fast_path_manager import unwrapped
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import ScheduledRequest, SchedulerOutput
 from sim.sched.scheduler import DRAFT_TOKEN_ID, RequestSpec, Scheduler, SchedulerConfig
@@ -161,7 +162,7 @@ def kvsim_fork_state(scheduler: Scheduler) -> tuple[tuple[str, Any], ...]:
     """kvsim's twin of what the fork's server reports (``fork_server.fork_state``):
     waiter pins, graces in release order, retained checkpoints per Mamba
     group, blocks waiting behind a fence."""
-    manager = scheduler.kv_cache_manager
+    manager = unwrapped(scheduler.kv_cache_manager)
     state: dict[str, Any] = {"pinned_waiters": (), "graces": (), "num_grace_pinned_blocks": 0}
     if isinstance(manager, PinningKVCacheManager):
         state["pinned_waiters"] = tuple(sorted(manager.pinned_waiter_ids()))

@@ -47,7 +47,7 @@ from sim.vllm_bridge import Request
 
 if TYPE_CHECKING:
     from sim.sched.async_scheduler import AsyncScheduler
-    from sim.sched.fast_path import FastPath
+    from sim.sched.fast_path_manager import FastPathKVCacheManager
 
 
 # ``ScheduledRequest(...)`` without the named tuple's Python-level
@@ -82,9 +82,9 @@ class _KeptAsync:
 class AsyncSteadyDecode:
     """The steady lane for ``BatchQueueEngineCore`` (one per engine core)."""
 
-    def __init__(self, scheduler: AsyncScheduler, fast_path: FastPath) -> None:
+    def __init__(self, scheduler: AsyncScheduler, door: FastPathKVCacheManager) -> None:
         self.scheduler = scheduler
-        self.fast_path = fast_path
+        self.door = door
         self.num_spec = scheduler.config.num_speculative_tokens
         self.step_tokens = 1 + self.num_spec
         # The scheduler's decode stagger (pp): a taken decode's next is that
@@ -121,7 +121,7 @@ class AsyncSteadyDecode:
             return scheduler.schedule()
         steady = SteadyItems(items=items, hand_over=self._leave)  # type: ignore[arg-type]
         output = scheduler.schedule(steady)
-        if self.fast_path.audit and steady.taken:
+        if self.door.audit and steady.taken:
             self._audit_allocations(steady.taken)
         # ``AsyncScheduler._finish_schedule``'s share, for the taken decodes.
         eligible = output.step_index + self.decode_stagger
@@ -147,7 +147,7 @@ class AsyncSteadyDecode:
         scheduler.output_arrives(output)
         tally = StepTally()
         kept_by_id, tokens_by_id = self._kept, sampled.sampled_token_ids
-        step_tokens, num_spec, audit = self.step_tokens, self.num_spec, self.fast_path.audit
+        step_tokens, num_spec, audit = self.step_tokens, self.num_spec, self.door.audit
         num_applied = num_generated = 0
         for item in output.scheduled:
             request_id, num_scheduled, _, num_spec_scheduled, _, is_padded = item
@@ -249,10 +249,10 @@ class AsyncSteadyDecode:
         ``allocate_slots`` spans from the processed tokens (they only grow)
         to ``1 + 2K`` past the computed ones; the clip leaves it ``1 + K``."""
         computed, scheduler = request.num_computed_tokens, self.scheduler
-        span = scheduler.decode_span(request, self.step_tokens + self.num_spec)
-        fast_path, request_id = self.fast_path, request.request_id
-        allocation = fast_path.allocations.bounds(request_id)
-        caching = fast_path.caching.bounds(request_id)
+        span = self.door.decode_span(request, self.step_tokens + self.num_spec)
+        door, request_id = self.door, request.request_id
+        allocation = door.allocations.bounds(request_id)
+        caching = door.caching.bounds(request_id)
         if span is None or allocation is None or caching is None:
             return None
         processed = span[0]
@@ -268,7 +268,7 @@ class AsyncSteadyDecode:
     def _audit_allocations(self, taken: set[str]) -> None:
         """Make the allocation each taken decode skipped (``audit``), with
         its ``Request`` as the running loop would have seen it."""
-        kv = self.scheduler.kv_cache_manager
+        kv = self.door.wrapped
         before = allocator_snapshot(kv)
         for request_id in taken:
             kept = self._kept[request_id]
@@ -276,11 +276,11 @@ class AsyncSteadyDecode:
             blocks = kv.allocate_slots(kept.request, self.step_tokens, num_lookahead_tokens=self.num_spec)
             assert blocks is not None and not any(blocks.blocks), f"{request_id}: a steady decode allocates"
         assert allocator_snapshot(kv) == before, "a steady decode's allocation changed the allocator"
-        self.fast_path.audited.lane_steps += 1
+        self.door.audited.lane_steps += 1
 
     def _audit_caching(self, kept: _KeptAsync, processed: int) -> None:
         """Make the caching a kept decode's output skipped (``audit``)."""
-        kv = self.scheduler.kv_cache_manager
+        kv = self.door.wrapped
         before = allocator_snapshot(kv)
         self._hand_over(kept)
         kv.cache_blocks(kept.request, processed)

@@ -1,8 +1,11 @@
 """The fast path: the scheduler work kvsim skips because it changes nothing.
 
-No twin in vLLM (its scheduler makes every call). Three parts, one object
-(``FastPath``, held by the scheduler as ``Scheduler.fast_path``; ``NoFastPath``
-when ``simulation.fast_path`` is off, so the scheduler never branches on it):
+No twin in vLLM (its scheduler makes every call). Two objects: the
+allocator's door (``FastPathKVCacheManager``, ``fast_path_manager.py``: the
+scheduler's ``kv_cache_manager`` when ``simulation.fast_path`` is on), which
+decides every call into the allocator, and ``FastPath`` (held as
+``Scheduler.fast_path``; ``NoFastPath`` when off, so the scheduler never
+branches on it), the memos of the scheduler's own loops and the lanes:
 
 - **settled calls** (``settled.py``): a decoding request's ``allocate_slots``
   and ``cache_blocks`` between block boundaries change nothing; the first
@@ -20,13 +23,15 @@ when ``simulation.fast_path`` is off, so the scheduler never branches on it):
   the fork's waiter pins found no hit finds none again until a hash is
   cached or its tokens change.
 
-The scheduler calls it at a few named points: ``skips_allocation`` /
-``allocated`` around ``allocate_slots``, ``skips_caching`` / ``cached``
-around ``cache_blocks``, ``blocks_freed`` and ``allocator_changes`` where
-blocks move (``allocator_takes_blocks`` for a running request's allocation
-and caching), ``skips_waiting`` / ``waiting_starts`` / ``head_looked_up`` /
-``waiting_ends`` around the waiting loop, ``skips_pin_lookup`` / ``pin_lookup_found_no_hit``
-around a waiter's pin lookup (``pins.py``).
+The scheduler calls ``self.kv_cache_manager.…`` as vLLM's does; the door
+skips a settled call, answers a lookup known to find nothing and counts
+every call that may change the allocator. What stays at the scheduler's
+level, each a call on ``Scheduler.fast_path``: the waiting-loop memo
+(``skips_waiting`` / ``waiting_starts`` / ``waiting_ends``, a refused
+admission, ``waiter_admitted``), the pin-pass memo (``skips_pin_pass`` /
+``unchanged_waiters`` / ``pin_pass_ends``, ``pins.py``), a waiter's change
+(``waiting_tokens_change`` / ``waiting_request_changes``, async mode) and
+the lanes (``make_lane`` / ``make_async_lane``, the engine cores).
 
 ``audit = True`` makes every skipped call anyway and asserts it changed
 nothing (the whole allocator state compared, ``allocator_snapshot``), and
@@ -55,11 +60,14 @@ is broken:
    to spare, not derived to the token; the audit checks it.
    ``tests/test_fast_path.py::test_the_calls_skipped_across_a_block_boundary``
    (the hand count moves with it).
-3. Every call that may change the allocator bumps the version first
-   (``allocator_changes``: frees, fenced frees, an admission, pins;
-   ``allocator_takes_blocks``: a running request's allocation, caching).
-   ``new_step_starts`` (clears a per-step set of cached ids) and
-   ``get_computed_blocks`` (a lookup: it touches nothing) do not.
+3. Every call that may change the allocator bumps the version: structural,
+   the door is the scheduler's only way to the allocator and bumps it for
+   each (frees, fenced frees, a copy-on-write's release, an admission, pins
+   and yields that change something; a running request's allocation and
+   caching move ``allocator_version`` alone, rule 12). ``new_step_starts``
+   (clears a per-step set of cached ids) and ``get_computed_blocks`` (a
+   lookup: it touches nothing) do not. A new call into the allocator is a
+   method of the door, or passes through it unseen: check it here.
    ``tests/test_steady.py::test_the_waiting_memo_holds_only_for_the_same_inputs_and_allocator``.
 4. ``_waiting_inputs`` lists everything the waiting loop reads besides its
    head and the allocator: the budget left, the running and waiting counts,
@@ -95,7 +103,7 @@ is broken:
 9. In async mode (``AsyncScheduler``; the lane is ``async_steady.py``) a decode's
    ``allocate_slots`` reads back to its processed tokens, behind the
    tokens in flight (vLLM frees skipped blocks there), so its window spans
-   from them (``Scheduler.decode_span``); its ``cache_blocks`` calls are at
+   from them (``FastPathKVCacheManager.decode_span``); its ``cache_blocks`` calls are at
    the processed tokens. A preempted request's stale output draining
    changes what the waiting loop reads without an allocator call: it voids
    the memo (``waiting_request_changes``). The async lane keeps a decode's
@@ -135,7 +143,7 @@ is broken:
    whole.
    With hashes inserted since, a pass still passes over the idle pass's
    waiters if that pass met only waiters rule 10 remembers (each reported
-   otherwise, ``pin_lookup_not_remembered``): an insertion changes such a
+   otherwise by the doors ``pin_waiting_hit``): an insertion changes such a
    waiter only by forgetting it, and the forgotten ones are examined. An
    admitted waiter is examined again too (``waiter_admitted``: preempted,
    it comes back as the same object with more tokens).
@@ -150,7 +158,7 @@ is broken:
    nothing in any group (no token, no block, no shared-prefix boundary),
    admits nobody again with the same head and inputs while the only calls
    since were running requests' allocations and caching
-   (``allocator_takes_blocks``; every other change bumps the release
+   (the door moves ``allocator_version`` alone for them; every other change bumps the release
    version too: frees, fenced frees, admissions, pins, preemptions, a
    waiter's stale output), none of the head's hashes was inserted (rule
    10's memo of the head is still the one it had at that lookup: a pin
@@ -180,36 +188,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
-from sim.allocator_invariants import allocator_snapshot
 from sim.sched.async_steady import AsyncSteadyDecode
-from sim.sched.missed_lookups import MissedPinLookups
-from sim.sched.settled import SettledSteps
+from sim.sched.fast_path_manager import AuditCounts, FastPathKVCacheManager
 from sim.sched.steady import SKIP, SteadyDecode
 
 if TYPE_CHECKING:
     from sim.kv_cache_manager import KVCacheManager
     from sim.sched.model_runner import ModelRunner
     from sim.sched.scheduler import Scheduler, SchedulerConfig, _StepState
-    from sim.vllm_bridge import KVCacheBlocks, Request
-
-T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class AuditCounts:
-    """The skipped calls an audit made anyway (each changed nothing)."""
-
-    allocations: int = 0
-    cachings: int = 0
-    waiting_loops: int = 0
-    lane_steps: int = 0
-    pin_lookups: int = 0
-    pin_passes: int = 0
-    unchanged_waiters: int = 0
-    lookups: int = 0
-    refused_admissions: int = 0
+    from sim.vllm_bridge import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,97 +235,60 @@ class _IdleWaiting:
 
 
 class FastPath:
-    """The fast path of one scheduler (rules 1-12 above)."""
+    """The scheduler-level fast path of one scheduler (rules 4-12 above):
+    the waiting-loop memo, the pin-pass memo and the lanes. The calls into
+    the allocator are decided behind its door (``door``)."""
 
     enabled = True
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, door: FastPathKVCacheManager) -> None:
         self.scheduler = scheduler
-        self.allocations = _settled_steps(scheduler)
-        self.caching = _settled_steps(scheduler)
-        # Counts the calls that may have changed the allocator's state, so a
-        # waiting loop's outcome can be known unchanged (rule 3), and those
-        # of them that may do more than take blocks (rule 12).
-        self.allocator_version = 0
-        self.release_version = 0
+        self.door = door
+        # Waiting requests whose stale output drained (rule 9): each voids
+        # the remembered loops as an allocator change does.
+        self._waiters_changed = 0
         self._idle_waiting: _IdleWaiting | None = None
-        # The waiting loop's last lookup: the request, and whether it found
-        # nothing in any group (rule 12); the last request whose lookup did,
-        # with rule 10's memo of it then; the last refused admission.
-        self._last_lookup: tuple[object, bool] | None = None
-        self._found_nothing: tuple[object, object] | None = None
         self._refusal: _Refusal | None = None
-        # Waiters whose pin lookup found no hit (rule 10).
-        self.missed_pin_lookups = MissedPinLookups(scheduler.kv_cache_manager.block_pool)
         self._pin_pass_version = 0
-        # Make every skipped call anyway and assert it changed nothing.
-        self.audit = False
-        self.audited = AuditCounts()
         # The steady lane on (off: only the scheduler's own skips, which the
         # lane would otherwise take most of; an audit of those turns it off).
         self.use_lane = True
 
+    @property
+    def audit(self) -> bool:
+        """Make every skipped call anyway and assert it changed nothing."""
+        return self.door.audit
+
+    @audit.setter
+    def audit(self, on: bool) -> None:
+        self.door.audit = on
+
+    @property
+    def audited(self) -> AuditCounts:
+        return self.door.audited
+
+    @property
+    def allocator_version(self) -> int:
+        """The door's version (rule 3), voided too by a waiter's change."""
+        return self.door.allocator_version + self._waiters_changed
+
+    @property
+    def release_version(self) -> int:
+        return self.door.release_version + self._waiters_changed
+
     def make_lane(self, model_runner: ModelRunner) -> SteadyDecode | None:
         """The steady lane for an engine core (``EngineCore`` makes one)."""
-        return SteadyDecode(self.scheduler, self, model_runner) if self.use_lane else None
+        return SteadyDecode(self.scheduler, self.door, model_runner) if self.use_lane else None
 
     def make_async_lane(self) -> AsyncSteadyDecode | None:
         """The steady lane for a batch-queue engine core (async mode)."""
         scheduler = self.scheduler
-        return AsyncSteadyDecode(scheduler, self) if self.use_lane else None  # type: ignore[arg-type]
-
-    # ------------------------------------------------------ settled calls
-    def skips_allocation(self, request: Request, num_new: int, num_lookahead: int) -> bool:
-        """Whether this ``allocate_slots`` call is settled (rule 1)."""
-        span = self.scheduler.decode_span(request, num_new + num_lookahead)
-        if span is None or not self.allocations.is_settled(request.request_id, *span):
-            return False
-        if self.audit:
-            self._audit_allocation(request, num_new, num_lookahead)
-        return True
-
-    def allocated(self, request: Request, num_new: int, num_lookahead: int) -> None:
-        """A real ``allocate_slots`` call succeeded."""
-        span = self.scheduler.decode_span(request, num_new + num_lookahead)
-        if span is not None:
-            self.allocations.record(request.request_id, *span, request.num_prompt_tokens)
-
-    def skips_caching(self, request: Request, computed: int) -> bool:
-        """Whether this ``cache_blocks(request, computed)`` call is settled (rule 1)."""
-        if not self.caching.is_settled(request.request_id, computed, computed):
-            return False
-        if self.audit:
-            self._audit(lambda: self.scheduler.kv_cache_manager.cache_blocks(request, computed), "caching")
-            self.audited.cachings += 1
-        return True
-
-    def cached(self, request: Request, computed: int) -> None:
-        """A real ``cache_blocks(request, computed)`` call was made."""
-        self.caching.record(request.request_id, computed, computed, request.num_prompt_tokens)
-
-    def blocks_freed(self, request_id: str) -> None:
-        """The request's blocks are freed (preempted or finished)."""
-        self.allocations.forget(request_id)
-        self.caching.forget(request_id)
-        self.allocator_changes()
-
-    def allocator_changes(self) -> None:
-        """A real call may change the allocator: every remembered waiting
-        loop is void (versions only grow, so none can match again)."""
-        self.allocator_version += 1
-        self.release_version += 1
-
-    def allocator_takes_blocks(self) -> None:
-        """A real call for a running request may take blocks from the pool
-        (evicting cached ones), free its own skipped blocks and cache its
-        hashes, and changes nothing else (rule 12: its allocation or its
-        caching; a preemption, a pin's yield, a free report their own)."""
-        self.allocator_version += 1
+        return AsyncSteadyDecode(scheduler, self.door) if self.use_lane else None  # type: ignore[arg-type]
 
     def waiting_request_changes(self) -> None:
         """A waiting request the waiting loop skipped may be admitted now
         (its stale output drained, rule 9): every remembered loop is void."""
-        self.allocator_changes()
+        self._waiters_changed += 1
 
     # ------------------------------------------------ known-idle waiting
     def skips_waiting(self, step: _StepState) -> bool:
@@ -347,7 +299,7 @@ class FastPath:
         return known
 
     def waiting_starts(self, step: _StepState) -> tuple:
-        self._last_lookup = None
+        self.door.last_lookup = None
         return self._waiting_inputs(step.token_budget, step.running_scheduled, step.prefill_scheduled)
 
     def waiting_ends(self, inputs: tuple, admitted: bool) -> None:
@@ -363,7 +315,7 @@ class FastPath:
         head, kept = waiting[0], (inputs,)
         if idle is not None and idle.head is head and self._allocator_as_when(idle):
             kept = (*idle.inputs, inputs)[-_IdleWaiting.MAX_INPUTS :]
-        last = self._last_lookup
+        last = self.door.last_lookup
         self._idle_waiting = _IdleWaiting(
             head,
             kept,
@@ -399,7 +351,7 @@ class FastPath:
         return (
             idle.head_missed
             and self._only_took_blocks_since(idle.release_version, idle.num_free_blocks)
-            and self._finds_nothing(idle.head)  # type: ignore[arg-type]
+            and self.door.finds_nothing(idle.head)  # type: ignore[arg-type]
         )
 
     def _only_took_blocks_since(self, release_version: int, num_free_blocks: int) -> bool:
@@ -410,41 +362,7 @@ class FastPath:
 
     def _num_free_blocks(self) -> int:
         """The count ``allocate_slots`` compares a need with."""
-        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-
-    def head_looked_up(self, request: Request, hit: tuple, num_hit: int, boundary: int) -> None:
-        """The waiting loop looked ``request`` up (``get_computed_blocks``:
-        the hit's blocks per group, its tokens, the shared-prefix boundary).
-        A lookup that found nothing is remembered by rule 10 too."""
-        missed = num_hit == 0 and boundary == 0 and not any(hit)
-        self._last_lookup = (request, missed)
-        memos = self.missed_pin_lookups
-        if num_hit == 0 and not memos.knows_no_hit(request):
-            memos.found_no_hit(request)
-        self._found_nothing = (request, memos.memo_of(request)) if missed else None
-
-    def skips_lookup(self, request: Request) -> bool:
-        """Whether the waiting loop's lookup of ``request`` is known to find
-        nothing in any group (rule 12: its last one did, and none of its
-        hashes was inserted since); vLLM then answers with its empty
-        blocks, no tokens and no boundary."""
-        if not self._finds_nothing(request):
-            return False
-        self._last_lookup = (request, True)
-        if self.audit:
-            self._audit_lookup(request)
-        return True
-
-    def _finds_nothing(self, request: Request) -> bool:
-        """Whether ``request``'s last waiting-loop lookup found nothing and
-        none of its hashes was inserted since: rule 10's memo of it is the
-        one it had then (a pin lookup that finds no hit remembers a
-        forgotten request anew, though a group's blocks may hit now)."""
-        found = self._found_nothing
-        if found is None or found[0] is not request:
-            return False
-        memo = self.missed_pin_lookups.memo_of(request)
-        return memo is not None and memo is found[1]
+        return self.door.block_pool.get_num_free_blocks()
 
     def skips_refused_admission(self, request: Request, num_new: int, attempt: Callable[[], object]) -> bool:
         """Whether admitting ``request`` with ``num_new`` tokens (``attempt``:
@@ -457,12 +375,12 @@ class FastPath:
             or refusal.request is not request
             or refusal.num_new != num_new
             or refusal.has_scheduled_reqs != bool(self.scheduler.running)
-            or not self._finds_nothing(request)
+            or not self.door.finds_nothing(request)
             or not self._only_took_blocks_since(refusal.release_version, refusal.num_free_blocks)
         ):
             return False
         if self.audit:
-            assert self._audit(attempt, "refused admission") is None, f"{request.request_id}: admitted"
+            assert self.door._audit(attempt, "refused admission") is None, f"{request.request_id}: admitted"
             self.audited.refused_admissions += 1
         return True
 
@@ -483,24 +401,12 @@ class FastPath:
             prefill_scheduled,
         )
 
-    # ------------------------------------------------ missed pin lookups
-    def skips_pin_lookup(self, request: Request) -> bool:
-        """Whether a waiter's pin lookup is known to find no hit (rule 10)."""
-        if not self.missed_pin_lookups.knows_no_hit(request):
-            return False
-        if self.audit:
-            self._audit_pin_lookup(request)
-        return True
-
-    def pin_lookup_found_no_hit(self, request: Request) -> None:
-        """A waiter's pin lookup, just made, found no hit."""
-        self.missed_pin_lookups.found_no_hit(request)
-
+    # ------------------------------------------------------ idle pin passes
     def skips_pin_pass(self, pinned_ids: tuple[str, ...]) -> bool:
         """Whether the pin pass is known to pin nothing (rule 11);
         ``pinned_ids``: the pinned waiters now."""
         self._pin_pass_version = self.allocator_version
-        if not self.missed_pin_lookups.knows_idle_pass(self.scheduler.waiting, pinned_ids):
+        if not self.door.missed_pin_lookups.knows_idle_pass(self.scheduler.waiting, pinned_ids):
             return False
         if self.audit:
             self._audit_pin_pass()
@@ -510,62 +416,30 @@ class FastPath:
         """The waiters (by ``id``) a pin pass may pass over (rule 11): those
         of the last pass, which pinned nothing, while the hash insertions,
         the waiters' tokens and the pinned waiters are the same."""
-        return self.missed_pin_lookups.idle_pass_entries(pinned_ids)
+        return self.door.missed_pin_lookups.idle_pass_entries(pinned_ids)
 
     def unchanged_waiter_passed_over(self, request: Request) -> None:
         if self.audit:
             self._audit_unchanged_waiter(request)
 
-    def pin_lookup_not_remembered(self) -> None:
-        """A waiter's pin lookup pinned nothing and is not remembered (rule 11)."""
-        self.missed_pin_lookups.pass_meets_unremembered_waiter()
-
     def waiter_admitted(self, request: Request) -> None:
         """A waiter was admitted (rule 11: it may come back preempted)."""
-        self.missed_pin_lookups.waiter_admitted(request)
+        self.door.missed_pin_lookups.waiter_admitted(request)
 
     def pin_pass_ends(self, pinned_ids: tuple[str, ...]) -> None:
         """A pin pass ended (it pinned something iff it bumped the version)."""
         pinned = self.allocator_version != self._pin_pass_version
-        self.missed_pin_lookups.pass_ends(self.scheduler.waiting, pinned_ids, pinned)
+        self.door.missed_pin_lookups.pass_ends(self.scheduler.waiting, pinned_ids, pinned)
 
     def waiting_tokens_change(self) -> None:
         """A waiting request may take tokens (a stale output lands, rule 11)."""
-        self.missed_pin_lookups.waiter_tokens_change()
+        self.door.missed_pin_lookups.waiter_tokens_change()
 
     # -------------------------------------------------------------- audit
-    def _audit(self, call: Callable[[], T], what: str) -> T:
-        """Make ``call`` and assert the allocator is as it was."""
-        kv_cache_manager = self.scheduler.kv_cache_manager
-        before = allocator_snapshot(kv_cache_manager)
-        result = call()
-        assert allocator_snapshot(kv_cache_manager) == before, f"a skipped {what} call changed the allocator"
-        return result
-
-    def _audit_allocation(self, request: Request, num_new: int, num_lookahead: int) -> None:
-        allocate = self.scheduler.kv_cache_manager.allocate_slots
-        blocks = self._audit(
-            lambda: allocate(request, num_new, num_lookahead_tokens=num_lookahead), "allocation"
-        )
-        assert blocks is not None and not any(blocks.blocks), (
-            f"{request.request_id}: a settled call allocated"
-        )
-        self.audited.allocations += 1
-
-    def _audit_pin_lookup(self, request: Request) -> None:
-        """Make the skipped pin call: it must look up and find no hit, which
-        returns before touching anything (no snapshot: there are many)."""
-        manager = self.scheduler.kv_cache_manager
-        pinned = manager.pin_waiting_hit(request)  # type: ignore[attr-defined]  # a PinningKVCacheManager's
-        assert pinned == 0 and manager.pin_lookup_found_no_hit, (  # type: ignore[attr-defined]
-            f"{request.request_id}: a skipped pin lookup hits"
-        )
-        self.audited.pin_lookups += 1
-
     def _audit_unchanged_waiter(self, request: Request) -> None:
         """Make a passed-over waiter's pin call: it must pin nothing (it is
         pinned already, or finds no hit)."""
-        pinned = self.scheduler.kv_cache_manager.pin_waiting_hit(request)  # type: ignore[attr-defined]
+        pinned = self.door.wrapped.pin_waiting_hit(request)  # type: ignore[attr-defined]
         assert pinned == 0, f"{request.request_id}: a waiter passed over pins"
         self.audited.unchanged_waiters += 1
 
@@ -573,17 +447,8 @@ class FastPath:
         """Run the skipped pin pass (its skipped lookups audited in turn)."""
         scheduler = self.scheduler
         pins = scheduler.pins.pin_waiters  # type: ignore[union-attr]  # a SchedulerPins'
-        self._audit(lambda: pins(scheduler._waiting_requests()), "pin pass")
+        self.door._audit(lambda: pins(scheduler._waiting_requests()), "pin pass")
         self.audited.pin_passes += 1
-
-    def _audit_lookup(self, request: Request) -> None:
-        """Make a skipped lookup: it must find nothing (vLLM's empty blocks)."""
-        kv_cache_manager = self.scheduler.kv_cache_manager
-        found = self._audit(lambda: kv_cache_manager.get_computed_blocks(request), "lookup")
-        assert found == (kv_cache_manager.empty_kv_cache_blocks, 0, 0), (
-            f"{request.request_id}: a lookup finds"
-        )
-        self.audited.lookups += 1
 
     def _audit_waiting(self, step: _StepState) -> None:
         """Run the skipped waiting loop on a copy of the step's inputs."""
@@ -592,7 +457,7 @@ class FastPath:
             running_scheduled=step.running_scheduled,
             prefill_scheduled=step.prefill_scheduled,
         )
-        self._audit(lambda: self.scheduler._schedule_waiting(probe), "waiting loop")
+        self.door._audit(lambda: self.scheduler._schedule_waiting(probe), "waiting loop")
         assert not probe.new_ids and not probe.resumed_ids, "a skipped waiting loop admits"
         self.audited.waiting_loops += 1
 
@@ -608,33 +473,6 @@ class NoFastPath:
 
     def make_async_lane(self) -> AsyncSteadyDecode | None:
         return None
-
-    def skips_allocation(self, request: Request, num_new: int, num_lookahead: int) -> bool:
-        return False
-
-    def allocated(self, request: Request, num_new: int, num_lookahead: int) -> None:
-        return None
-
-    def skips_caching(self, request: Request, computed: int) -> bool:
-        return False
-
-    def cached(self, request: Request, computed: int) -> None:
-        return None
-
-    def blocks_freed(self, request_id: str) -> None:
-        return None
-
-    def allocator_changes(self) -> None:
-        return None
-
-    def allocator_takes_blocks(self) -> None:
-        return None
-
-    def head_looked_up(self, request: Request, hit: tuple, num_hit: int, boundary: int) -> None:
-        return None
-
-    def skips_lookup(self, request: Request) -> bool:
-        return False
 
     def skips_refused_admission(self, request: Request, num_new: int, attempt: Callable[[], object]) -> bool:
         return False
@@ -654,12 +492,6 @@ class NoFastPath:
     def waiting_ends(self, inputs: tuple, admitted: bool) -> None:
         return None
 
-    def skips_pin_lookup(self, request: Request) -> bool:
-        return False
-
-    def pin_lookup_found_no_hit(self, request: Request) -> None:
-        return None
-
     def skips_pin_pass(self, pinned_ids: tuple[str, ...]) -> bool:
         return False
 
@@ -667,9 +499,6 @@ class NoFastPath:
         return frozenset()
 
     def unchanged_waiter_passed_over(self, request: Request) -> None:
-        return None
-
-    def pin_lookup_not_remembered(self) -> None:
         return None
 
     def waiter_admitted(self, request: Request) -> None:
@@ -682,34 +511,10 @@ class NoFastPath:
         return None
 
 
-def _settled_steps(scheduler: Scheduler) -> SettledSteps:
-    """Windows over every block size a call divides by (the groups', the
-    scheduler's; the hash unit only inside the prompt), widened by a margin
-    past the lookahead and re-prefill offsets a call adds (rule 2). The
-    rings' block size is left out: a ring is claimed once per request and
-    never reads a position."""
-    kv_cache_manager, config = scheduler.kv_cache_manager, scheduler.config
-    rings = kv_cache_manager.ring_managers
-    sizes = {m.block_size for m in kv_cache_manager.managers if m not in rings}
-    sizes.add(config.block_size)
-    # The hash unit (the fork's 64-token prefix-match unit) counts only
-    # inside the prompt (``settled.py``).
-    unit = kv_cache_manager.block_pool.hash_block_size
-    return SettledSteps(
-        tuple(sizes), margin_tokens(config.num_speculative_tokens), None if unit in sizes else unit
-    )
-
-
-def margin_tokens(num_speculative_tokens: int) -> int:
-    """The margin of rule 2, named so tests derive their counts from it."""
-    return 4 * (1 + num_speculative_tokens) + 16
-
-
 class FastPathScheduling:
     """The scheduler's side of the fast path (a base of ``Scheduler``,
     ``scheduler.py``, holding no state of its own): the running loop's
-    steady-lane share of a step, and what a decode spans (the settled
-    checks' and the lane's question)."""
+    steady-lane share of a step."""
 
     config: SchedulerConfig
     running: list[Request]
@@ -719,15 +524,6 @@ class FastPathScheduling:
     if TYPE_CHECKING:
 
         def _long_prefill_threshold(self) -> int: ...
-
-    def _look_up_head(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
-        """The waiting loop's ``get_computed_blocks``, or vLLM's answer for a
-        lookup that finds nothing where the fast path knows it does (rule 12)."""
-        if self.fast_path.skips_lookup(request):
-            return self.kv_cache_manager.empty_kv_cache_blocks, 0, 0
-        blocks, num_hit, boundary = self.kv_cache_manager.get_computed_blocks(request)
-        self.fast_path.head_looked_up(request, blocks.blocks, num_hit, boundary)
-        return blocks, num_hit, boundary
 
     def _take_steady(self, index: int, step: _StepState) -> int:
         """Schedule the lane's decodes for the running requests from
@@ -763,15 +559,3 @@ class FastPathScheduling:
             step.running_scheduled = True
             index += 1
         return index
-
-    def decode_span(self, request: Request, num_tokens: int) -> tuple[int, int] | None:
-        """The positions a decoding request's next ``num_tokens`` slots
-        span (None: not decoding). Decoding: only the last known token and
-        drafts are left to compute, so the prefill end lies behind the span
-        too. The span starts at the tokens processed, behind the tokens
-        still in flight (async scheduling: ``allocate_slots`` frees skipped
-        blocks on that basis; 0 in flight in sync mode)."""
-        computed = request.num_computed_tokens
-        if computed < request.num_tokens - 1:
-            return None
-        return computed - request.num_in_flight_tokens, computed + num_tokens

@@ -18,7 +18,6 @@ from sim.vllm_bridge import KVCacheBlock, Request, RequestStatus
 
 if TYPE_CHECKING:
     from sim.kv_cache_manager import KVCacheManager
-    from sim.sched.fast_path import FastPath, NoFastPath
     from sim.sched.scheduler import RequestSpec, SchedulerConfig
 
 
@@ -27,7 +26,6 @@ class BlockFreeing:
 
     config: SchedulerConfig
     kv_cache_manager: KVCacheManager
-    fast_path: FastPath | NoFastPath
     requests: dict[str, Request]
     waiting: deque[Request | RequestSpec]
     running: list[Request]
@@ -55,7 +53,6 @@ class BlockFreeing:
         return self.last_sched_seq.get(request.request_id, 0) <= self.processed_step_seq
 
     def _free_request_blocks(self, request: Request) -> None:
-        self.fast_path.blocks_freed(request.request_id)
         if self._blocks_can_be_freed(request):
             self.kv_cache_manager.free(request)
             return
@@ -71,18 +68,16 @@ class BlockFreeing:
         copies, retained = self.kv_cache_manager.take_kv_cache_block_copies()
         if not copies:
             return
-        self.fast_path.allocator_changes()
         fence = self.sched_step_seq + 1
         if not self.config.defer_block_free or fence <= self.processed_step_seq:
-            self.kv_cache_manager.block_pool.free_blocks(retained)
+            self.kv_cache_manager.free_blocks(retained)
             return
         self.deferred_frees.append((fence, retained[::-1], True))
 
     def _drain_deferred_frees(self) -> None:
         while self.deferred_frees and self.deferred_frees[0][0] <= self.processed_step_seq:
             _, blocks, _ = self.deferred_frees.popleft()
-            self.fast_path.allocator_changes()
-            self.kv_cache_manager.block_pool.free_blocks(reversed(blocks))
+            self.kv_cache_manager.free_blocks(reversed(blocks))
 
     def _advance_processed(self, processed: int) -> bool:
         before = (self.processed_step_seq, len(self.deferred_frees))

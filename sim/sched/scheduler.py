@@ -23,6 +23,7 @@ from typing import Protocol
 
 from sim.kv_cache_manager import KVCacheManager, MTPHashing
 from sim.sched.fast_path import FastPath, FastPathScheduling, NoFastPath
+from sim.sched.fast_path_manager import FastPathKVCacheManager
 from sim.sched.freeing import BlockFreeing
 from sim.sched.model_runner import OUTPUT_TOKEN_BASE
 from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepOutcome, StepTally
@@ -161,7 +162,9 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
         self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, *, fast_path: bool = True
     ) -> None:
         self.config = config
-        self.kv_cache_manager = kv_cache_manager
+        # With the fast path on, the allocator behind its door (``fast_path_manager.py``).
+        door = FastPathKVCacheManager(kv_cache_manager, config) if fast_path else None
+        self.kv_cache_manager: KVCacheManager = kv_cache_manager if door is None else door  # type: ignore[assignment]
         self.split = MambaAlignedSplit(
             block_size=config.block_size,
             max_num_scheduled_tokens=config.max_num_batched_tokens,
@@ -194,11 +197,11 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
         self._num_arrived_since_schedule = 0
         self.num_evicted_blocks = 0
         self._params_by_output_len: dict[int, SamplingParams] = {}
-        self.fast_path: FastPath | NoFastPath = FastPath(self) if fast_path else NoFastPath()
+        self.fast_path: FastPath | NoFastPath = NoFastPath() if door is None else FastPath(self, door)
         self.observer = SchedulerObserver()
         # The fork's prefix-hit pins (patches 0095-0097), entered at three
         # named points; NoPins when the manager pins nothing (upstream).
-        self.pins: NoPins | SchedulerPins = scheduler_pins(kv_cache_manager, self.fast_path)
+        self.pins: NoPins | SchedulerPins = scheduler_pins(self.kv_cache_manager, self.fast_path)
 
     # ---------------------------------------------------------------- schedule
     def schedule(self, steady: SteadyItems = NO_STEADY) -> SchedulerOutput:
@@ -278,9 +281,6 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
         victim) until it fits, the victim is the request itself, or the victim's
         blocks cannot be freed at once (a fenced free would not help now)."""
         lookahead = self.config.num_speculative_tokens
-        if self.fast_path.skips_allocation(request, num_new, lookahead):
-            return True
-        self.fast_path.allocator_takes_blocks()
         while self.kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is None:
             if self.pins.yield_for_running():  # pin point 1: a pin yields before any victim
                 continue
@@ -294,7 +294,6 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
             step.preempted_ids.append(victim.request_id)
             if victim is request:
                 return False
-        self.fast_path.allocated(request, num_new, lookahead)
         return True
 
     def _schedule_waiting(self, step: _StepState) -> None:
@@ -320,7 +319,7 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
                 self.waiting.popleft()
                 skipped.append(request)
                 continue
-            blocks, num_hit, boundary = self._look_up_head(request)
+            blocks, num_hit, boundary = self.kv_cache_manager.get_computed_blocks(request)
             if num_hit:
                 self.observer.prefix_hit(request, blocks, num_hit)
             request.shared_prefix_boundary = boundary
@@ -353,7 +352,6 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
                 self.fast_path.admission_refused(request, num_new)
                 break  # head-of-line blocking: never try the requests behind it
             self.kv_cache_manager.record_prefix_cache_stats(request, num_hit)
-            self.fast_path.allocator_changes()
             if padded:
                 step.padded_ids.add(request.request_id)
             self._admit(request, num_hit, num_new, step)
@@ -529,10 +527,6 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
 
     def _cache_blocks(self, request: Request, num_computed_tokens: int | None = None) -> None:
         """``cache_blocks`` up to ``num_computed_tokens`` (default: the
-        request's computed tokens), unless the call is settled."""
+        request's computed tokens)."""
         computed = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
-        if self.fast_path.skips_caching(request, computed):
-            return
-        self.fast_path.allocator_takes_blocks()
         self.kv_cache_manager.cache_blocks(request, computed)
-        self.fast_path.cached(request, computed)

@@ -48,7 +48,7 @@ from sim.sched.output import ScheduledRequest, SchedulerOutput, StepOutcome, Ste
 from sim.vllm_bridge import Request
 
 if TYPE_CHECKING:
-    from sim.sched.fast_path import FastPath
+    from sim.sched.fast_path_manager import FastPathKVCacheManager
     from sim.sched.scheduler import Scheduler
 
 
@@ -90,9 +90,9 @@ class _Kept:
 
 
 class SteadyDecode:
-    def __init__(self, scheduler: Scheduler, fast_path: FastPath, model_runner: ModelRunner) -> None:
+    def __init__(self, scheduler: Scheduler, door: FastPathKVCacheManager, model_runner: ModelRunner) -> None:
         self.scheduler = scheduler
-        self.fast_path = fast_path
+        self.door = door
         self.model_runner = model_runner
         self.num_spec = scheduler.config.num_speculative_tokens
         self.step_tokens = 1 + self.num_spec
@@ -129,7 +129,7 @@ class SteadyDecode:
         for request_id in steady.taken:
             kept_by_id[request_id].computed += step_tokens
         self._taken = steady.taken
-        if self.fast_path.audit and steady.taken:
+        if self.door.audit and steady.taken:
             self._audit_allocations()
         return output
 
@@ -142,7 +142,7 @@ class SteadyDecode:
         scheduler.output_arrives(output)
         tally = StepTally()
         taken, kept_by_id = self._taken, self._kept
-        if self.fast_path.audit:
+        if self.door.audit:
             taken = set(taken)  # the audit after the loop reads the step's
         num_spec, step_tokens = self.num_spec, self.step_tokens
         draw = self.model_runner.acceptance_draws(num_spec)
@@ -166,7 +166,7 @@ class SteadyDecode:
         if num_spec:
             tally.num_draft_tokens += num_kept * num_spec
             tally.num_accepted_tokens += num_accepted_kept
-        if self.fast_path.audit and self.scheduler.config.caches_after_sampling:
+        if self.door.audit and self.scheduler.config.caches_after_sampling:
             self._audit_caching(taken)
         return tally.outcome()
 
@@ -225,15 +225,15 @@ class SteadyDecode:
         computed, num_spec, step_tokens = request.num_computed_tokens, self.num_spec, self.step_tokens
         if computed != request.num_tokens - 1 or len(request.spec_token_ids) != num_spec:
             return None  # decoding, with K drafts queued
-        fast_path = self.fast_path
-        span = self.scheduler.decode_span(request, step_tokens + num_spec)
-        bounds = fast_path.allocations.bounds(request.request_id)
+        door = self.door
+        span = self.door.decode_span(request, step_tokens + num_spec)
+        bounds = door.allocations.bounds(request.request_id)
         if span is None or bounds is None or bounds[0] > span[0]:
             return None
         limit = bounds[1] - (span[1] - span[0])
         if num_spec and self.scheduler.config.caches_after_sampling:
             # then the step caches at computed + 1 .. computed + 1 + K
-            bounds = fast_path.caching.bounds(request.request_id)
+            bounds = door.caching.bounds(request.request_id)
             if bounds is None or bounds[0] > computed + 1:
                 return None
             limit = min(limit, bounds[1] - step_tokens)
@@ -252,7 +252,7 @@ class SteadyDecode:
     # -------------------------------------------------------------- audit
     def _audit_allocations(self) -> None:
         """Make the allocation each taken decode skipped (``audit``)."""
-        kv = self.scheduler.kv_cache_manager
+        kv = self.door.wrapped
         before = allocator_snapshot(kv)
         for request_id in self._taken:
             kept = self._kept[request_id]
@@ -265,11 +265,11 @@ class SteadyDecode:
             request.num_computed_tokens += self.step_tokens
             assert blocks is not None and not any(blocks.blocks), f"{request_id}: a steady decode allocates"
         assert allocator_snapshot(kv) == before, "a steady decode's allocation changed the allocator"
-        self.fast_path.audited.lane_steps += 1
+        self.door.audited.lane_steps += 1
 
     def _audit_caching(self, taken: set[str]) -> None:
         """Make the caching each kept decode skipped (``audit``)."""
-        kv = self.scheduler.kv_cache_manager
+        kv = self.door.wrapped
         before = allocator_snapshot(kv)
         for request_id in taken:
             kept = self._kept.get(request_id)
