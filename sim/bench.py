@@ -171,7 +171,7 @@ class AllocatorTimer:
         """Time ``scheduler``'s manager and hasher from now on (before any
         request is built: requests take the hasher when they are)."""
         # The allocator itself: behind the fast path's door, if on (a skipped call costs it nothing).
-        from sim.sched.fast_path_manager import unwrapped
+        from sim.sched.fast_path.kv_cache_manager import unwrapped
 
         manager = unwrapped(scheduler.kv_cache_manager)
         for name in dir(manager):

@@ -1,4 +1,4 @@
-"""The steady lane in async mode (``sim/sched/async_steady.py``): every call
+"""The steady lane in async mode (``sim/sched/fast_path/async_steady.py``): every call
 it skips, made anyway, changes nothing; the async conformance gate runs
 through it (``tests/test_async_conformance.py`` compares every step with
 vLLM's own ``step_with_batch_queue``); and a lane that ignores the decode
@@ -17,9 +17,9 @@ from helpers.scenarios import conformance_requests, conformance_shape
 
 from sim.conformance.async_engine import run_async_conformance
 from sim.scenario import load_scenario
-from sim.sched import async_steady
-from sim.sched.async_steady import AsyncSteadyDecode
-from sim.sched.fast_path_manager import FastPathKVCacheManager
+from sim.sched.fast_path import async_steady
+from sim.sched.fast_path.async_steady import AsyncSteadyDecode
+from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
 from sim.sched.output import ModelRunnerOutput
 
 ASYNC = "engine.mode=async"
@@ -137,16 +137,16 @@ def test_a_lane_that_never_rolls_back_a_draft_fails_the_conformance_gate(monkeyp
     """Failing control: the lane applies each kept output as if every
     draft were accepted (its optimistic computed tokens never rolled back),
     and a later decode's computed tokens differ from vLLM's."""
-    complete = AsyncSteadyDecode.complete
+    update_from_output = AsyncSteadyDecode.update_from_output
 
     def all_accepted(self, output, sampled):
         tokens_by_id = {
             request_id: tokens[:1] * self.step_tokens if request_id in self._kept and tokens else tokens
             for request_id, tokens in sampled.sampled_token_ids.items()
         }
-        return complete(self, output, ModelRunnerOutput(sampled_token_ids=tokens_by_id))
+        return update_from_output(self, output, ModelRunnerOutput(sampled_token_ids=tokens_by_id))
 
-    monkeypatch.setattr(AsyncSteadyDecode, "complete", all_accepted)
+    monkeypatch.setattr(AsyncSteadyDecode, "update_from_output", all_accepted)
     comparison = _conform("prefix-hits")
     assert comparison.first_difference is not None
     assert "scheduled_tokens" in comparison.differing_fields(comparison.first_difference)

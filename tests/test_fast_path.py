@@ -1,4 +1,4 @@
-"""The fast path (``simulation.fast_path``, ``sim/sched/settled.py``): the
+"""The fast path (``simulation.fast_path``, ``sim/sched/fast_path/settled.py``): the
 allocator calls it skips change nothing, and every frame is the same with
 and without it.
 
@@ -31,9 +31,9 @@ from sim.analysis.runs import scenario_workload
 from sim.engine import Simulation
 from sim.kv_cache_pins import PinningKVCacheManager
 from sim.scenario import load_scenario
-from sim.sched.fast_path_manager import FastPathKVCacheManager
-from sim.sched.missed_lookups import MissedPinLookups
-from sim.sched.settled import SettledSteps
+from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
+from sim.sched.fast_path.missed_lookups import MissedPinLookups
+from sim.sched.fast_path.settled import SettledSteps
 
 # ----------------------------------------------------------------- windows
 

@@ -41,7 +41,7 @@ from sim.kv_cache_manager import KVCacheManager
 from sim.kv_cache_pins import PinningKVCacheManager
 from sim.paths import PROJECT_ROOT
 from sim.scenario import load_scenario
-from sim.sched.fast_path import NoFastPath
+from sim.sched.fast_path.memos import NoFastPath
 from sim.sched.pins import SchedulerPins
 from sim.vllm_bridge import RequestStatus
 

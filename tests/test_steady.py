@@ -1,4 +1,4 @@
-"""Steady decodes (``sim/sched/steady.py``) and known-idle waiting loops:
+"""Steady decodes (``sim/sched/fast_path/steady.py``) and known-idle waiting loops:
 the fast path's lane gives the steps, frames and allocator states the
 ordinary path gives.
 
@@ -28,10 +28,10 @@ from sim.engine import Simulation
 from sim.paths import SCENARIOS_DIR
 from sim.scenario import load_scenario
 from sim.sched.engine_core import EngineCore
-from sim.sched.fast_path import FastPath
+from sim.sched.fast_path.memos import FastPath
+from sim.sched.fast_path.steady import SteadyDecode
 from sim.sched.model_runner import AcceptanceModel, ModelRunner, UniformStream, accepted_drafts
 from sim.sched.scheduler import _StepState
-from sim.sched.steady import SteadyDecode
 from sim.vllm_bridge import RequestStatus, kv_cache_utils
 
 # ------------------------------------------------------------ the draws
@@ -788,9 +788,9 @@ def test_the_conformance_driver_compares_the_lanes_steps(monkeypatch):
     """kvsim's side of ``kvsim conform`` steps through the engine core, so
     vLLM's own Scheduler is compared with steady steps too."""
     taken = []
-    complete = SteadyDecode.complete
-    counted = lambda self, *a: taken.append(self.num_taken) or complete(self, *a)  # noqa: E731
-    monkeypatch.setattr(SteadyDecode, "complete", counted)
+    sample_and_apply = SteadyDecode.sample_and_apply
+    counted = lambda self, *a: taken.append(self.num_taken) or sample_and_apply(self, *a)  # noqa: E731
+    monkeypatch.setattr(SteadyDecode, "sample_and_apply", counted)
     scenario = load_scenario(str(SCENARIOS_DIR / "conformance" / "heavy-preemption.yaml"))
     result = run_conformance(scenario, "off", scenario_workload(scenario).requests)
     assert any(taken) and result.comparison.identical_share == 1.0

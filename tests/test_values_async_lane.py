@@ -1,4 +1,4 @@
-"""Value tests for the async steady lane (``sim/sched/async_steady.py``,
+"""Value tests for the async steady lane (``sim/sched/fast_path/async_steady.py``,
 issue 26 mutation): two decoding requests driven call by call through the
 batch-queue core (PP 2: a queue of 3 micro-batches, a decode stagger of 2),
 with the fast path and without; the ordinary path (the ``AsyncScheduler``
@@ -13,8 +13,8 @@ import pytest
 from helpers.fast_path import audited, one_request
 from helpers.scheduler import tiny_spec
 
-from sim.sched.async_steady import AsyncSteadyDecode, _KeptAsync
 from sim.sched.engine_core import BatchQueueEngineCore
+from sim.sched.fast_path.async_steady import AsyncSteadyDecode, _KeptAsync
 from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepOutcome
 
 
@@ -169,7 +169,7 @@ def test_the_core_reads_a_kept_requests_placeholders_from_the_lane(tmp_path):
 def _applied(tokens: list[int], cache: tuple[int, int], item: ScheduledRequest | None = None) -> tuple:
     """A kept decode (K = 3) with 104 computed (101 known plus 3 drafts),
     its one decode of 4 tokens in flight (4 placeholders), its output
-    landing with ``tokens`` (``complete``, the scheduler a stand-in):
+    landing with ``tokens`` (``update_from_output``, the scheduler a stand-in):
     whether the lane applied it, the kept counters and the step's tally
     (generated, drafted, accepted tokens)."""
     kept = _KeptAsync(
@@ -196,7 +196,8 @@ def _completed(kept: _KeptAsync, tokens: list[int], item: ScheduledRequest) -> t
         apply_sampled=lambda item, tokens, tally: ordinary.append("applied"),
     )
     output = SchedulerOutput(step_index=1, scheduled=(item,))
-    outcome = lane.complete(output, ModelRunnerOutput(sampled_token_ids={"r": tokens} if tokens else {}))
+    sampled = ModelRunnerOutput(sampled_token_ids={"r": tokens} if tokens else {})
+    outcome = lane.update_from_output(output, sampled)
     assert ordinary in ([], ["left", "applied"])
     return not ordinary, outcome
 
@@ -259,7 +260,7 @@ def test_a_step_tallies_the_lanes_decodes_on_top_of_the_ordinary_ones():
     lane.scheduler = SimpleNamespace(output_arrives=lambda output: None, apply_sampled=ordinary)  # type: ignore[assignment]
     items = (ScheduledRequest("o", 4, 200, 3, 0), ScheduledRequest("r", 4, 100, 3, 0))
     sampled = ModelRunnerOutput(sampled_token_ids={"o": [1, 2, 3], "r": [7, 8]})
-    outcome = lane.complete(SchedulerOutput(step_index=1, scheduled=items), sampled)
+    outcome = lane.update_from_output(SchedulerOutput(step_index=1, scheduled=items), sampled)
     assert (outcome.num_generated_tokens, outcome.num_draft_tokens, outcome.num_accepted_tokens) == (5, 6, 3)
 
 

@@ -1,7 +1,7 @@
-"""Value tests of the fast path's memos (``sim/sched/fast_path.py``,
-``sim/sched/missed_lookups.py``) that the audits and frame comparisons do
+"""Value tests of the fast path's memos (``sim/sched/fast_path/memos.py``,
+``sim/sched/fast_path/missed_lookups.py``) that the audits and frame comparisons do
 not pin: the counts the memos keep, per waiter, and the fast path off.
-Expected values are worked by hand from the rules in ``fast_path.py``'s
+Expected values are worked by hand from the rules in ``sim/sched/fast_path``'s
 docstring (rules 10-11), each with its control.
 """
 
@@ -15,13 +15,13 @@ from helpers import pins
 from helpers.fast_path import audited, one_request
 from helpers.scheduler import CheckedEngine, tiny_scheduler, tiny_spec
 
-from sim.sched.fast_path import FastPath, NoFastPath
-from sim.sched.fast_path_manager import AuditCounts, FastPathKVCacheManager, settled_steps
-from sim.sched.missed_lookups import MissedPinLookups
+from sim.sched.fast_path.kv_cache_manager import AuditCounts, FastPathKVCacheManager, settled_steps
+from sim.sched.fast_path.memos import FastPath, NoFastPath
+from sim.sched.fast_path.missed_lookups import MissedPinLookups
+from sim.sched.fast_path.settled import SettledSteps
+from sim.sched.fast_path.waiting_queue import WaitingQueue
 from sim.sched.pins import SchedulerPins
-from sim.sched.queues import WaitingQueue
 from sim.sched.scheduler import Scheduler, _StepState
-from sim.sched.settled import SettledSteps
 from sim.vllm_bridge import BlockPool, RequestStatus, init_none_hash, kv_cache_utils, sha256
 
 

@@ -30,7 +30,7 @@ from helpers.pins import (
 from sim.fork_patches import ForkPatches
 from sim.kv_cache_manager import KVCacheManager
 from sim.kv_cache_pins import PinningKVCacheManager
-from sim.sched.fast_path import NoFastPath
+from sim.sched.fast_path.memos import NoFastPath
 from sim.sched.pins import NoPins, SchedulerPins, scheduler_pins
 from sim.vllm_bridge import RequestStatus, init_none_hash, sha256
 

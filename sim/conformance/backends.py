@@ -27,9 +27,9 @@ from sim.kv_cache_pins import PinningKVCacheManager
 from sim.kv_cache_plan import KVCachePlan
 from sim.scenario import Scenario
 from sim.sched.engine_core import EngineCore, ScheduledStep
-from sim.sched.fast_path_manager import unwrapped
+from sim.sched.fast_path.kv_cache_manager import unwrapped
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
-from sim.sched.output import ScheduledRequest, SchedulerOutput
+from sim.sched.output import ScheduledRequest, SchedulerOutput, is_decoding
 from sim.sched.scheduler import DRAFT_TOKEN_ID, RequestSpec, Scheduler, SchedulerConfig
 from sim.single_type_kv_cache_manager import RetainingMambaManager
 from sim.vllm_bridge import MambaManager
@@ -69,7 +69,7 @@ def scheduled_request(request: Any, num_scheduled: int, num_spec: int, is_padded
         num_scheduled_tokens=num_scheduled,
         num_computed_tokens=computed,
         num_spec_tokens=num_spec,
-        num_prompt_tokens_left=0 if computed >= request.num_tokens - 1 else num_scheduled - num_spec,
+        num_prompt_tokens_left=0 if is_decoding(computed, request.num_tokens) else num_scheduled - num_spec,
         is_padded=is_padded,
     )
 
@@ -123,7 +123,7 @@ class KvsimBackend:
         self.kv_cache_manager = kvsim_kv_cache_manager(scenario, plan, config)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         # The engine's own step, so steady steps take the lane they take in
-        # a run (``sim/sched/steady.py``) and are compared too.
+        # a run (``sim/sched/fast_path/steady.py``) and are compared too.
         self.core = EngineCore(self.scheduler, runner)
         self._scheduled: ScheduledStep | None = None
 

@@ -18,7 +18,7 @@ there: ``begin_step`` (up to the block) and ``end_step`` (after it), so the
 one engine loop (``engine_loop.py``) lets the step's time pass in between,
 on whatever clock its caller keeps. ``step`` makes the whole call at once
 (callers without a clock). Steady decode steps take kvsim's fast lane
-(``steady.py``; ``async_steady.py`` in the batch queue) when the fast path
+(``fast_path/steady.py``; ``fast_path/async_steady.py`` in the batch queue) when the fast path
 is on. Plain Python: no SimPy.
 """
 
@@ -112,7 +112,7 @@ class EngineCore:
 
     def _complete(self, step: ScheduledStep) -> tuple[ModelRunnerOutput | None, StepOutcome]:
         if self.steady is not None:  # it scheduled every step, so it completes them
-            return None, self.steady.complete(step.output)
+            return None, self.steady.sample_and_apply(step.output)
         sampled = self.model_runner.execute(step.output, step.token_counts)
         return sampled, self.scheduler.update_from_output(step.output, sampled)
 
@@ -185,7 +185,7 @@ class BatchQueueEngineCore:
         if self.steady is None:
             call.outcome = self.scheduler.update_from_output(output, sampled)
         else:
-            call.outcome = self.steady.complete(output, sampled)
+            call.outcome = self.steady.update_from_output(output, sampled)
         scheduled = call.scheduled
         call.idle = (
             (scheduled is None or scheduled.is_empty) and output.is_empty and self.only_empty_in_flight()

@@ -22,7 +22,7 @@ scheduler never branches on it and ``fork: upstream`` is vLLM's scheduler):
    known to find no hit, and a pass known to pin nothing (its rules 10, 11).
 
 Every call made here goes through the scheduler's ``kv_cache_manager``:
-with the fast path on, its door (``fast_path_manager.py``) counts each pin
+with the fast path on, its door (``fast_path/kv_cache_manager.py``) counts each pin
 or yield that changes the allocator (rule 3) and answers a lookup known to
 find no hit (rule 10).
 """
@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING
 
 from sim.kv_cache_manager import KVCacheManager
 from sim.kv_cache_pins import PinningKVCacheManager
-from sim.sched.fast_path_manager import unwrapped
+from sim.sched.fast_path.kv_cache_manager import unwrapped
 from sim.vllm_bridge import KVCacheBlocks, Request, RequestStatus
 
 if TYPE_CHECKING:
-    from sim.sched.fast_path import FastPath, NoFastPath
+    from sim.sched.fast_path.memos import FastPath, NoFastPath
 
 Allocate = Callable[[], "KVCacheBlocks | None"]
 Waiters = Callable[[Container[int]], Iterator[Request]]

@@ -22,15 +22,23 @@ from functools import partial
 from typing import Protocol
 
 from sim.kv_cache_manager import KVCacheManager, MTPHashing
-from sim.sched.fast_path import FastPath, FastPathScheduling, NoFastPath
-from sim.sched.fast_path_manager import FastPathKVCacheManager
+from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
+from sim.sched.fast_path.memos import FastPath, FastPathScheduling, NoFastPath
+from sim.sched.fast_path.steady import NO_STEADY, SteadyItems
+from sim.sched.fast_path.waiting_queue import WaitingQueue
 from sim.sched.freeing import BlockFreeing
 from sim.sched.model_runner import OUTPUT_TOKEN_BASE
-from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepOutcome, StepTally
+from sim.sched.output import (
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepOutcome,
+    StepTally,
+    is_decoding,
+)
 from sim.sched.pins import NoPins, SchedulerPins, scheduler_pins
-from sim.sched.queues import RequestQueues, WaitingQueue
+from sim.sched.queues import RequestQueues
 from sim.sched.stats import StatsReporting
-from sim.sched.steady import NO_STEADY, SteadyItems
 from sim.vllm_bridge import (
     BlockRemoved,
     KVCacheBlock,
@@ -133,14 +141,14 @@ class _StepState:
     running_scheduled: bool = False
     prefill_scheduled: bool = False
     padded_ids: set[str] = field(default_factory=set)
-    # The steady lane's share of the step (``steady.py``).
+    # The steady lane's share of the step (``fast_path/steady.py``).
     steady: SteadyItems = NO_STEADY
 
 
 class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting):
     """FCFS scheduler over one ``KVCacheManager``.
 
-    ``fast_path``: skip the work that changes nothing (``fast_path.py``: a
+    ``fast_path``: skip the work that changes nothing (``fast_path/``: a
     decode's allocator calls between block boundaries, the steady lane, a
     waiting loop known to admit nobody); the steps, frames and allocator
     states are the same either way. It enters at a few named points, each a
@@ -154,7 +162,7 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
     admission) and the output (``update_from_output``). Its bases hold the
     rest, no state of their own: ``queues.py`` (arrivals, aborts, queue
     sizes), ``freeing.py`` (preemption, finish, fenced frees),
-    ``fast_path.py`` (the lane's share of the running loop, a decode's
+    ``fast_path/memos.py`` (the lane's share of the running loop, a decode's
     span), ``stats.py`` (gauges and stats).
     """
 
@@ -162,7 +170,7 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
         self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, *, fast_path: bool = True
     ) -> None:
         self.config = config
-        # With the fast path on, the allocator behind its door (``fast_path_manager.py``).
+        # With the fast path on, the allocator behind its door (``fast_path/kv_cache_manager.py``).
         door = FastPathKVCacheManager(kv_cache_manager, config) if fast_path else None
         self.kv_cache_manager: KVCacheManager = kv_cache_manager if door is None else door  # type: ignore[assignment]
         self.split = MambaAlignedSplit(
@@ -399,7 +407,7 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
             num_scheduled_tokens=num_new,
             num_computed_tokens=computed,
             num_spec_tokens=num_spec,
-            num_prompt_tokens_left=0 if computed >= request.num_tokens - 1 else num_new - num_spec,
+            num_prompt_tokens_left=0 if is_decoding(computed, request.num_tokens) else num_new - num_spec,
             is_padded=request.request_id in step.padded_ids,
         )
         step.token_budget -= num_new

@@ -347,7 +347,7 @@ def watch_hash_insertions(block_pool: BlockPool, inserted: Callable[[Any], None]
     ``BlockPool._insert_block_hash``, the pool is built inside vLLM's
     coordinator (no class to pass in), and its KV events are drained once a
     step and name no moved hash, while the fast path's missed-lookup memo
-    (``sim/sched/missed_lookups.py``) must see an insertion before the next
+    (``sim/sched/fast_path/missed_lookups.py``) must see an insertion before the next
     lookup. The map is read through ``block_pool`` each call: a prefix-cache
     reset replaces the map, not this method."""
     insert = block_pool._insert_block_hash

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sim.allocator_invariants import allocator_snapshot
-from sim.sched.missed_lookups import MissedPinLookups
-from sim.sched.settled import SettledSteps
+from sim.sched.fast_path.missed_lookups import MissedPinLookups
+from sim.sched.fast_path.settled import SettledSteps
+from sim.sched.output import is_decoding
 from sim.vllm_bridge import RequestStatus
 
 if TYPE_CHECKING:
@@ -148,7 +149,7 @@ class FastPathKVCacheManager:
         computed = num_computed_tokens
         if self.caching.is_settled(request.request_id, computed, computed):
             if self.audit:
-                self._audit(lambda: self.wrapped.cache_blocks(request, computed), "caching")
+                self.check_unchanged(lambda: self.wrapped.cache_blocks(request, computed), "caching")
                 self.audited.cachings += 1
             return
         self.allocator_version += 1
@@ -164,7 +165,7 @@ class FastPathKVCacheManager:
         still in flight (async scheduling: ``allocate_slots`` frees skipped
         blocks on that basis; 0 in flight in sync mode)."""
         computed = request.num_computed_tokens
-        if computed < request.num_tokens - 1:
+        if not is_decoding(computed, request.num_tokens):
             return None
         return computed - request.num_in_flight_tokens, computed + num_tokens
 
@@ -250,7 +251,7 @@ class FastPathKVCacheManager:
         return pinned
 
     # -------------------------------------------------------------- audit
-    def _audit(self, call: Callable[[], T], what: str) -> T:
+    def check_unchanged(self, call: Callable[[], T], what: str) -> T:
         """Make ``call`` and assert the allocator is as it was."""
         before = allocator_snapshot(self.wrapped)
         result = call()
@@ -259,7 +260,7 @@ class FastPathKVCacheManager:
 
     def _audit_allocation(self, request: Request, num_new: int, num_lookahead: int) -> None:
         allocate = self.wrapped.allocate_slots
-        blocks = self._audit(
+        blocks = self.check_unchanged(
             lambda: allocate(request, num_new, num_lookahead_tokens=num_lookahead), "allocation"
         )
         assert blocks is not None and not any(blocks.blocks), (
@@ -269,7 +270,7 @@ class FastPathKVCacheManager:
 
     def _audit_lookup(self, request: Request) -> None:
         """Make a skipped lookup: it must find nothing (vLLM's empty blocks)."""
-        found = self._audit(lambda: self.wrapped.get_computed_blocks(request), "lookup")
+        found = self.check_unchanged(lambda: self.wrapped.get_computed_blocks(request), "lookup")
         assert found == (self.empty_kv_cache_blocks, 0, 0), f"{request.request_id}: a lookup finds"
         self.audited.lookups += 1
 
