@@ -182,17 +182,20 @@ def test_the_fast_path_off_makes_every_call_and_remembers_nothing():
     waiter = _waiter("a", 1)
     assert (off.enabled, off.audit) == (False, False)
     assert off.make_lane(None) is None and off.make_async_lane() is None  # type: ignore[arg-type]
-    assert not off.skips_waiting(None) and off.waiting_starts(None) == ()  # type: ignore[arg-type]
-    assert not off.skips_pin_pass(()) and not off.skips_refused_admission(waiter, 4, lambda: None)
+    assert not off.skips_waiting(None) and not off.skips_pin_pass(())  # type: ignore[arg-type]
+    loops: list[object] = []
+    assert (
+        off.admission(waiter, 4, lambda: "made") == "made" and off.admission(waiter, 4, lambda: None) is None
+    )
     for call in (
         off.waiting_request_changes,
-        lambda: off.waiting_ends((), False),
-        lambda: off.admission_refused(waiter, 4),
+        lambda: off.waiting_loop("step", loops.append),  # type: ignore[arg-type]
         lambda: off.waiter_admitted(waiter),
         lambda: off.pin_pass_ends(()),
         off.waiting_tokens_change,
     ):
         assert call() is None
+    assert loops == ["step"]  # the loop made, once
 
 
 # ------------------------------------------------ the waiting loop's audit

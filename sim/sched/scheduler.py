@@ -305,9 +305,7 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
         return True
 
     def _schedule_waiting(self, step: _StepState) -> None:
-        inputs = self.fast_path.waiting_starts(step)
-        admitted = self._admit_waiting(step)
-        self.fast_path.waiting_ends(inputs, admitted)
+        self.fast_path.waiting_loop(step, self._admit_waiting)
 
     def _admit_waiting(self, step: _StepState) -> bool:
         skipped: list[Request] = []
@@ -353,11 +351,7 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
                 has_scheduled_reqs=bool(self.running),
             )
             attempt = partial(self._try_admission, request, blocks, allocate)
-            if self.fast_path.skips_refused_admission(request, num_new, attempt):
-                break
-            allocated = attempt()
-            if allocated is None:
-                self.fast_path.admission_refused(request, num_new)
+            if self.fast_path.admission(request, num_new, attempt) is None:
                 break  # head-of-line blocking: never try the requests behind it
             self.kv_cache_manager.record_prefix_cache_stats(request, num_hit)
             if padded:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from sim.sched.fast_path.async_steady import AsyncSteadyDecode
 from sim.sched.fast_path.kv_cache_manager import AuditCounts, FastPathKVCacheManager
@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from sim.sched.model_runner import ModelRunner
     from sim.sched.scheduler import Scheduler, SchedulerConfig, _StepState
     from sim.vllm_bridge import Request
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +124,12 @@ class FastPath:
             self._audit_waiting(step)
         return known
 
+    def waiting_loop(self, step: _StepState, admit: Callable[[_StepState], bool]) -> None:
+        """Run the waiting loop (``admit``: it admits, and says whether it
+        admitted anyone), remembering one that admitted nobody."""
+        inputs = self.waiting_starts(step)
+        self.waiting_ends(inputs, admit(step))
+
     def waiting_starts(self, step: _StepState) -> tuple:
         self.door.last_lookup = None
         return self._waiting_inputs(step.token_budget, step.running_scheduled, step.prefill_scheduled)
@@ -187,6 +195,17 @@ class FastPath:
     def _num_free_blocks(self) -> int:
         """The count ``allocate_slots`` compares a need with."""
         return self.door.block_pool.get_num_free_blocks()
+
+    def admission(self, request: Request, num_new: int, attempt: Callable[[], T]) -> T | None:
+        """The head's admission (``attempt``: the allocation, then the
+        fork's head guard), or None where it is known refused (rule 12); a
+        refused one is remembered."""
+        if self.skips_refused_admission(request, num_new, attempt):
+            return None
+        allocated = attempt()
+        if allocated is None:
+            self.admission_refused(request, num_new)
+        return allocated
 
     def skips_refused_admission(self, request: Request, num_new: int, attempt: Callable[[], object]) -> bool:
         """Whether admitting ``request`` with ``num_new`` tokens (``attempt``:
@@ -300,11 +319,8 @@ class NoFastPath:
     def make_async_lane(self) -> AsyncSteadyDecode | None:
         return None
 
-    def skips_refused_admission(self, request: Request, num_new: int, attempt: Callable[[], object]) -> bool:
-        return False
-
-    def admission_refused(self, request: Request, num_new: int) -> None:
-        return None
+    def admission(self, request: Request, num_new: int, attempt: Callable[[], T]) -> T | None:
+        return attempt()
 
     def waiting_request_changes(self) -> None:
         return None
@@ -312,11 +328,8 @@ class NoFastPath:
     def skips_waiting(self, step: _StepState) -> bool:
         return False
 
-    def waiting_starts(self, step: _StepState) -> tuple:
-        return ()
-
-    def waiting_ends(self, inputs: tuple, admitted: bool) -> None:
-        return None
+    def waiting_loop(self, step: _StepState, admit: Callable[[_StepState], bool]) -> None:
+        admit(step)
 
     def skips_pin_pass(self, pinned_ids: tuple[str, ...]) -> bool:
         return False
