@@ -143,7 +143,7 @@ is broken:
    whole.
    With hashes inserted since, a pass still passes over the idle pass's
    waiters if that pass met only waiters rule 10 remembers (each reported
-   otherwise by the doors ``pin_waiting_hit``): an insertion changes such a
+   otherwise by the door's ``pin_waiting_hit``): an insertion changes such a
    waiter only by forgetting it, and the forgotten ones are examined. An
    admitted waiter is examined again too (``waiter_admitted``: preempted,
    it comes back as the same object with more tokens).
