@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING, TypeVar
 
 from sim.sched.fast_path.async_steady import AsyncSteadyDecode
 from sim.sched.fast_path.kv_cache_manager import AuditCounts, FastPathKVCacheManager
-from sim.sched.fast_path.steady import SKIP, SteadyDecode
+from sim.sched.fast_path.steady import SteadyDecode
 
 if TYPE_CHECKING:
-    from sim.kv_cache_manager import KVCacheManager
     from sim.sched.model_runner import ModelRunner
-    from sim.sched.scheduler import Scheduler, SchedulerConfig, _StepState
+    from sim.sched.scheduler import Scheduler, _StepState
     from sim.vllm_bridge import Request
 
 T = TypeVar("T")
@@ -348,53 +347,3 @@ class NoFastPath:
 
     def waiting_tokens_change(self) -> None:
         return None
-
-
-class FastPathScheduling:
-    """The scheduler's side of the fast path (a base of ``Scheduler``,
-    ``scheduler.py``, holding no state of its own): the running loop's
-    steady-lane share of a step."""
-
-    config: SchedulerConfig
-    running: list[Request]
-    kv_cache_manager: KVCacheManager
-    fast_path: FastPath | NoFastPath
-
-    if TYPE_CHECKING:
-
-        def _long_prefill_threshold(self) -> int: ...
-
-    def _take_steady(self, index: int, step: _StepState) -> int:
-        """Schedule the lane's decodes for the running requests from
-        ``index`` on, each as it is, while the running loop would: the
-        budget holds it whole and no long-prefill threshold clips it (its
-        allocation is settled and the clip to ``max_model_len`` leaves it
-        whole: the lane's part). Stops at the first request the lane did not
-        offer, or hands that one back for the ordinary path (also when no
-        budget is left: the running loop then stops, and an offered request
-        the ordinary path could reach is always handed back first). Returns
-        the index of the first request not taken. (A run at a time: it runs
-        for every request of every step.)"""
-        steady = step.steady
-        running, items, scheduled, taken = self.running, steady.items, step.scheduled, steady.taken
-        # The running loop preempts nobody here, so the threshold holds throughout.
-        threshold = self.config.long_prefill_token_threshold and self._long_prefill_threshold()
-        num_running = len(running)  # the loop takes requests, it never removes one
-        while index < num_running:
-            request_id = running[index].request_id
-            item = items.get(request_id)
-            if item is None:
-                break
-            if item is SKIP:  # async: its stagger holds it back, as the running loop's skip would
-                index += 1
-                continue
-            num_new = item.num_scheduled_tokens
-            if step.token_budget < num_new or 0 < threshold < num_new:
-                steady.hand_over(running[index])
-                break
-            scheduled[request_id] = item
-            taken.add(request_id)
-            step.token_budget -= num_new
-            step.running_scheduled = True
-            index += 1
-        return index
