@@ -285,6 +285,35 @@ class FastPathKVCacheManager:
         self.audited.pin_lookups += 1
 
 
+def _passed_through(name: str) -> property:
+    """A read of the wrapped manager's ``name``, made without ``__getattr__``
+    (which runs only after a failed lookup): for what the scheduler reads
+    every step."""
+    return property(lambda door: getattr(door.wrapped, name))
+
+
+# Read every step (the step's end, the gauges, the pin pass, the head guard).
+_EVERY_STEP = (
+    "new_step_starts",
+    "take_events",
+    "take_new_block_ids",
+    "take_new_ring_block_ids",
+    "make_prefix_cache_stats",
+    "num_free_blocks",
+    "usage",
+    "num_retained_checkpoints",
+    "enable_waiter_pins",
+    "pinned_waiter_ids",
+    "guards_head_yields",
+    "last_alloc_shortfall",
+    "num_grace_pins",
+    "num_pinned_waiters",
+    "max_pinned_waiters",
+)
+for _name in _EVERY_STEP:
+    setattr(FastPathKVCacheManager, _name, _passed_through(_name))
+
+
 def unwrapped(manager: KVCacheManager | FastPathKVCacheManager) -> KVCacheManager:
     """The manager behind the fast path's door (itself when there is none)."""
     return manager.wrapped if isinstance(manager, FastPathKVCacheManager) else manager
