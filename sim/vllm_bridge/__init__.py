@@ -358,4 +358,4 @@ def watch_hash_insertions(block_pool: BlockPool, inserted: Callable[[Any], None]
         if not held:
             inserted(key)
 
-    block_pool._insert_block_hash = watched  # type: ignore[method-assign]
+    block_pool._insert_block_hash = watched  # type: ignore[method-assign,assignment]

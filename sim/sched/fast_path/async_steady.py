@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from sim.sched.fast_path.steady import SKIP, SteadyItems, SteadyLane
+from sim.sched.fast_path.steady import SKIP, SteadyItems, SteadyLane, _each
 from sim.sched.output import (
     ModelRunnerOutput,
     ScheduledRequest,
@@ -263,7 +263,7 @@ class AsyncSteadyDecode(SteadyLane[_KeptAsync]):
         """Make the allocation each taken decode skipped (``audit``), with
         its ``Request`` as the running loop would have seen it."""
         kept = [self._kept[request_id] for request_id in taken]
-        self.door.check_unchanged(lambda: [self._audit_taken(k) for k in kept], "steady allocation")
+        self.door.check_unchanged(lambda: _each(self._audit_taken, kept), "steady allocation")
         self.door.audited.lane_steps += 1
 
     def _audit_taken(self, kept: _KeptAsync) -> None:

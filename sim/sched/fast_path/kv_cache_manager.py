@@ -119,27 +119,24 @@ class FastPathKVCacheManager:
         return released_or_pinned
 
     # ------------------------------------------------------ settled calls
-    def allocate_slots(
-        self, request: Request, num_new_tokens: int, *args: Any, num_lookahead_tokens: int = 0, **kwargs: Any
-    ) -> KVCacheBlocks | None:
+    def allocate_slots(self, request: Request, num_new_tokens: int, **kwargs: Any) -> KVCacheBlocks | None:
         """A running request's allocation: skipped when settled (rule 1),
         else it may take blocks (rule 12). An admission changes the
         allocator when it succeeds (a refused one allocates nothing)."""
         allocate = self.wrapped.allocate_slots
         if request.status != RequestStatus.RUNNING:
-            blocks = allocate(
-                request, num_new_tokens, *args, num_lookahead_tokens=num_lookahead_tokens, **kwargs
-            )
+            blocks = allocate(request, num_new_tokens, **kwargs)
             if blocks is not None:
                 self._changes()
             return blocks
+        num_lookahead_tokens = kwargs.get("num_lookahead_tokens", 0)
         span = self.decode_span(request, num_new_tokens + num_lookahead_tokens)
         if span is not None and self.allocations.is_settled(request.request_id, *span):
             if self.audit:
                 self._audit_allocation(request, num_new_tokens, num_lookahead_tokens)
             return self.empty_kv_cache_blocks
         self.allocator_version += 1
-        blocks = allocate(request, num_new_tokens, *args, num_lookahead_tokens=num_lookahead_tokens, **kwargs)
+        blocks = allocate(request, num_new_tokens, **kwargs)
         if blocks is not None and span is not None:
             self.allocations.record(request.request_id, *span, request.num_prompt_tokens)
         return blocks
@@ -227,10 +224,10 @@ class FastPathKVCacheManager:
 
     # --------------------------------------------- the fork's pins (0095-0097)
     def yield_pinned_hits(self, *args: Any, **kwargs: Any) -> int:
-        return self._changed(self.wrapped.yield_pinned_hits(*args, **kwargs))
+        return self._changed(self.wrapped.yield_pinned_hits(*args, **kwargs))  # type: ignore[attr-defined]
 
     def release_pinned_extras(self, *args: Any) -> int:
-        return self._changed(self.wrapped.release_pinned_extras(*args))
+        return self._changed(self.wrapped.release_pinned_extras(*args))  # type: ignore[attr-defined]
 
     def pin_waiting_hit(self, request: Request) -> int:
         """A waiter's pin: none where its lookup is known to find no hit
@@ -241,8 +238,8 @@ class FastPathKVCacheManager:
             if self.audit:
                 self._audit_pin_lookup(request)
             return 0
-        pinned = self._changed(wrapped.pin_waiting_hit(request))
-        if wrapped.pin_lookup_found_no_hit:
+        pinned = self._changed(wrapped.pin_waiting_hit(request))  # type: ignore[attr-defined]
+        if wrapped.pin_lookup_found_no_hit:  # type: ignore[attr-defined]
             memos.found_no_hit(request)
         elif not pinned:
             # Pinned already, or a hit of null blocks only: not remembered,

@@ -143,7 +143,8 @@ class FastPath:
         self._idle_waiting = None
         if admitted or not waiting:
             return
-        head, kept = waiting[0], (inputs,)
+        head = waiting[0]
+        kept: tuple[tuple, ...] = (inputs,)
         if idle is not None and idle.head is head and self._allocator_as_when(idle):
             kept = (*idle.inputs, inputs)[-_IdleWaiting.MAX_INPUTS :]
         last = self.door.last_lookup

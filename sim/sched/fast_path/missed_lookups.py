@@ -49,7 +49,7 @@ object).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sim.vllm_bridge import kv_cache_utils, watch_hash_insertions
 
@@ -107,7 +107,7 @@ class MissedPinLookups:
         decode's caching makes one every step (the prompt's partial tail,
         re-keyed)."""
 
-        def inserted(key: bytes) -> None:
+        def inserted(key: Any) -> None:
             self.num_hash_insertions += 1
             self._forget_waiters_of(kv_cache_utils.get_block_hash(key))
 

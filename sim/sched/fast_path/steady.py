@@ -286,7 +286,7 @@ class SteadyDecode(SteadyLane[_Kept]):
     def _audit_allocations(self) -> None:
         """Make the allocation each taken decode skipped (``audit``)."""
         taken = [self._kept[request_id] for request_id in self._taken]
-        self.door.check_unchanged(lambda: [self._audit_taken(kept) for kept in taken], "steady allocation")
+        self.door.check_unchanged(lambda: _each(self._audit_taken, taken), "steady allocation")
         self.door.audited.lane_steps += 1
 
     def _audit_taken(self, kept: _Kept) -> None:
@@ -301,8 +301,13 @@ class SteadyDecode(SteadyLane[_Kept]):
         """Make the caching each kept decode skipped (``audit``); one that
         took its tokens the scheduler's way has left the lane."""
         kept = [self._kept[request_id] for request_id in taken if request_id in self._kept]
-        self.door.check_unchanged(lambda: [self._audit_cache(k) for k in kept], "steady caching")
+        self.door.check_unchanged(lambda: _each(self._audit_cache, kept), "steady caching")
 
     def _audit_cache(self, kept: _Kept) -> None:
         self._hand_over(kept)
         self.door.wrapped.cache_blocks(kept.request, kept.computed)
+
+
+def _each(call: Callable[[K], None], kept: list[K]) -> None:
+    for one in kept:
+        call(one)
