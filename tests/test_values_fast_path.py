@@ -797,7 +797,7 @@ def test_a_pass_like_the_last_idle_one_walks_no_waiter():
     scheduler, skips = _grace_rig_with_a_fast_path(audit=False)
     scheduler.pins.pin_waiting(lambda skip=frozenset(): skips.append(skip) or iter(()))
     assert len(skips) == 2
-    scheduler.kv_cache_manager.enable_waiter_pins = False
+    scheduler.kv_cache_manager.wrapped.enable_waiter_pins = False
     scheduler.add_request(pins.Spec("w4", tuple(pins.tail_tokens(8, 65)), 2))  # not idle now
     scheduler.pins.pin_waiting(lambda skip=frozenset(): skips.append(skip) or iter(()))
     assert len(skips) == 2

@@ -57,25 +57,6 @@ class AuditCounts:
     refused_admissions: int = 0
 
 
-# The door's own attributes; any other is the wrapped manager's, read and set.
-_OWN = frozenset(
-    {
-        "wrapped",
-        "block_pool",
-        "empty_kv_cache_blocks",
-        "allocations",
-        "caching",
-        "allocator_version",
-        "release_version",
-        "missed_pin_lookups",
-        "last_lookup",
-        "_found_nothing",
-        "audit",
-        "audited",
-    }
-)
-
-
 class FastPathKVCacheManager:
     """The manager ``wrapped`` behind the fast path's door (rules 1-3, 10, 12)."""
 
@@ -99,13 +80,9 @@ class FastPathKVCacheManager:
         self.audited = AuditCounts()
 
     def __getattr__(self, name: str) -> Any:
+        """Any other attribute is the wrapped manager's (set one on
+        ``wrapped``: set here, it would shadow the manager's)."""
         return getattr(self.wrapped, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _OWN:
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.wrapped, name, value)
 
     # ------------------------------------------------------------ versions
     def _changes(self) -> None:
