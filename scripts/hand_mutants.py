@@ -121,12 +121,12 @@ class Mutant:
     also: tuple[tuple[str, str], ...] = ()
 
 
-SETTLED = "sim/sched/settled.py"
+SETTLED = "sim/sched/fast_path/settled.py"
 ASYNC = "sim/sched/async_scheduler.py"
 PINS = "sim/fork/pins.py"
 SCHED_PINS = "sim/fork/scheduler_pins.py"
-MISSED = "sim/sched/missed_lookups.py"
-STEADY = "sim/sched/steady.py"
+MISSED = "sim/sched/fast_path/missed_lookups.py"
+STEADY = "sim/sched/fast_path/steady.py"
 
 
 def _settled(name: str, kind: str, old: str, new: str) -> Mutant:
@@ -138,7 +138,7 @@ def _async(name: str, kind: str, old: str, new: str) -> Mutant:
 
 
 def _waiting(name: str, kind: str, rule: str, old: str, new: str) -> Mutant:
-    return Mutant(name, kind, rule, "sim/sched/fast_path.py", old, new, WAITING_MEMO_TESTS)
+    return Mutant(name, kind, rule, "sim/sched/fast_path/memos.py", old, new, WAITING_MEMO_TESTS)
 
 
 def _pins(name: str, kind: str, rule: str, old: str, new: str, path: str = PINS) -> Mutant:
@@ -209,7 +209,7 @@ MUTANTS = (
         "fast-path-margin-one-less",
         "edge",
         "fast path 2 (the margin)",
-        "sim/sched/fast_path.py",
+        "sim/sched/fast_path/memos.py",
         "return 4 * (1 + num_speculative_tokens) + 16",
         "return 4 * (1 + num_speculative_tokens) + 15",
         SETTLED_TESTS,
@@ -292,7 +292,7 @@ MUTANTS = (
         "rule9-span-blind-to-in-flight",
         "clause",
         "fast path 9 (an async decode spans from its processed tokens)",
-        "sim/sched/fast_path.py",
+        "sim/sched/fast_path/memos.py",
         "return computed - request.num_in_flight_tokens, computed + num_tokens",
         "return computed, computed + num_tokens",
         SPAN_TESTS,
@@ -301,7 +301,7 @@ MUTANTS = (
         "rule9-decoding-edge-early",
         "edge",
         "fast path 9 (decoding: only the last known token left)",
-        "sim/sched/fast_path.py",
+        "sim/sched/fast_path/memos.py",
         "if computed < request.num_tokens - 1:",
         "if computed < request.num_tokens - 2:",
         SPAN_TESTS,
@@ -310,7 +310,7 @@ MUTANTS = (
         "rule9-decoding-edge-late",
         "edge",
         "fast path 9 (decoding: only the last known token left)",
-        "sim/sched/fast_path.py",
+        "sim/sched/fast_path/memos.py",
         "if computed < request.num_tokens - 1:",
         "if computed < request.num_tokens:",
         SPAN_TESTS,

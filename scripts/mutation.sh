@@ -149,12 +149,12 @@ declare -A MODULES=(
   # against vLLM's own Scheduler, 12 short runs, about 6 s) runs last:
   # mutmut runs the fastest tests first.
   [kv_cache_manager]="sim/kv_cache_manager.py sim/fork/frees.py|tests/test_mtp_hashing.py tests/test_allocator.py tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_conformance.py::test_every_step_is_identical"
-  [scheduler]="sim/sched/scheduler.py sim/sched/queues.py sim/sched/freeing.py sim/sched/fast_path.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_engine_timeline.py tests/test_steady.py tests/test_conformance.py::test_every_step_is_identical tests/test_aborts.py $FAST_PATH_TESTS"
-  [settled]="sim/sched/settled.py|$FAST_PATH_TESTS tests/test_values_fast_path.py"
+  [scheduler]="sim/sched/scheduler.py sim/sched/fast_path/memos.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_engine_timeline.py tests/test_steady.py tests/test_conformance.py::test_every_step_is_identical tests/test_aborts.py $FAST_PATH_TESTS"
+  [settled]="sim/sched/fast_path/settled.py|$FAST_PATH_TESTS tests/test_values_fast_path.py"
   # The steady lane: its hand counts, its checks that make every skipped
   # call (three shapes), the frames against step by step, the horizon and
   # conformance: about 5 s, not the 13 s of the whole file.
-  [steady]="sim/sched/steady.py|$STEADY_TESTS"
+  [steady]="sim/sched/fast_path/steady.py|$STEADY_TESTS"
   [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_steady.py::test_the_stream_gives_the_generators_own_draws_across_blocks tests/test_steady.py::test_the_streams_acceptance_draws_are_the_rules tests/test_steady.py::test_a_steps_acceptance_draws_in_one_call_are_the_rules tests/test_steady.py::test_a_runners_acceptance_draws_are_its_per_request_draws"
   # The rest of sim/sched/: the engine core's step, the scheduler's output
   # records (what the step-time model reads), the stats records and columns.
@@ -273,18 +273,18 @@ tests/test_serve_hostile.py::test_hostile_clients_leave_the_server_responsive_an
   [pipeline_clock]="sim/pipeline_clock.py|tests/test_values_async.py tests/test_async_engine.py"
   [engine_loop]="sim/sched/engine_loop.py|tests/test_values_async.py tests/test_engine_timeline.py tests/test_async_engine.py $ASYNC_CONFORMANCE_TESTS"
   [async_scheduler]="sim/sched/async_scheduler.py|tests/test_values_async.py $ASYNC_CONFORMANCE_TESTS"
-  [async_steady]="sim/sched/async_steady.py|tests/test_values_async.py tests/test_values_async_lane.py $ASYNC_STEADY_TESTS $ASYNC_CONFORMANCE_TESTS"
+  [async_steady]="sim/sched/fast_path/async_steady.py|tests/test_values_async.py tests/test_values_async_lane.py $ASYNC_STEADY_TESTS $ASYNC_CONFORMANCE_TESTS"
   # The fast path's own file: its settled-call, lane and pin-lookup sets, and
   # the waiting memo's hand cases with the audit's failing control (rules 3-4).
-  [fast_path]="sim/sched/fast_path.py|$FAST_PATH_TESTS $STEADY_TESTS $ASYNC_STEADY_TESTS $MISSED_LOOKUP_TESTS \
+  [fast_path]="sim/sched/fast_path/memos.py sim/sched/fast_path/kv_cache_manager.py|$FAST_PATH_TESTS $STEADY_TESTS $ASYNC_STEADY_TESTS $MISSED_LOOKUP_TESTS \
 tests/test_steady.py::test_the_waiting_memo_holds_only_for_the_same_inputs_and_allocator \
 tests/test_steady.py::test_the_waiting_memo_keeps_idle_loops_of_other_inputs_while_the_allocator_stays \
 tests/test_steady.py::test_an_arrival_voids_the_waiting_memo \
 tests/test_steady.py::test_the_check_catches_a_waiting_loop_wrongly_skipped"
-  [missed_lookups]="sim/sched/missed_lookups.py|$MISSED_LOOKUP_TESTS"
+  [missed_lookups]="sim/sched/fast_path/missed_lookups.py|$MISSED_LOOKUP_TESTS"
   # The waiting queue's change count (rule 11) and the pin pass's walk of
   # it, apart from the scheduler's whole set; restricted by default to them.
-  [waiting_queue]="sim/sched/queues.py|$MISSED_LOOKUP_TESTS tests/test_aborts.py tests/test_scheduler.py|*WaitingQueue* *__counted__* *ǁ_waiting_requests__*"
+  [waiting_queue]="sim/sched/fast_path/waiting_queue.py sim/sched/scheduler.py|$MISSED_LOOKUP_TESTS tests/test_aborts.py tests/test_scheduler.py|*WaitingQueue* *__counted__* *ǁ_waiting_requests__*"
   # Issue 41: the two modules no run had reached. The scenario record (the
   # two functions of sim/scenario.py a results directory is written and
   # read with) against its value file and the round trip's refusals; the

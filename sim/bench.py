@@ -170,7 +170,10 @@ class AllocatorTimer:
     def attach(self, scheduler) -> None:  # noqa: ANN001 (scheduler types load late)
         """Time ``scheduler``'s manager and hasher from now on (before any
         request is built: requests take the hasher when they are)."""
-        manager = scheduler.kv_cache_manager
+        # The allocator itself: behind the fast path's door, if on (a skipped call costs it nothing).
+        from sim.sched.fast_path.kv_cache_manager import unwrapped
+
+        manager = unwrapped(scheduler.kv_cache_manager)
         for name in dir(manager):
             method = getattr(manager, name) if not name.startswith("__") else None
             if inspect.ismethod(method):

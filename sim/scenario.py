@@ -210,7 +210,7 @@ class SimulationSection(StrictModel):
     # frame: time-uniform curves); None records none.
     sample_interval_s: float | None = Field(1.0, gt=0, allow_inf_nan=False)
     # Skip a decoding request's allocator calls between block boundaries,
-    # where they change nothing (sim/sched/settled.py); false makes every
+    # where they change nothing (sim/sched/fast_path/settled.py); false makes every
     # call, as vLLM's scheduler does. Same frames either way.
     fast_path: bool = True
 

@@ -1,4 +1,4 @@
-"""The steady lane in async mode (``sim/sched/async_steady.py``): every call
+"""The steady lane in async mode (``sim/sched/fast_path/async_steady.py``): every call
 it skips, made anyway, changes nothing; the async conformance gate runs
 through it (``tests/test_async_conformance.py`` compares every step with
 vLLM's own ``step_with_batch_queue``); and a lane that ignores the decode
@@ -17,10 +17,10 @@ from helpers.scenarios import conformance_requests, conformance_shape
 
 from sim.conformance.async_engine import run_async_conformance
 from sim.scenario import load_scenario
-from sim.sched import async_steady
-from sim.sched.async_steady import AsyncSteadyDecode
+from sim.sched.fast_path import async_steady
+from sim.sched.fast_path.async_steady import AsyncSteadyDecode
+from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
 from sim.sched.output import ModelRunnerOutput
-from sim.sched.scheduler import Scheduler
 
 ASYNC = "engine.mode=async"
 
@@ -60,7 +60,7 @@ def test_every_waiting_call_a_pool_bound_async_decode_skips_changes_nothing(layo
 
 def _limit_without_windows_ends(self, request):
     """A lane blind to where its allocation and caching windows end."""
-    caching = self.fast_path.caching.bounds(request.request_id)
+    caching = self.door.caching.bounds(request.request_id)
     return None if caching is None else (1 << 40, caching[0], 1 << 40)
 
 
@@ -75,8 +75,8 @@ def test_the_check_catches_an_async_lane_across_a_boundary(monkeypatch, tmp_path
         simulation.run()
 
 
-def _span_blind_to_tokens_in_flight(self, request, num_tokens):
-    """``Scheduler.decode_span`` from the computed tokens, as if none were in flight."""
+def _span_blind_to_tokens_in_flight(request, num_tokens):
+    """``FastPathKVCacheManager.decode_span`` from the computed tokens, as if none were in flight."""
     computed = request.num_computed_tokens
     return None if computed < request.num_tokens - 1 else (computed, computed + num_tokens)
 
@@ -85,7 +85,7 @@ def test_the_check_catches_an_async_lane_blind_to_the_tokens_in_flight(monkeypat
     """Failing control (fast-path rule 9, through the lane): a lane whose
     window starts at the computed tokens, not the processed ones behind
     those in flight, keeps a decode whose ``allocate_slots`` frees a block."""
-    monkeypatch.setattr(Scheduler, "decode_span", _span_blind_to_tokens_in_flight)
+    monkeypatch.setattr(FastPathKVCacheManager, "decode_span", staticmethod(_span_blind_to_tokens_in_flight))
     name, overrides = CHECKED_CASES[1]  # pool-bound decode
     simulation = checked_simulation(name, [*overrides, ASYNC], "off", tmp_path)
     audited(simulation, lane=True)
@@ -137,16 +137,16 @@ def test_a_lane_that_never_rolls_back_a_draft_fails_the_conformance_gate(monkeyp
     """Failing control: the lane applies each kept output as if every
     draft were accepted (its optimistic computed tokens never rolled back),
     and a later decode's computed tokens differ from vLLM's."""
-    complete = AsyncSteadyDecode.complete
+    update_from_output = AsyncSteadyDecode.update_from_output
 
     def all_accepted(self, output, sampled):
         tokens_by_id = {
             request_id: tokens[:1] * self.step_tokens if request_id in self._kept and tokens else tokens
             for request_id, tokens in sampled.sampled_token_ids.items()
         }
-        return complete(self, output, ModelRunnerOutput(sampled_token_ids=tokens_by_id))
+        return update_from_output(self, output, ModelRunnerOutput(sampled_token_ids=tokens_by_id))
 
-    monkeypatch.setattr(AsyncSteadyDecode, "complete", all_accepted)
+    monkeypatch.setattr(AsyncSteadyDecode, "update_from_output", all_accepted)
     comparison = _conform("prefix-hits")
     assert comparison.first_difference is not None
     assert "scheduled_tokens" in comparison.differing_fields(comparison.first_difference)

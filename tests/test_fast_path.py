@@ -1,4 +1,4 @@
-"""The fast path (``simulation.fast_path``, ``sim/sched/settled.py``): the
+"""The fast path (``simulation.fast_path``, ``sim/sched/fast_path/settled.py``): the
 allocator calls it skips change nothing, and every frame is the same with
 and without it.
 
@@ -31,9 +31,9 @@ from sim.analysis.runs import scenario_workload
 from sim.engine import Simulation
 from sim.fork.pins import PinningKVCacheManager
 from sim.scenario import load_scenario
-from sim.sched.missed_lookups import MissedPinLookups
-from sim.sched.scheduler import Scheduler
-from sim.sched.settled import SettledSteps
+from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
+from sim.sched.fast_path.missed_lookups import MissedPinLookups
+from sim.sched.fast_path.settled import SettledSteps
 
 # ----------------------------------------------------------------- windows
 
@@ -250,8 +250,8 @@ def test_the_check_catches_a_call_skipped_across_a_boundary(monkeypatch, tmp_pat
         simulation.run()
 
 
-def _span_blind_to_tokens_in_flight(self, request, num_tokens):
-    """``Scheduler.decode_span`` from the computed tokens, as if none were
+def _span_blind_to_tokens_in_flight(request, num_tokens):
+    """``FastPathKVCacheManager.decode_span`` from the computed tokens, as if none were
     in flight (they never are in sync mode)."""
     computed = request.num_computed_tokens
     return None if computed < request.num_tokens - 1 else (computed, computed + num_tokens)
@@ -261,7 +261,7 @@ def test_the_check_catches_an_async_window_blind_to_the_tokens_in_flight(monkeyp
     """Failing control (async mode, fast-path rule 1): ``allocate_slots``
     frees skipped blocks at the processed tokens, behind those in flight;
     a window that leaves them out settles a call that frees a block."""
-    monkeypatch.setattr(Scheduler, "decode_span", _span_blind_to_tokens_in_flight)
+    monkeypatch.setattr(FastPathKVCacheManager, "decode_span", staticmethod(_span_blind_to_tokens_in_flight))
     name, overrides = CHECKED_CASES[1]  # pool-bound decode
     simulation = checked_simulation(name, [*overrides, "engine.mode=async"], "off", tmp_path)
     audited(simulation, lane=False)

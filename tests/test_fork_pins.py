@@ -42,7 +42,7 @@ from sim.fork.scheduler_pins import SchedulerPins
 from sim.kv_cache_manager import KVCacheManager
 from sim.paths import PROJECT_ROOT
 from sim.scenario import load_scenario
-from sim.sched.fast_path import NoFastPath
+from sim.sched.fast_path.memos import NoFastPath
 from sim.vllm_bridge import RequestStatus
 
 PINS_ON = ForkPatches()

@@ -1,4 +1,4 @@
-"""Steady decodes (``sim/sched/steady.py``) and known-idle waiting loops:
+"""Steady decodes (``sim/sched/fast_path/steady.py``) and known-idle waiting loops:
 the fast path's lane gives the steps, frames and allocator states the
 ordinary path gives.
 
@@ -14,6 +14,7 @@ driver. Each has a failing control.
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,10 +28,10 @@ from sim.engine import Simulation
 from sim.paths import SCENARIOS_DIR
 from sim.scenario import load_scenario
 from sim.sched.engine_core import EngineCore
-from sim.sched.fast_path import FastPath
+from sim.sched.fast_path.memos import FastPath
+from sim.sched.fast_path.steady import SteadyDecode
 from sim.sched.model_runner import AcceptanceModel, ModelRunner, UniformStream, accepted_drafts
 from sim.sched.scheduler import _StepState
-from sim.sched.steady import SteadyDecode
 from sim.vllm_bridge import RequestStatus, kv_cache_utils
 
 # ------------------------------------------------------------ the draws
@@ -201,7 +202,7 @@ def test_a_requests_limit_is_the_last_step_start_its_windows_and_the_clip_leave_
     scheduler = simulation.scheduler
     scheduler.fast_path.use_lane = False
     simulation.core = EngineCore(scheduler, simulation.model_runner)
-    lane = SteadyDecode(scheduler, scheduler.fast_path, simulation.model_runner)
+    lane = SteadyDecode(scheduler, scheduler.kv_cache_manager, simulation.model_runner)
     scheduler.add_request(simulation.workload.requests[0])
     limits = {}
     while scheduler.has_unfinished_requests() and len(limits) < len(expected):
@@ -373,13 +374,25 @@ def test_a_lane_blind_to_the_allocation_window_runs_through_the_boundary(monkeyp
 
 
 def _limit_without_allocation_window(self: SteadyDecode, request) -> int | None:
-    caching = self.scheduler.fast_path.caching.bounds(request.request_id)
+    caching = self.door.caching.bounds(request.request_id)
     if request.num_computed_tokens != request.num_tokens - 1 or caching is None:
         return None
     return self.scheduler.config.max_model_len
 
 
 # ----------------------------------------------------- the waiting memo
+
+
+def _takes_blocks(scheduler) -> None:
+    """A running request's allocation or caching, say: through the door
+    it moves the allocator's version only (rule 12)."""
+    scheduler.kv_cache_manager.allocator_version += 1
+
+
+def _frees(scheduler) -> None:
+    """A free through the allocator's door (of no blocks): a change that
+    may give blocks back moves both versions (rule 3)."""
+    scheduler.kv_cache_manager.free_blocks([])
 
 
 def _third_prompt_refused():
@@ -407,7 +420,7 @@ def test_the_waiting_memo_holds_only_for_the_same_inputs_and_allocator():
     assert scheduler.fast_path.waiting_known_idle(504, True, False)
     assert not scheduler.fast_path.waiting_known_idle(503, True, False)
     assert not scheduler.fast_path.waiting_known_idle(504, True, True)
-    scheduler.fast_path.allocator_changes()  # a call that may free blocks (rule 12 aside)
+    _frees(scheduler)  # a call that may free blocks (rule 12 aside)
     assert not scheduler.fast_path.waiting_known_idle(504, True, False)
 
 
@@ -444,15 +457,15 @@ def test_a_head_forgotten_then_remembered_again_by_a_pin_lookup_is_looked_up_aga
     blocks or the boundary may now be found), but neither its lookup nor
     its loop is known any more (control: before the insertion both are)."""
     scheduler, _, _ = _third_prompt_refused()
-    fast_path, head = scheduler.fast_path, scheduler.waiting[0]
-    fast_path.allocator_takes_blocks()  # a running request's caching, say
-    assert fast_path.waiting_known_idle(504, True, False) and fast_path._finds_nothing(head)
-    pool = scheduler.kv_cache_manager.block_pool
+    fast_path, head, kv = scheduler.fast_path, scheduler.waiting[0], scheduler.kv_cache_manager
+    _takes_blocks(scheduler)
+    assert fast_path.waiting_known_idle(504, True, False) and kv.finds_nothing(head)
+    pool = kv.block_pool
     key = kv_cache_utils.make_block_hash_with_group_id(head.block_hashes[0], 99)
     pool._insert_block_hash(key, pool.blocks[1], num_tokens=16)
-    fast_path.pin_lookup_found_no_hit(head)  # a pin pass's lookup: no tokens hit
-    assert fast_path.missed_pin_lookups.knows_no_hit(head)
-    assert not fast_path._finds_nothing(head)
+    kv.missed_pin_lookups.found_no_hit(head)  # a pin pass's lookup: no tokens hit
+    assert kv.missed_pin_lookups.knows_no_hit(head)
+    assert not kv.finds_nothing(head)
     assert not fast_path.waiting_known_idle(504, True, False)
 
 
@@ -463,10 +476,10 @@ def test_rule_12_keeps_the_idle_loops_of_other_inputs_across_the_changes_it_allo
     after a free neither is known."""
     scheduler, _, _ = _third_prompt_refused()
     fast_path = scheduler.fast_path
-    fast_path.allocator_takes_blocks()  # a running request's caching, say
+    _takes_blocks(scheduler)
     scheduler._schedule_waiting(_StepState(token_budget=400, running_scheduled=True, prefill_scheduled=False))
     assert fast_path.waiting_known_idle(400, True, False) and fast_path.waiting_known_idle(504, True, False)
-    fast_path.allocator_changes()
+    _frees(scheduler)
     assert not fast_path.waiting_known_idle(400, True, False)
     assert not fast_path.waiting_known_idle(504, True, False)
     # A loop run after that change is remembered alone: the older inputs
@@ -483,7 +496,7 @@ def test_a_head_whose_own_hash_is_inserted_is_looked_up_again():
     scheduler, _, _ = _third_prompt_refused()
     head = scheduler.waiting[0]
     pool = scheduler.kv_cache_manager.block_pool
-    scheduler.fast_path.allocator_takes_blocks()  # a running request's caching, say
+    _takes_blocks(scheduler)
     assert scheduler.fast_path.waiting_known_idle(504, True, False)
     key = kv_cache_utils.make_block_hash_with_group_id(head.block_hashes[0], 0)
     pool._insert_block_hash(key, pool.blocks[1], num_tokens=16)
@@ -503,9 +516,10 @@ def test_a_refused_head_that_found_nothing_is_neither_looked_up_nor_allocated_ag
     engine.complete(step)
     kv = scheduler.kv_cache_manager
     calls: list[str] = []
-    look_up, allocate = kv.get_computed_blocks, kv.allocate_slots
-    kv.get_computed_blocks = lambda *a, **k: (calls.append("lookup"), look_up(*a, **k))[1]  # type: ignore[method-assign]
-    kv.allocate_slots = lambda *a, **k: (calls.append("allocate"), allocate(*a, **k))[1]  # type: ignore[method-assign]
+    # The calls that pass the door, made on the allocator behind it.
+    look_up, allocate = kv.wrapped.get_computed_blocks, kv.wrapped.allocate_slots
+    kv.wrapped.get_computed_blocks = lambda *a, **k: (calls.append("lookup"), look_up(*a, **k))[1]  # type: ignore[method-assign]
+    kv.wrapped.allocate_slots = lambda *a, **k: (calls.append("allocate"), allocate(*a, **k))[1]  # type: ignore[method-assign]
 
     def waiting_loop() -> list[str]:
         calls.clear()
@@ -515,7 +529,7 @@ def test_a_refused_head_that_found_nothing_is_neither_looked_up_nor_allocated_ag
         return list(calls)
 
     assert waiting_loop() == []
-    scheduler.fast_path.allocator_changes()  # a free, say: the pool may have room now
+    _frees(scheduler)  # the pool may have room now
     assert waiting_loop() == ["allocate"]
     head = scheduler.waiting[0]
     # One of the head's hashes under a group id no lookup probes: the head is
@@ -553,9 +567,9 @@ def test_a_refused_admission_is_known_only_for_the_same_request_tokens_running_s
     fast_path._refusal = refused
     scheduler.add_request(tiny_spec(3, 60))
     _, other = scheduler._waiting_requests()  # built as the pin pass builds it
-    fast_path.head_looked_up(other, ([], []), 0, 0)  # it found nothing too
+    scheduler.kv_cache_manager.get_computed_blocks(other)  # it finds nothing too
     assert not known(other)
-    fast_path.head_looked_up(head, ([], []), 0, 0)
+    scheduler.kv_cache_manager.get_computed_blocks(head)
     fast_path.audit = True
     assert known() and known()
     assert fast_path.audited.refused_admissions == 2
@@ -570,15 +584,18 @@ def test_each_audited_lookup_that_finds_nothing_counts_once():
     each counts once (two skips, two counted); the skip answers what vLLM
     answers."""
     scheduler, _, _ = _third_prompt_refused()
-    fast_path, head = scheduler.fast_path, scheduler.waiting[0]
-    fast_path.audit = True
-    assert fast_path.skips_lookup(head) and fast_path.skips_lookup(head)
-    assert fast_path.audited.lookups == 2
-    # The loop's lookup then answers as vLLM does for a lookup that finds
-    # nothing: its empty blocks (the same object), no tokens, no boundary.
-    kv = scheduler.kv_cache_manager
-    assert scheduler._look_up_head(head) == kv.get_computed_blocks(head) == (kv.empty_kv_cache_blocks, 0, 0)
-    assert scheduler._look_up_head(head)[0] is kv.empty_kv_cache_blocks
+    head, kv = scheduler.waiting[0], scheduler.kv_cache_manager
+    kv.audit = True
+    assert kv.finds_nothing(head)
+    # The door then answers as vLLM does for a lookup that finds nothing:
+    # its empty blocks (the same object), no tokens, no boundary.
+    assert (
+        kv.get_computed_blocks(head)
+        == kv.wrapped.get_computed_blocks(head)
+        == (kv.empty_kv_cache_blocks, 0, 0)
+    )
+    assert kv.get_computed_blocks(head)[0] is kv.empty_kv_cache_blocks
+    assert kv.audited.lookups == 2
 
 
 @pytest.mark.parametrize(
@@ -597,9 +614,11 @@ def test_a_lookup_found_nothing_only_with_no_block_no_token_and_no_boundary(hit,
     scheduler = tiny_scheduler()
     scheduler.add_request(tiny_spec(0, 60))
     (request,) = scheduler._waiting_requests()
-    scheduler.fast_path.head_looked_up(request, hit, num_hit, boundary)
-    assert scheduler.fast_path._last_lookup == (request, missed)
-    assert scheduler.fast_path.skips_lookup(request) == missed
+    kv = scheduler.kv_cache_manager
+    kv.wrapped.get_computed_blocks = lambda request: (SimpleNamespace(blocks=hit), num_hit, boundary)
+    kv.get_computed_blocks(request)
+    assert kv.last_lookup == (request, missed)
+    assert kv.finds_nothing(request) == missed
 
 
 def test_the_waiting_memo_keeps_idle_loops_of_other_inputs_while_the_allocator_stays():
@@ -619,7 +638,7 @@ def test_the_waiting_memo_keeps_idle_loops_of_other_inputs_while_the_allocator_s
         )
     assert not known(504, True, False)  # the oldest of five
     assert all(known(budget, True, False) for budget in (400, 300, 200, 100))
-    scheduler.fast_path.allocator_changes()
+    _frees(scheduler)
     assert not any(known(budget, True, False) for budget in (400, 300, 200, 100))
 
 
@@ -769,9 +788,9 @@ def test_the_conformance_driver_compares_the_lanes_steps(monkeypatch):
     """kvsim's side of ``kvsim conform`` steps through the engine core, so
     vLLM's own Scheduler is compared with steady steps too."""
     taken = []
-    complete = SteadyDecode.complete
-    counted = lambda self, *a: taken.append(self.num_taken) or complete(self, *a)  # noqa: E731
-    monkeypatch.setattr(SteadyDecode, "complete", counted)
+    sample_and_apply = SteadyDecode.sample_and_apply
+    counted = lambda self, *a: taken.append(self.num_taken) or sample_and_apply(self, *a)  # noqa: E731
+    monkeypatch.setattr(SteadyDecode, "sample_and_apply", counted)
     scenario = load_scenario(str(SCENARIOS_DIR / "conformance" / "heavy-preemption.yaml"))
     result = run_conformance(scenario, "off", scenario_workload(scenario).requests)
     assert any(taken) and result.comparison.identical_share == 1.0

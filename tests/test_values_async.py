@@ -20,13 +20,13 @@ from sim.conformance.async_engine import run_async_conformance
 from sim.kv_cache_manager import build_kv_cache_manager
 from sim.pipeline_clock import PipelineClock, SerialClock
 from sim.sched.async_scheduler import AsyncScheduler
-from sim.sched.async_steady import AsyncSteadyDecode
 from sim.sched.engine_core import BatchQueueEngineCore, EngineCall
 from sim.sched.engine_loop import IDLE, make_call, run_engine
-from sim.sched.fast_path import FastPathScheduling
+from sim.sched.fast_path.async_steady import AsyncSteadyDecode
+from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import ScheduledRequest, SchedulerOutput, StepTally
-from sim.sched.scheduler import SchedulerConfig
+from sim.sched.scheduler import Scheduler, SchedulerConfig
 from sim.vllm_bridge import RequestStatus
 from sim.workloads import WorkloadRequest
 
@@ -515,18 +515,15 @@ def _lane(allocation, caching, max_model_len: int = 1000) -> AsyncSteadyDecode:
     """An async lane (K = 3: a decode step of 4 tokens) over a scheduler
     whose fast path has the given settled windows for request ``r``."""
     windows = {"allocation": allocation, "caching": caching}
-    fast_path = SimpleNamespace(
+    door = SimpleNamespace(
         allocations=SimpleNamespace(bounds=lambda request_id: windows["allocation"]),
         caching=SimpleNamespace(bounds=lambda request_id: windows["caching"]),
+        decode_span=FastPathKVCacheManager.decode_span,
     )
-    scheduler = SimpleNamespace(
-        config=SimpleNamespace(max_model_len=max_model_len),
-        decode_span=lambda request, num_tokens: FastPathScheduling.decode_span(
-            scheduler, request, num_tokens
-        ),
-    )
+    scheduler = SimpleNamespace(config=SimpleNamespace(max_model_len=max_model_len))
+    scheduler.clip_room = lambda request: Scheduler.clip_room(scheduler, request)  # the scheduler's own
     lane = object.__new__(AsyncSteadyDecode)
-    lane.scheduler, lane.fast_path, lane.num_spec, lane.step_tokens = scheduler, fast_path, 3, 4
+    lane.scheduler, lane.door, lane.num_spec, lane.step_tokens = scheduler, door, 3, 4
     return lane
 
 

@@ -1,4 +1,4 @@
-"""Value tests for the async steady lane (``sim/sched/async_steady.py``,
+"""Value tests for the async steady lane (``sim/sched/fast_path/async_steady.py``,
 issue 26 mutation): two decoding requests driven call by call through the
 batch-queue core (PP 2: a queue of 3 micro-batches, a decode stagger of 2),
 with the fast path and without; the ordinary path (the ``AsyncScheduler``
@@ -13,9 +13,9 @@ import pytest
 from helpers.fast_path import audited, one_request
 from helpers.scheduler import tiny_spec
 
-from sim.sched.async_steady import AsyncSteadyDecode, _KeptAsync
 from sim.sched.engine_core import BatchQueueEngineCore
 from sim.sched.engine_loop import make_call
+from sim.sched.fast_path.async_steady import AsyncSteadyDecode, _KeptAsync
 from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepOutcome
 
 
@@ -170,7 +170,7 @@ def test_the_core_reads_a_kept_requests_placeholders_from_the_lane(tmp_path):
 def _applied(tokens: list[int], cache: tuple[int, int], item: ScheduledRequest | None = None) -> tuple:
     """A kept decode (K = 3) with 104 computed (101 known plus 3 drafts),
     its one decode of 4 tokens in flight (4 placeholders), its output
-    landing with ``tokens`` (``complete``, the scheduler a stand-in):
+    landing with ``tokens`` (``update_from_output``, the scheduler a stand-in):
     whether the lane applied it, the kept counters and the step's tally
     (generated, drafted, accepted tokens)."""
     kept = _KeptAsync(
@@ -188,7 +188,7 @@ def _completed(kept: _KeptAsync, tokens: list[int], item: ScheduledRequest) -> t
     output lands with ``tokens``: whether the lane applied them, and the
     step's outcome."""
     lane = object.__new__(AsyncSteadyDecode)
-    lane.num_spec, lane.step_tokens, lane.fast_path = 3, 4, SimpleNamespace(audit=False)
+    lane.num_spec, lane.step_tokens, lane.door = 3, 4, SimpleNamespace(audit=False)
     lane._kept = {"r": kept}
     ordinary: list[str] = []  # requests handed back and applied the ordinary way
     lane._leave = lambda request: ordinary.append("left")  # type: ignore[method-assign]
@@ -197,7 +197,8 @@ def _completed(kept: _KeptAsync, tokens: list[int], item: ScheduledRequest) -> t
         apply_sampled=lambda item, tokens, tally: ordinary.append("applied"),
     )
     output = SchedulerOutput(step_index=1, scheduled=(item,))
-    outcome = lane.complete(output, ModelRunnerOutput(sampled_token_ids={"r": tokens} if tokens else {}))
+    sampled = ModelRunnerOutput(sampled_token_ids={"r": tokens} if tokens else {})
+    outcome = lane.update_from_output(output, sampled)
     assert ordinary in ([], ["left", "applied"])
     return not ordinary, outcome
 
@@ -244,7 +245,7 @@ def test_a_step_tallies_the_lanes_decodes_on_top_of_the_ordinary_ones():
     accepted), then the kept "r" landing with two tokens (2 generated, 3
     drafted, 1 accepted): the step's outcome is their sums, 5, 6 and 3."""
     lane = object.__new__(AsyncSteadyDecode)
-    lane.num_spec, lane.step_tokens, lane.fast_path = 3, 4, SimpleNamespace(audit=False)
+    lane.num_spec, lane.step_tokens, lane.door = 3, 4, SimpleNamespace(audit=False)
     lane._kept = {
         "r": _KeptAsync(
             request=None, computed=104, in_flight=4, placeholders=4, eligible=0, num_tokens=101,
@@ -260,7 +261,7 @@ def test_a_step_tallies_the_lanes_decodes_on_top_of_the_ordinary_ones():
     lane.scheduler = SimpleNamespace(output_arrives=lambda output: None, apply_sampled=ordinary)  # type: ignore[assignment]
     items = (ScheduledRequest("o", 4, 200, 3, 0), ScheduledRequest("r", 4, 100, 3, 0))
     sampled = ModelRunnerOutput(sampled_token_ids={"o": [1, 2, 3], "r": [7, 8]})
-    outcome = lane.complete(SchedulerOutput(step_index=1, scheduled=items), sampled)
+    outcome = lane.update_from_output(SchedulerOutput(step_index=1, scheduled=items), sampled)
     assert (outcome.num_generated_tokens, outcome.num_draft_tokens, outcome.num_accepted_tokens) == (5, 6, 3)
 
 
@@ -372,9 +373,9 @@ def test_a_new_lane_reads_k_and_the_stagger_off_its_scheduler():
     """K = 3 drafts: a decode of 1 + 3 = 4 tokens; stagger 2; nothing kept
     or taken yet."""
     scheduler = SimpleNamespace(config=SimpleNamespace(num_speculative_tokens=3), decode_stagger=2)
-    fast_path = SimpleNamespace(audit=False)
-    lane = AsyncSteadyDecode(scheduler, fast_path)
-    assert lane.scheduler is scheduler and lane.fast_path is fast_path
+    door = SimpleNamespace(audit=False)
+    lane = AsyncSteadyDecode(scheduler, door)
+    assert lane.scheduler is scheduler and lane.door is door
     assert (lane.num_spec, lane.step_tokens, lane.decode_stagger) == (3, 4, 2)
     assert (lane._kept, lane.num_taken) == ({}, 0)
 

@@ -1,7 +1,7 @@
-"""Value tests of the fast path's memos (``sim/sched/fast_path.py``,
-``sim/sched/missed_lookups.py``) that the audits and frame comparisons do
+"""Value tests of the fast path's memos (``sim/sched/fast_path/memos.py``,
+``sim/sched/fast_path/missed_lookups.py``) that the audits and frame comparisons do
 not pin: the counts the memos keep, per waiter, and the fast path off.
-Expected values are worked by hand from the rules in ``fast_path.py``'s
+Expected values are worked by hand from the rules in ``sim/sched/fast_path``'s
 docstring (rules 10-11), each with its control.
 """
 
@@ -16,12 +16,13 @@ from helpers.fast_path import audited, one_request
 from helpers.scheduler import CheckedEngine, tiny_scheduler, tiny_spec
 
 from sim.fork.scheduler_pins import SchedulerPins
-from sim.sched.fast_path import AuditCounts, FastPath, FastPathScheduling, NoFastPath, _settled_steps
-from sim.sched.missed_lookups import MissedPinLookups
-from sim.sched.queues import WaitingQueue
+from sim.sched.fast_path.kv_cache_manager import AuditCounts, FastPathKVCacheManager, settled_steps
+from sim.sched.fast_path.memos import FastPath, NoFastPath
+from sim.sched.fast_path.missed_lookups import MissedPinLookups
+from sim.sched.fast_path.settled import SettledSteps
+from sim.sched.fast_path.waiting_queue import WaitingQueue
 from sim.sched.scheduler import Scheduler, _StepState
-from sim.sched.settled import SettledSteps
-from sim.vllm_bridge import BlockPool, init_none_hash, kv_cache_utils, sha256
+from sim.vllm_bridge import BlockPool, RequestStatus, init_none_hash, kv_cache_utils, sha256
 
 
 def _pool() -> BlockPool:
@@ -181,21 +182,20 @@ def test_the_fast_path_off_makes_every_call_and_remembers_nothing():
     waiter = _waiter("a", 1)
     assert (off.enabled, off.audit) == (False, False)
     assert off.make_lane(None) is None and off.make_async_lane() is None  # type: ignore[arg-type]
-    assert not off.skips_allocation(waiter, 4, 3) and not off.skips_caching(waiter, 40)
-    assert not off.skips_waiting(None) and off.waiting_starts(None) == ()  # type: ignore[arg-type]
-    assert not off.skips_pin_lookup(waiter) and not off.skips_pin_pass(())
+    assert not off.skips_waiting(None) and not off.skips_pin_pass(())  # type: ignore[arg-type]
+    loops: list[object] = []
+    assert (
+        off.admission(waiter, 4, lambda: "made") == "made" and off.admission(waiter, 4, lambda: None) is None
+    )
     for call in (
-        lambda: off.allocated(waiter, 4, 3),
-        lambda: off.cached(waiter, 40),
-        lambda: off.blocks_freed("a"),
-        off.allocator_changes,
         off.waiting_request_changes,
-        lambda: off.waiting_ends((), False),
-        lambda: off.pin_lookup_found_no_hit(waiter),
+        lambda: off.waiting_loop("step", loops.append),  # type: ignore[arg-type]
+        lambda: off.waiter_admitted(waiter),
         lambda: off.pin_pass_ends(()),
         off.waiting_tokens_change,
     ):
         assert call() is None
+    assert loops == ["step"]  # the loop made, once
 
 
 # ------------------------------------------------ the waiting loop's audit
@@ -236,11 +236,12 @@ def test_the_waiting_audit_catches_a_loop_that_admits():
 
 def test_a_waiting_request_taking_tokens_counts_one_change():
     """Rule 11: each stale output landing on a waiter is one change."""
-    fast_path = tiny_scheduler().fast_path
+    scheduler = tiny_scheduler()
+    fast_path = scheduler.fast_path
     assert isinstance(fast_path, FastPath)
     for count in (1, 2):
         fast_path.waiting_tokens_change()
-        assert fast_path.missed_pin_lookups.num_waiter_changes == count
+        assert scheduler.kv_cache_manager.missed_pin_lookups.num_waiter_changes == count
 
 
 def test_a_drained_stale_output_voids_the_waiting_memo_for_good():
@@ -251,14 +252,15 @@ def test_a_drained_stale_output_voids_the_waiting_memo_for_good():
     scheduler = _one_token_waiter()
     fast_path = scheduler.fast_path
     budget, flags = 2, (True, False)
-    for void in (fast_path.allocator_changes, fast_path.waiting_request_changes):
+    free = scheduler.kv_cache_manager.free_blocks  # a change through the door (of no blocks)
+    for void in (lambda: free([]), fast_path.waiting_request_changes):
         void()
         fast_path.waiting_ends(fast_path._waiting_inputs(budget, *flags), admitted=False)
         assert fast_path.waiting_known_idle(budget, *flags)
         fast_path.waiting_request_changes()
         assert not fast_path.waiting_known_idle(budget, *flags)
         for _ in range(3):
-            fast_path.allocator_changes()
+            free([])
             assert not fast_path.waiting_known_idle(budget, *flags)
 
 
@@ -279,13 +281,13 @@ def test_the_allocation_audit_makes_the_call_with_its_lookahead():
     engine.step()
     request = scheduler.requests["r000"]
     assert request.num_computed_tokens == 60
-    scheduler.kv_cache_manager.allocate_slots(request, 1, num_lookahead_tokens=3)
-    fast_path = scheduler.fast_path
+    door = scheduler.kv_cache_manager
+    door.allocate_slots(request, 1, num_lookahead_tokens=3)
     for count in (1, 2):
-        fast_path._audit_allocation(request, 1, 3)
-        assert fast_path.audited.allocations == count
+        door._audit_allocation(request, 1, 3)
+        assert door.audited.allocations == count
     with pytest.raises(AssertionError, match=r"^a skipped allocation call changed the allocator$"):
-        fast_path._audit_allocation(request, 2, 3)
+        door._audit_allocation(request, 2, 3)
 
 
 # ---------------------------------------------- what the fast path remembers
@@ -294,15 +296,15 @@ def test_the_allocation_audit_makes_the_call_with_its_lookahead():
 def test_a_free_forgets_both_windows_of_that_request_only():
     """Rule 6: windows move only on a real call or a free. Windows of
     3,200-token blocks, margin 8: a call over 100..107 settles 104..111."""
-    fast_path = tiny_scheduler().fast_path
-    fast_path.allocations, fast_path.caching = SettledSteps((3200,), 8), SettledSteps((3200,), 8)
-    for steps in (fast_path.allocations, fast_path.caching):
+    door = tiny_scheduler().kv_cache_manager
+    door.allocations, door.caching = SettledSteps((3200,), 8), SettledSteps((3200,), 8)
+    for steps in (door.allocations, door.caching):
         steps.record("a", 100, 107)
         steps.record("b", 100, 107)
-    version = fast_path.allocator_version
-    fast_path.blocks_freed("a")
-    assert fast_path.allocator_version == version + 1
-    for steps in (fast_path.allocations, fast_path.caching):
+    versions = (door.allocator_version, door.release_version)
+    door.free(SimpleNamespace(request_id="a"))  # through the door: it holds no blocks
+    assert (door.allocator_version, door.release_version) == (versions[0] + 1, versions[1] + 1)
+    for steps in (door.allocations, door.caching):
         assert not steps.is_settled("a", 104, 111) and steps.is_settled("b", 104, 111)
 
 
@@ -311,9 +313,11 @@ def test_a_lookup_that_found_no_hit_is_skipped_next_time():
     no hit (control: a waiter never looked up is not)."""
     scheduler = tiny_scheduler()
     first, second = (scheduler._materialize(tiny_spec(index, 60)) for index in range(2))
-    fast_path = scheduler.fast_path
-    fast_path.pin_lookup_found_no_hit(first)
-    assert fast_path.skips_pin_lookup(first) and not fast_path.skips_pin_lookup(second)
+    door, looked_up = scheduler.kv_cache_manager, []
+    door.wrapped.pin_waiting_hit = lambda request: looked_up.append(request.request_id) or 0
+    door.missed_pin_lookups.found_no_hit(first)
+    assert door.pin_waiting_hit(first) == door.pin_waiting_hit(second) == 0
+    assert looked_up == ["r001"]
 
 
 def test_a_pin_pass_is_skipped_only_after_one_that_changed_nothing():
@@ -324,7 +328,7 @@ def test_a_pin_pass_is_skipped_only_after_one_that_changed_nothing():
     scheduler.add_request(tiny_spec(0, 60))
     fast_path = scheduler.fast_path
     assert not fast_path.skips_pin_pass(())  # never run
-    fast_path.allocator_changes()  # the pass pinned a waiter
+    scheduler.kv_cache_manager.free_blocks([])  # a change through the door: the pass pinned, say
     fast_path.pin_pass_ends(())
     assert not fast_path.skips_pin_pass(())
     fast_path.pin_pass_ends(())  # this pass pinned nothing
@@ -360,7 +364,7 @@ def _grace_rig_with_a_cached_prompt():
 def test_each_audited_pin_lookup_counts_once():
     """A waiter with its own tokens finds no hit: the audit passes, once a call."""
     scheduler, _ = _grace_rig_with_a_cached_prompt()
-    fast_path = FastPath(scheduler)
+    fast_path = FastPathKVCacheManager(scheduler.kv_cache_manager, scheduler.config)
     waiter = pins.request("new", pins.tail_tokens(4, 64), unit=16)
     for count in (1, 2):
         fast_path._audit_pin_lookup(waiter)
@@ -373,7 +377,7 @@ def test_the_pin_pass_audit_catches_a_pass_that_pins():
     scheduler, prompt = _grace_rig_with_a_cached_prompt()
     for name in ("w1", "w2"):
         scheduler.add_request(pins.Spec(name, (*prompt, 9), 2))
-    fast_path = FastPath(scheduler)
+    fast_path = FastPath(scheduler, FastPathKVCacheManager(scheduler.kv_cache_manager, scheduler.config))
     with pytest.raises(AssertionError, match=r"^a skipped pin pass call changed the allocator$"):
         fast_path._audit_pin_pass()
     assert fast_path.audited.pin_passes == 0
@@ -384,7 +388,7 @@ def test_each_audited_pin_pass_that_pins_nothing_counts_once():
     scheduler, _ = _grace_rig_with_a_cached_prompt()
     for index, name in enumerate(("w1", "w2")):
         scheduler.add_request(pins.Spec(name, tuple(pins.tail_tokens(5 + index, 65)), 2))
-    fast_path = FastPath(scheduler)
+    fast_path = FastPath(scheduler, FastPathKVCacheManager(scheduler.kv_cache_manager, scheduler.config))
     for count in (1, 2):
         fast_path._audit_pin_pass()
         assert fast_path.audited.pin_passes == count
@@ -514,7 +518,7 @@ def test_the_scheduler_reports_each_admitted_waiter_to_rule_11():
         scheduler.add_request(tiny_spec(index, 60))
     first, second = scheduler._waiting_requests()
     admitted: list[object] = []
-    memo = scheduler.fast_path.missed_pin_lookups
+    memo = scheduler.kv_cache_manager.missed_pin_lookups
     report = memo.waiter_admitted
     memo.waiter_admitted = lambda request: (admitted.append(request), report(request))  # type: ignore[method-assign]
     engine = CheckedEngine(scheduler)
@@ -533,19 +537,16 @@ def test_a_pin_call_that_pins_nothing_and_finds_a_hit_is_not_remembered():
     pins.run(manager, pins.request("same-prompt", prompt))
     waiter, stranger = pins.request("waiter", [*prompt, 7]), pins.request("stranger", pins.tail_tokens(2, 40))
     calls: list[str] = []
-    fast_path = SimpleNamespace(
-        audit=False,
-        skips_pin_lookup=lambda request: False,
-        allocator_changes=lambda: calls.append("changes"),
-        pin_lookup_found_no_hit=lambda request: calls.append(f"no hit {request.request_id}"),
-        pin_lookup_not_remembered=lambda: calls.append("not remembered"),
-    )
-    scheduler_pins = SchedulerPins(manager, fast_path)  # type: ignore[arg-type]
+    door = FastPathKVCacheManager(manager, SimpleNamespace(block_size=16, num_speculative_tokens=0))  # type: ignore[arg-type]
+    memo = door.missed_pin_lookups
+    memo.found_no_hit = lambda request: calls.append(f"no hit {request.request_id}")  # type: ignore[method-assign]
+    memo.pass_meets_unremembered_waiter = lambda: calls.append("not remembered")  # type: ignore[method-assign]
+    scheduler_pins = SchedulerPins(door, NoFastPath())  # type: ignore[arg-type]
     scheduler_pins.pin_waiters(iter([waiter, stranger]))
-    assert calls == ["changes", "no hit stranger"]
+    assert calls == ["no hit stranger"] and door.allocator_version == 1  # the waiter pinned
     calls.clear()
     scheduler_pins.pin_waiters(iter([waiter, stranger]))
-    assert calls == ["not remembered", "no hit stranger"]
+    assert calls == ["not remembered", "no hit stranger"] and door.allocator_version == 1
 
 
 def test_the_audit_makes_a_passed_over_waiters_pin_call():
@@ -555,9 +556,7 @@ def test_the_audit_makes_a_passed_over_waiters_pin_call():
     prompt = pins.tail_tokens(1, 340)
     pins.run(manager, pins.request("same-prompt", prompt))
     waiter = pins.request("waiter", [*prompt, 7])
-    fast_path = FastPath.__new__(FastPath)  # only the audit's parts are read
-    fast_path.audit, fast_path.audited = True, AuditCounts()
-    fast_path.scheduler = type("S", (), {"kv_cache_manager": manager})()
+    fast_path = _pass_over_fast_path(manager, audit=True)
     with pytest.raises(AssertionError, match="waiter: a waiter passed over pins"):
         SchedulerPins(manager, fast_path).pin_waiters(iter([waiter]), frozenset({id(waiter)}))
 
@@ -624,9 +623,8 @@ def _manager(block_sizes: list[int], rings: list[int], hash_block_size: int) -> 
     )
 
 
-def _scheduler(manager: SimpleNamespace, block_size: int, num_speculative_tokens: int) -> SimpleNamespace:
-    config = SimpleNamespace(block_size=block_size, num_speculative_tokens=num_speculative_tokens)
-    return SimpleNamespace(kv_cache_manager=manager, config=config)
+def _config(block_size: int, num_speculative_tokens: int) -> SimpleNamespace:
+    return SimpleNamespace(block_size=block_size, num_speculative_tokens=num_speculative_tokens)
 
 
 def test_the_fast_paths_windows_take_the_hash_unit_only_inside_the_prompt():
@@ -634,14 +632,14 @@ def test_the_fast_paths_windows_take_the_hash_unit_only_inside_the_prompt():
     (never a size), the 64-token unit, K = 3: margin 4 x 4 + 16 = 32.
     5,000..5,007 widened is 4,968..5,039, across unit boundary 4,992:
     no window into the prompt; past a 4,500-token prompt, block 1."""
-    steps = _settled_steps(_scheduler(_manager([4096, 4096], [8], 64), 4096, 3))
+    steps = settled_steps(_manager([4096, 4096], [8], 64), _config(4096, 3))  # type: ignore[arg-type]
     assert (steps.block_sizes, steps.margin_tokens) == ((4096,), 32)
     assert steps.window(5000, 5007) is None
     assert steps.window(5000, 5007, prompt_tokens=4500) == (1,)
     # The unit a block size already (64-token blocks hashed every 64, the
     # scheduler's 128), K = 0, margin 20: the same windows either side of
     # the prompt; 100..107 widened is 80..127, in block 1 of 64 and 0 of 128.
-    plain = _settled_steps(_scheduler(_manager([64], [], 64), 128, 0))
+    plain = settled_steps(_manager([64], [], 64), _config(128, 0))  # type: ignore[arg-type]
     assert (plain.block_sizes, plain.margin_tokens) == ((64, 128), 20)
     assert plain.window(100, 107) == plain.window(100, 107, prompt_tokens=1) == (1, 0)
 
@@ -654,17 +652,20 @@ def _decoding(computed: int, prompt: int, in_flight: int = 0) -> SimpleNamespace
         num_tokens=computed + 1,
         num_in_flight_tokens=in_flight,
         num_prompt_tokens=prompt,
+        status=RequestStatus.RUNNING,
     )
 
 
-def _rig_fast_path() -> FastPath:
-    fast_path = FastPath.__new__(FastPath)  # only the windows are read
-    scheduler = SimpleNamespace()
-    scheduler.decode_span = lambda request, num: FastPathScheduling.decode_span(scheduler, request, num)
-    fast_path.scheduler = scheduler
-    fast_path.allocations = SettledSteps((4096,), margin_tokens=32, prompt_unit=64)
-    fast_path.caching = SettledSteps((4096,), margin_tokens=32, prompt_unit=64)
-    return fast_path
+def _rig_door() -> FastPathKVCacheManager:
+    """The door with the rig's windows, over a manager whose calls succeed."""
+    door = FastPathKVCacheManager.__new__(FastPathKVCacheManager)  # only the windows are read
+    door.wrapped = SimpleNamespace(
+        allocate_slots=lambda *args, **kwargs: "blocks", cache_blocks=lambda *args: None
+    )  # type: ignore[assignment]
+    door.allocator_version, door.audit = 0, False
+    door.allocations = SettledSteps((4096,), margin_tokens=32, prompt_unit=64)
+    door.caching = SettledSteps((4096,), margin_tokens=32, prompt_unit=64)
+    return door
 
 
 def test_real_calls_past_the_prompt_record_windows_of_the_block_alone():
@@ -674,26 +675,27 @@ def test_real_calls_past_the_prompt_record_windows_of_the_block_alone():
     8,191 - 32 = 8,159 (the unit would give no window: control). At 8,156
     it spans 8,156..8,160, widened past 8,191: no window (1 + 3 slots; 1 x
     3 or 1 - 3 would fit). Caching at 5,000: the same window."""
-    fast_path = _rig_fast_path()
-    fast_path.allocated(_decoding(5000, 4500), 1, 3)
-    assert fast_path.allocations.bounds("r") == (4533, 8159)
-    fast_path.allocated(_decoding(8156, 4500), 1, 3)
-    assert fast_path.allocations.bounds("r") is None
-    fast_path.cached(_decoding(5000, 4500), 5000)
-    assert fast_path.caching.bounds("r") == (4533, 8159)
-    fast_path.cached(_decoding(8159, 4500), 8160)
-    assert fast_path.caching.bounds("r") is None
+    door = _rig_door()
+    door.allocate_slots(_decoding(5000, 4500), 1, num_lookahead_tokens=3)
+    assert door.allocations.bounds("r") == (4533, 8159)
+    door.allocate_slots(_decoding(8156, 4500), 1, num_lookahead_tokens=3)
+    assert door.allocations.bounds("r") is None
+    door.cache_blocks(_decoding(5000, 4500), 5000)
+    assert door.caching.bounds("r") == (4533, 8159)
+    door.cache_blocks(_decoding(8159, 4500), 8160)
+    assert door.caching.bounds("r") is None
+    assert door.allocator_version == 4  # each a real call that may take blocks
 
 
 def test_a_prefill_allocation_records_no_window():
     """A request with prompt tokens still to compute is not decoding: its
     allocation records nothing, and the window of its last decode stays."""
-    fast_path = _rig_fast_path()
-    fast_path.allocated(_decoding(5000, 4500), 1, 3)
+    door = _rig_door()
+    door.allocate_slots(_decoding(5000, 4500), 1, num_lookahead_tokens=3)
     prefilling = _decoding(5000, 4500)
     prefilling.num_tokens = 5002
-    fast_path.allocated(prefilling, 1, 3)
-    assert fast_path.allocations.bounds("r") == (4533, 8159)
+    door.allocate_slots(prefilling, 1, num_lookahead_tokens=3)
+    assert door.allocations.bounds("r") == (4533, 8159)
 
 
 # -------------------------------- rule 11: which waiters a pass walks
@@ -702,17 +704,17 @@ def test_a_prefill_allocation_records_no_window():
 def test_the_fast_path_names_the_last_idle_passs_waiters_for_the_same_pins():
     """``FastPath.unchanged_waiters``: the entries of the last idle pass
     while the pinned waiters are the same, none for other pinned waiters."""
-    fast_path = tiny_scheduler().fast_path
+    scheduler = tiny_scheduler()
+    fast_path = scheduler.fast_path
     a, b = _waiter("a", 1), _waiter("b", 2)
-    fast_path.missed_pin_lookups.pass_ends(deque([a, b]), ("p",), pinned=False)
+    scheduler.kv_cache_manager.missed_pin_lookups.pass_ends(deque([a, b]), ("p",), pinned=False)
     assert fast_path.unchanged_waiters(("p",)) == {id(a), id(b)}
     assert fast_path.unchanged_waiters(()) == frozenset()
 
 
 def _pass_over_fast_path(manager, audit: bool) -> FastPath:
     fast_path = FastPath.__new__(FastPath)  # only the audit's parts are read
-    fast_path.audit, fast_path.audited = audit, AuditCounts()
-    fast_path.scheduler = type("S", (), {"kv_cache_manager": manager})()
+    fast_path.door = SimpleNamespace(wrapped=manager, audit=audit, audited=AuditCounts())  # type: ignore[assignment]
     return fast_path
 
 
@@ -747,9 +749,11 @@ def _grace_rig_with_a_fast_path(audit: bool) -> tuple[Scheduler, list[frozenset]
     waiters of their own tokens; records what each pass asks the waiting
     queue to skip."""
     scheduler, _ = _grace_rig_with_a_cached_prompt()
-    fast_path = FastPath(scheduler)
+    door = FastPathKVCacheManager(scheduler.kv_cache_manager, scheduler.config)
+    fast_path = FastPath(scheduler, door)
     fast_path.audit = audit
-    scheduler.fast_path, scheduler.pins = fast_path, SchedulerPins(scheduler.kv_cache_manager, fast_path)
+    scheduler.kv_cache_manager, scheduler.fast_path = door, fast_path  # type: ignore[assignment]
+    scheduler.pins = SchedulerPins(door, fast_path)  # type: ignore[arg-type]
     for index, name in enumerate(("w1", "w2")):
         scheduler.add_request(pins.Spec(name, tuple(pins.tail_tokens(5 + index, 65)), 2))
     skips: list[frozenset] = []
@@ -772,7 +776,7 @@ def test_a_pass_after_an_arrival_skips_the_idle_passs_waiters_by_identity():
     scheduler, skips = _grace_rig_with_a_fast_path(audit=False)
     w1, w2, w3 = scheduler.waiting
     assert skips == [frozenset(), {id(w1), id(w2)}]
-    assert scheduler.fast_path.missed_pin_lookups.knows_no_hit(w3)
+    assert scheduler.kv_cache_manager.missed_pin_lookups.knows_no_hit(w3)
     assert scheduler.fast_path.unchanged_waiters(()) == {id(w1), id(w2), id(w3)}
     assert scheduler.kv_cache_manager.pinned_waiter_ids() == ()
 
@@ -793,7 +797,7 @@ def test_a_pass_like_the_last_idle_one_walks_no_waiter():
     scheduler, skips = _grace_rig_with_a_fast_path(audit=False)
     scheduler.pins.pin_waiting(lambda skip=frozenset(): skips.append(skip) or iter(()))
     assert len(skips) == 2
-    scheduler.kv_cache_manager.enable_waiter_pins = False
+    scheduler.kv_cache_manager.wrapped.enable_waiter_pins = False
     scheduler.add_request(pins.Spec("w4", tuple(pins.tail_tokens(8, 65)), 2))  # not idle now
     scheduler.pins.pin_waiting(lambda skip=frozenset(): skips.append(skip) or iter(()))
     assert len(skips) == 2
@@ -855,9 +859,8 @@ def test_the_audit_of_a_skipped_pin_lookup_wants_a_lookup_that_found_no_hit():
     pins.run(manager, pins.request("same-prompt", prompt))
     waiter = pins.request("waiter", [*prompt, 7])
     assert manager.pin_waiting_hit(waiter) > 0  # pinned now
-    fast_path = FastPath.__new__(FastPath)  # only the audit's parts are read
-    fast_path.audit, fast_path.audited = True, AuditCounts()
-    fast_path.scheduler = type("S", (), {"kv_cache_manager": manager})()
+    fast_path = FastPathKVCacheManager(manager, SimpleNamespace(block_size=16, num_speculative_tokens=0))  # type: ignore[arg-type]
+    fast_path.audit = True
     with pytest.raises(AssertionError, match="^waiter: a skipped pin lookup hits$"):
         fast_path._audit_pin_lookup(waiter)
     assert manager.pinned_waiter_ids() == ("waiter",) and fast_path.audited.pin_lookups == 0

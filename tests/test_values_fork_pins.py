@@ -32,7 +32,7 @@ from sim.fork.patches import ForkPatches
 from sim.fork.pins import PinningKVCacheManager
 from sim.fork.scheduler_pins import NoPins, SchedulerPins, scheduler_pins
 from sim.kv_cache_manager import KVCacheManager
-from sim.sched.fast_path import NoFastPath
+from sim.sched.fast_path.memos import NoFastPath
 from sim.vllm_bridge import RequestStatus, init_none_hash, sha256
 
 NO_GRACES = ForkPatches(grace_pins=False)

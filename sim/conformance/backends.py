@@ -23,8 +23,9 @@ from sim.kv_cache_manager import (
 )
 from sim.kv_cache_plan import KVCachePlan
 from sim.sched.engine_core import EngineCore, ScheduledStep
+from sim.sched.fast_path.kv_cache_manager import unwrapped
 from sim.sched.model_runner import ModelRunner
-from sim.sched.output import ScheduledRequest, SchedulerOutput
+from sim.sched.output import ScheduledRequest, SchedulerOutput, is_decoding
 from sim.sched.scheduler import DRAFT_TOKEN_ID, RequestSpec, Scheduler
 from sim.vllm_bridge import MambaManager
 from sim.vllm_bridge.fork_server import free_queue_digest, num_fenced_blocks
@@ -63,7 +64,7 @@ def scheduled_request(request: Any, num_scheduled: int, num_spec: int, is_padded
         num_scheduled_tokens=num_scheduled,
         num_computed_tokens=computed,
         num_spec_tokens=num_spec,
-        num_prompt_tokens_left=0 if computed >= request.num_tokens - 1 else num_scheduled - num_spec,
+        num_prompt_tokens_left=0 if is_decoding(computed, request.num_tokens) else num_scheduled - num_spec,
         is_padded=is_padded,
     )
 
@@ -90,7 +91,7 @@ class KvsimBackend:
         self.kv_cache_manager = engine.kv_cache_manager
         self.scheduler = engine.scheduler
         # The engine's own step, so steady steps take the lane they take in
-        # a run (``sim/sched/steady.py``) and are compared too.
+        # a run (``sim/sched/fast_path/steady.py``) and are compared too.
         assert isinstance(engine.core, EngineCore), "the synchronous engine core"
         self.core = engine.core
         self._scheduled: ScheduledStep | None = None
@@ -149,7 +150,7 @@ def kvsim_fork_state(scheduler: Scheduler) -> tuple[tuple[str, Any], ...]:
     """kvsim's twin of what the fork's server reports (``fork_server.fork_state``):
     waiter pins, graces in release order, retained checkpoints per Mamba
     group, blocks waiting behind a fence."""
-    manager = scheduler.kv_cache_manager
+    manager = unwrapped(scheduler.kv_cache_manager)
     state: dict[str, Any] = {"pinned_waiters": (), "graces": (), "num_grace_pinned_blocks": 0}
     if isinstance(manager, PinningKVCacheManager):
         state["pinned_waiters"] = tuple(sorted(manager.pinned_waiter_ids()))

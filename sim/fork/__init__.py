@@ -20,8 +20,8 @@ patch          module                  what
                                        ``MambaManager``'s admission cap
                                        (0008), the in-flight victim check
                                        (0050: ``sim/sched/scheduler.py``
-                                       ``_allocate_or_preempt``,
-                                       ``sim/sched/freeing.py``)
+                                       ``_allocate_or_preempt`` and
+                                       ``_blocks_can_be_freed``)
 =============  ======================  ========================================
 
 Elsewhere by design: the spec patches change the model's layer specs, not

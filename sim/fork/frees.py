@@ -5,7 +5,7 @@ than the pins (``pins.py``), and of 0018's gate in ``sched/scheduler.py``:
 - 0018: fenced (deferred) frees whenever more than one batch may be in
   flight and a ring group exists (``fork_defers_block_free``). The fenced
   frees themselves are vLLM 0.33.0's (``defer_block_free``), mirrored in
-  ``sim/sched/freeing.py``.
+  ``sim/sched/scheduler.py``.
 - 0023 (port of vLLM #48532): a deferred free evicts in the same order as an
   immediate one (``KVCacheManager.pop_blocks_for_free``).
 - On the same manager: 0086's retained checkpoints freed last (they are held
@@ -17,6 +17,7 @@ The manager is built by ``sim/kv_cache_manager.py``'s factory.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import cached_property
 
 from sim.fork.retention import RetainingMambaManager
@@ -102,6 +103,12 @@ class KVCacheManager(_VllmKVCacheManager):
         super().free(request)
         if retained:
             self.block_pool.free_blocks(retained)
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Return blocks popped for a fenced free (or a copy-on-write's
+        retained ends) to the pool: kvsim's fenced frees, no twin in vLLM,
+        go through the manager like every other change to the allocator."""
+        self.block_pool.free_blocks(blocks)
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
         """The request's blocks, not yet freed, under vLLM's contract: the

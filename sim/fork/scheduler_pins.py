@@ -21,8 +21,10 @@ scheduler never branches on it and ``fork: upstream`` is vLLM's scheduler):
    nor PREEMPTED, up to the manager's bound. The fast path skips a lookup
    known to find no hit, and a pass known to pin nothing (its rules 10, 11).
 
-Every change to the allocator made here voids the fast path's memo of an
-idle waiting loop (``FastPath.allocator_changes``, rule 3).
+Every call made here goes through the scheduler's ``kv_cache_manager``:
+with the fast path on, its door (``fast_path/kv_cache_manager.py``) counts each pin
+or yield that changes the allocator (rule 3) and answers a lookup known to
+find no hit (rule 10).
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ from typing import TYPE_CHECKING
 
 from sim.fork.frees import KVCacheManager
 from sim.fork.pins import PinningKVCacheManager
+from sim.sched.fast_path.kv_cache_manager import unwrapped
 from sim.vllm_bridge import KVCacheBlocks, Request, RequestStatus
 
 if TYPE_CHECKING:
-    from sim.sched.fast_path import FastPath, NoFastPath
+    from sim.sched.fast_path.memos import FastPath, NoFastPath
 
 Allocate = Callable[[], "KVCacheBlocks | None"]
 Waiters = Callable[[Container[int]], Iterator[Request]]
@@ -62,20 +65,15 @@ class SchedulerPins:
         self.manager = manager
         self.fast_path = fast_path
 
-    def _changed(self, released_or_pinned: int) -> int:
-        if released_or_pinned:
-            self.fast_path.allocator_changes()
-        return released_or_pinned
-
     def yield_for_running(self) -> bool:
-        return bool(self._changed(self.manager.yield_pinned_hits(limit=1)))
+        return bool(self.manager.yield_pinned_hits(limit=1))
 
     def admit_head(self, request: Request, hit: KVCacheBlocks, retry: Allocate) -> KVCacheBlocks | None:
         """A second chance for the head waiter whose allocation failed
         (``retry`` repeats that allocation); None: it still waits."""
         if not self.manager.guards_head_yields:
             # 0095/0096: the pins of the waiters behind it yield; one retry.
-            if self._changed(self.manager.yield_pinned_hits(keep=request.request_id)):
+            if self.manager.yield_pinned_hits(keep=request.request_id):
                 return retry()
             return None
         return self._admit_head_guarded(request, hit.blocks, retry)
@@ -86,17 +84,17 @@ class SchedulerPins:
         if manager.last_alloc_shortfall <= 0 or not (manager.num_grace_pins or manager.num_pinned_waiters):
             return None
         allocated = None
-        if request.num_computed_tokens == 0 and self._changed(manager.pin_waiting_hit(request)):
+        if request.num_computed_tokens == 0 and manager.pin_waiting_hit(request):
             allocated = retry()  # the shortfall on the pinned state
         if allocated is not None or not self._covered(request_id, hit):
             return allocated
-        if self._changed(manager.release_pinned_extras(request_id, hit)):
+        if manager.release_pinned_extras(request_id, hit):
             allocated = retry()  # its own proof block first: it costs nobody anything
         # Coverage is read again before every yield: a retry can fail by more.
         while (
             allocated is None
             and self._covered(request_id, hit)
-            and self._changed(manager.yield_pinned_hits(keep=request_id, limit=1))
+            and manager.yield_pinned_hits(keep=request_id, limit=1)
         ):
             allocated = retry()
         return allocated
@@ -132,23 +130,11 @@ class SchedulerPins:
                 if id(request) in unchanged:
                     self.fast_path.unchanged_waiter_passed_over(request)
                 else:
-                    self._pin_waiter(request)
-
-    def _pin_waiter(self, request: Request) -> None:
-        """Pin one waiter's hit, unless the fast path knows its lookup finds
-        none (fast-path rule 10); a lookup that found none is remembered."""
-        if self.fast_path.skips_pin_lookup(request):
-            return
-        pinned = self._changed(self.manager.pin_waiting_hit(request))
-        if self.manager.pin_lookup_found_no_hit:
-            self.fast_path.pin_lookup_found_no_hit(request)
-        elif not pinned:
-            # Pinned already, or a hit of null blocks only: not remembered,
-            # so any hash inserted may change what this waiter meets.
-            self.fast_path.pin_lookup_not_remembered()
+                    manager.pin_waiting_hit(request)
 
 
 def scheduler_pins(manager: KVCacheManager, fast_path: FastPath | NoFastPath) -> NoPins | SchedulerPins:
-    if isinstance(manager, PinningKVCacheManager):
-        return SchedulerPins(manager, fast_path)
+    """``manager``: the scheduler's (behind the fast path's door, if on)."""
+    if isinstance(unwrapped(manager), PinningKVCacheManager):
+        return SchedulerPins(manager, fast_path)  # type: ignore[arg-type]  # its door passes every call on
     return NoPins()

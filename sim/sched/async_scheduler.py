@@ -21,8 +21,8 @@ scheduled while the steps before it are still in flight, so
   ``processed_step_seq += 1``): with ``max_concurrent_batches`` = pp + 1 the
   fence lags the schedule by pp micro-batches.
 
-The fast path (``fast_path.py``) works here too, its steady lane as
-``async_steady.py`` (it keeps the counters above aside for its requests;
+The fast path (``fast_path/``) works here too, its steady lane as
+``fast_path/async_steady.py`` (it keeps the counters above aside for its requests;
 ``_finish_schedule`` leaves the decodes it took to it): a decode's settled
 ``allocate_slots`` calls span from its
 processed tokens (behind those in flight, where vLLM frees skipped blocks)
@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections import deque
 
 from sim.kv_cache_manager import KVCacheManager
-from sim.sched.output import ScheduledRequest, SchedulerOutput, StepTally
+from sim.sched.output import ScheduledRequest, SchedulerOutput, StepTally, reaches_max_tokens
 from sim.sched.scheduler import Scheduler, SchedulerConfig
 from sim.vllm_bridge import Request, RequestStatus, check_stop
 
@@ -70,10 +70,8 @@ class AsyncScheduler(Scheduler):
         """The running loop skips a request whose in-flight step is sure to
         reach ``max_tokens`` even if all its drafts are rejected, and one
         not yet eligible for its next decode (the stagger)."""
-        placeholders = request.num_output_placeholders
-        if placeholders > 0 and (
-            request.num_computed_tokens + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens
-        ):
+        max_tokens_end = request.num_prompt_tokens + request.max_tokens
+        if reaches_max_tokens(request.num_computed_tokens, request.num_output_placeholders, max_tokens_end):
             return True
         # step_index counts the schedule() calls before this one.
         return self.step_index + 1 < request.next_decode_eligible_step

@@ -20,8 +20,8 @@ on whatever clock its caller keeps (``engine_loop.make_call`` makes the
 whole call at once, for callers without a clock). Whether a call leaves the
 engine idle is the loop's judgement (``engine_loop.idle_after``); a core
 says only what is in flight and lets it complete. Steady decode steps take
-kvsim's fast lane (``steady.py``; ``async_steady.py`` in the batch queue)
-when the fast path is on. Plain Python: no SimPy.
+kvsim's fast lane (``fast_path/steady.py``; ``fast_path/async_steady.py`` in
+the batch queue) when the fast path is on. Plain Python: no SimPy.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class EngineCore:
 
     def _complete(self, step: ScheduledStep) -> tuple[ModelRunnerOutput | None, StepOutcome]:
         if self.steady is not None:  # it scheduled every step, so it completes them
-            return None, self.steady.complete(step.output)
+            return None, self.steady.sample_and_apply(step.output)
         sampled = self.model_runner.execute(step.output, step.token_counts)
         return sampled, self.scheduler.update_from_output(step.output, sampled)
 
@@ -184,7 +184,7 @@ class BatchQueueEngineCore:
         if self.steady is None:
             call.outcome = self.scheduler.update_from_output(output, sampled)
         else:
-            call.outcome = self.steady.complete(output, sampled)
+            call.outcome = self.steady.update_from_output(output, sampled)
 
     def only_empty_in_flight(self) -> bool:
         return all(output.is_empty for output, _ in self.batch_queue)

@@ -27,6 +27,30 @@ class ScheduledRequest(NamedTuple):
         return self.num_prompt_tokens_left == 0
 
 
+def is_decoding(num_computed_tokens: int, num_known_tokens: int) -> bool:
+    """Whether only the last known token (and drafts) is left to compute:
+    the prompt, and every output but the last, computed. The one test of
+    "decoding" (the scheduler's record of a step, the fast path's windows
+    and lanes, the conformance driver); async scheduling counts output
+    placeholders as known.
+
+    >>> is_decoding(99, 100), is_decoding(98, 100)
+    (True, False)
+    """
+    return num_computed_tokens >= num_known_tokens - 1
+
+
+def reaches_max_tokens(num_computed_tokens: int, num_output_placeholders: int, max_tokens_end: int) -> bool:
+    """Async scheduling: whether a request's step in flight is sure to reach
+    ``max_tokens`` (its prompt plus ``max_tokens``: ``max_tokens_end``) even
+    if all its drafts are rejected, so the running loop skips it.
+
+    >>> reaches_max_tokens(100, 4, 98), reaches_max_tokens(100, 4, 99), reaches_max_tokens(100, 0, 0)
+    (True, False, False)
+    """
+    return num_output_placeholders > 0 and num_computed_tokens + 2 - num_output_placeholders >= max_tokens_end
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SchedulerOutput:
     """One step: who runs, with how many tokens, and what the step changed."""

@@ -16,20 +16,29 @@ chase its tokens (prompt, outputs, drafts); rejected drafts roll them back.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import compress
+from operator import not_
 from typing import Protocol
 
 from sim.fork.scheduler_pins import NoPins, SchedulerPins, scheduler_pins
 from sim.kv_cache_manager import KVCacheManager, MTPHashing
-from sim.sched.fast_path import FastPath, FastPathScheduling, NoFastPath
-from sim.sched.freeing import BlockFreeing
+from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
+from sim.sched.fast_path.memos import FastPath, NoFastPath
+from sim.sched.fast_path.steady import NO_STEADY, SKIP, SteadyItems
+from sim.sched.fast_path.waiting_queue import WaitingQueue
 from sim.sched.model_runner import OUTPUT_TOKEN_BASE
-from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepOutcome, StepTally
-from sim.sched.queues import RequestQueues, WaitingQueue
-from sim.sched.stats import StatsReporting
-from sim.sched.steady import NO_STEADY, SteadyItems
+from sim.sched.output import (
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepOutcome,
+    StepTally,
+    is_decoding,
+)
+from sim.sched.stats import PrefixCacheStats, SchedulerGauges, SchedulerStats, SpecDecodingStats
 from sim.vllm_bridge import (
     BlockRemoved,
     KVCacheBlock,
@@ -132,36 +141,39 @@ class _StepState:
     running_scheduled: bool = False
     prefill_scheduled: bool = False
     padded_ids: set[str] = field(default_factory=set)
-    # The steady lane's share of the step (``steady.py``).
+    # The steady lane's share of the step (``fast_path/steady.py``).
     steady: SteadyItems = NO_STEADY
 
 
-class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting):
-    """FCFS scheduler over one ``KVCacheManager``.
+class Scheduler:
+    """FCFS scheduler over one ``KVCacheManager``: one class, as vLLM's
+    ``Scheduler`` is (its size exception, ``tests/test_code_size.py``), so
+    it diffs against upstream in one file. In order: arrivals, aborts and
+    the queue sizes (``add_request``, ``finish_requests``); the step
+    (``schedule``: the running loop, the steady lane's share of it, the
+    waiting loop, admission); the output (``update_from_output``);
+    preemption, finish and fenced frees; gauges and stats (the records are
+    ``stats.py``'s).
 
-    ``fast_path``: skip the work that changes nothing (``fast_path.py``: a
-    decode's allocator calls between block boundaries, the steady lane, a
-    waiting loop known to admit nobody); the steps, frames and allocator
-    states are the same either way. It enters at a few named points, each a
-    call on ``self.fast_path`` (a ``NoFastPath`` when off).
+    ``fast_path``: skip the work that changes nothing (``fast_path/``: a
+    decode's allocator calls between block boundaries, behind the
+    allocator's door, the steady lane, a waiting loop known to admit
+    nobody); the steps, frames and allocator states are the same either
+    way. Beyond the door it enters at a few named points, each a call on
+    ``self.fast_path`` (a ``NoFastPath`` when off).
 
     While a request is in the steady lane its ``Request`` is stale
     (fast-path rule 5): read ``requests`` and ``running`` after
     ``EngineCore.flush``.
-
-    Here: the step (``schedule``: the running loop, the waiting loop,
-    admission) and the output (``update_from_output``). Its bases hold the
-    rest, no state of their own: ``queues.py`` (arrivals, aborts, queue
-    sizes), ``freeing.py`` (preemption, finish, fenced frees),
-    ``fast_path.py`` (the lane's share of the running loop, a decode's
-    span), ``stats.py`` (gauges and stats).
     """
 
     def __init__(
         self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, *, fast_path: bool = True
     ) -> None:
         self.config = config
-        self.kv_cache_manager = kv_cache_manager
+        # With the fast path on, the allocator behind its door (``fast_path/kv_cache_manager.py``).
+        door = FastPathKVCacheManager(kv_cache_manager, config) if fast_path else None
+        self.kv_cache_manager: KVCacheManager = kv_cache_manager if door is None else door  # type: ignore[assignment]
         self.split = MambaAlignedSplit(
             block_size=config.block_size,
             max_num_scheduled_tokens=config.max_num_batched_tokens,
@@ -194,11 +206,125 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
         self._num_arrived_since_schedule = 0
         self.num_evicted_blocks = 0
         self._params_by_output_len: dict[int, SamplingParams] = {}
-        self.fast_path: FastPath | NoFastPath = FastPath(self) if fast_path else NoFastPath()
+        self.fast_path: FastPath | NoFastPath = NoFastPath() if door is None else FastPath(self, door)
         self.observer = SchedulerObserver()
         # The fork's prefix-hit pins (patches 0095-0097), entered at three
         # named points; NoPins when the manager pins nothing (upstream).
-        self.pins: NoPins | SchedulerPins = scheduler_pins(kv_cache_manager, self.fast_path)
+        self.pins: NoPins | SchedulerPins = scheduler_pins(self.kv_cache_manager, self.fast_path)
+
+    # ------------------------------------------------------------------ intake
+    def add_request(self, spec: RequestSpec) -> bool:
+        """Queue an arrival; False (and counted) when the prompt leaves no room
+        for one output token within ``max_model_len``, as the engine rejects it."""
+        if spec.prompt_len >= self.config.max_model_len:
+            self.num_rejected += 1
+            return False
+        self.waiting.append(spec)
+        self._num_arrived_since_schedule += 1
+        return True
+
+    def _materialize(self, spec: RequestSpec) -> Request:
+        """Build the vLLM ``Request`` only when it reaches the queue head, so
+        a long waiting queue holds no token lists."""
+        request = Request(
+            request_id=spec.request_id,
+            prompt_token_ids=spec.prompt_token_ids(),
+            sampling_params=self._sampling_params(spec.output_len),
+            pooling_params=None,
+            arrival_time=spec.arrival_s,
+            block_hasher=self.block_hasher,
+        )
+        self.requests[spec.request_id] = request
+        return request
+
+    def _sampling_params(self, output_len: int) -> SamplingParams:
+        """One ``SamplingParams`` per output length, shared by the requests
+        that have it (building one costs as much as the rest of an
+        admission; ``Request`` only reads it)."""
+        params = self._params_by_output_len.get(output_len)
+        if params is None:
+            params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+            self._params_by_output_len[output_len] = params
+        return params
+
+    def _waiting_requests(self, skip: Container[int] = frozenset()) -> Iterator[Request]:
+        """The waiting queue in order, each entry built as it is reached
+        (the pin pass reads requests behind the head), less the entries (by
+        ``id``) in ``skip``."""
+        entries = list(self.waiting)
+        # The kept indices found without a Python step per entry: a pass
+        # after an idle one skips nearly all of ~1,000 waiters.
+        kept = compress(range(len(entries)), map(not_, map(skip.__contains__, map(id, entries))))
+        for index in kept:
+            entry = entries[index]
+            if not isinstance(entry, Request):
+                entry = self.waiting[index] = self._materialize(entry)
+            yield entry
+
+    def _peek_waiting(self) -> Request:
+        head = self.waiting[0]
+        if isinstance(head, Request):
+            return head
+        request = self._materialize(head)
+        self.waiting[0] = request
+        return request
+
+    # ------------------------------------------------------------------ aborts
+    def finish_requests(
+        self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
+    ) -> list[Request]:
+        """Finish requests from outside the scheduler (vLLM's
+        ``Scheduler.finish_requests``, which ``EngineCore.abort_requests``
+        calls with ``FINISHED_ABORTED`` when a client goes away): each
+        known, unfinished request leaves its queue, takes the status and
+        frees its blocks as a finished one does (fenced while a step in
+        flight may write them). ``None`` finishes every request. Returns the
+        requests finished; unknown or finished ids are skipped. Deliberate
+        differences: ids are taken in the order given, ``None`` in arrival
+        order (vLLM iterates a set, whose order varies between processes,
+        and the free order moves block ids); a waiting request kvsim has not
+        built yet (``_materialize``) is built first, so the caller gets a
+        ``Request`` as from vLLM."""
+        assert RequestStatus.is_finished(finished_status)
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        wanted = None if request_ids is None else dict.fromkeys(request_ids)
+        found = {
+            entry.request_id: entry
+            for entry in (*self.waiting, *self.running)
+            if wanted is None or entry.request_id in wanted
+        }
+        if not found:
+            return []
+        self._drop_from_queues(set(found))
+        order = sorted(found, key=lambda i: _arrival_s(found[i])) if wanted is None else wanted
+        finished = []
+        for request_id in (i for i in order if i in found):
+            entry = found[request_id]
+            request = entry if isinstance(entry, Request) else self._materialize(entry)
+            request.status = finished_status
+            self._free_request(request)
+            finished.append(request)
+        return finished
+
+    def _drop_from_queues(self, request_ids: set[str]) -> None:
+        """Both queues without ``request_ids``, kept in place and in order."""
+        kept = [entry for entry in self.waiting if entry.request_id not in request_ids]
+        self.waiting.clear()
+        self.waiting.extend(kept)
+        self.running[:] = [r for r in self.running if r.request_id not in request_ids]
+
+    # ------------------------------------------------------------------- state
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
 
     # ---------------------------------------------------------------- schedule
     def schedule(self, steady: SteadyItems = NO_STEADY) -> SchedulerOutput:
@@ -273,14 +399,46 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
             self._record_scheduled(request, num_new, request.num_computed_tokens, step)
             index += 1
 
+    def _take_steady(self, index: int, step: _StepState) -> int:
+        """Schedule the lane's decodes for the running requests from
+        ``index`` on, each as it is, while the running loop would: the
+        budget holds it whole and no long-prefill threshold clips it (its
+        allocation is settled and the clip to ``max_model_len`` leaves it
+        whole: the lane's part). Stops at the first request the lane did not
+        offer, or hands that one back for the ordinary path (also when no
+        budget is left: the running loop then stops, and an offered request
+        the ordinary path could reach is always handed back first). Returns
+        the index of the first request not taken. (A run at a time: it runs
+        for every request of every step.)"""
+        steady = step.steady
+        running, items, scheduled, taken = self.running, steady.items, step.scheduled, steady.taken
+        # The running loop preempts nobody here, so the threshold holds throughout.
+        threshold = self.config.long_prefill_token_threshold and self._long_prefill_threshold()
+        num_running = len(running)  # the loop takes requests, it never removes one
+        while index < num_running:
+            request_id = running[index].request_id
+            item = items.get(request_id)
+            if item is None:
+                break
+            if item is SKIP:  # async: its stagger holds it back, as the running loop's skip would
+                index += 1
+                continue
+            num_new = item.num_scheduled_tokens
+            if step.token_budget < num_new or 0 < threshold < num_new:
+                steady.hand_over(running[index])
+                break
+            scheduled[request_id] = item
+            taken.add(request_id)
+            step.token_budget -= num_new
+            step.running_scheduled = True
+            index += 1
+        return index
+
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepState) -> bool:
         """Allocate, preempting the newest running request (vLLM's FCFS
         victim) until it fits, the victim is the request itself, or the victim's
         blocks cannot be freed at once (a fenced free would not help now)."""
         lookahead = self.config.num_speculative_tokens
-        if self.fast_path.skips_allocation(request, num_new, lookahead):
-            return True
-        self.fast_path.allocator_takes_blocks()
         while self.kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is None:
             if self.pins.yield_for_running():  # pin point 1: a pin yields before any victim
                 continue
@@ -294,13 +452,10 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
             step.preempted_ids.append(victim.request_id)
             if victim is request:
                 return False
-        self.fast_path.allocated(request, num_new, lookahead)
         return True
 
     def _schedule_waiting(self, step: _StepState) -> None:
-        inputs = self.fast_path.waiting_starts(step)
-        admitted = self._admit_waiting(step)
-        self.fast_path.waiting_ends(inputs, admitted)
+        self.fast_path.waiting_loop(step, self._admit_waiting)
 
     def _admit_waiting(self, step: _StepState) -> bool:
         skipped: list[Request] = []
@@ -320,7 +475,7 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
                 self.waiting.popleft()
                 skipped.append(request)
                 continue
-            blocks, num_hit, boundary = self._look_up_head(request)
+            blocks, num_hit, boundary = self.kv_cache_manager.get_computed_blocks(request)
             if num_hit:
                 self.observer.prefix_hit(request, blocks, num_hit)
             request.shared_prefix_boundary = boundary
@@ -346,14 +501,9 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
                 has_scheduled_reqs=bool(self.running),
             )
             attempt = partial(self._try_admission, request, blocks, allocate)
-            if self.fast_path.skips_refused_admission(request, num_new, attempt):
-                break
-            allocated = attempt()
-            if allocated is None:
-                self.fast_path.admission_refused(request, num_new)
+            if self.fast_path.admission(request, num_new, attempt) is None:
                 break  # head-of-line blocking: never try the requests behind it
             self.kv_cache_manager.record_prefix_cache_stats(request, num_hit)
-            self.fast_path.allocator_changes()
             if padded:
                 step.padded_ids.add(request.request_id)
             self._admit(request, num_hit, num_new, step)
@@ -401,7 +551,7 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
             num_scheduled_tokens=num_new,
             num_computed_tokens=computed,
             num_spec_tokens=num_spec,
-            num_prompt_tokens_left=0 if computed >= request.num_tokens - 1 else num_new - num_spec,
+            num_prompt_tokens_left=0 if is_decoding(computed, request.num_tokens) else num_new - num_spec,
             is_padded=request.request_id in step.padded_ids,
         )
         step.token_budget -= num_new
@@ -529,10 +679,138 @@ class Scheduler(RequestQueues, BlockFreeing, FastPathScheduling, StatsReporting)
 
     def _cache_blocks(self, request: Request, num_computed_tokens: int | None = None) -> None:
         """``cache_blocks`` up to ``num_computed_tokens`` (default: the
-        request's computed tokens), unless the call is settled."""
+        request's computed tokens)."""
         computed = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
-        if self.fast_path.skips_caching(request, computed):
-            return
-        self.fast_path.allocator_takes_blocks()
         self.kv_cache_manager.cache_blocks(request, computed)
-        self.fast_path.cached(request, computed)
+
+    # ------------------------------------------------------------- preemption
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: free (or fence) the blocks, back to the front
+        of the waiting queue with no computed tokens; outputs are kept."""
+        self._free_request_blocks(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ----------------------------------------------------------- fenced frees
+    def _blocks_can_be_freed(self, request: Request) -> bool:
+        if not self.config.defer_block_free:
+            return True
+        return self.last_sched_seq.get(request.request_id, 0) <= self.processed_step_seq
+
+    def _free_request_blocks(self, request: Request) -> None:
+        if self._blocks_can_be_freed(request):
+            self.kv_cache_manager.free(request)
+            return
+        blocks = self.kv_cache_manager.pop_blocks_for_free(request)
+        if blocks:
+            self.deferred_frees.append((self.sched_step_seq, blocks, False))
+
+    def _release_cow_copies(self) -> None:
+        """vLLM's ``schedule()``: a partial (sub-block) prefix hit copies the
+        hit's tail block into a private one (copy-on-write), and both ends of
+        the copy stay referenced until the step that runs it completes (the
+        first step at or after this one: ``sched_step_seq + 1``)."""
+        copies, retained = self.kv_cache_manager.take_kv_cache_block_copies()
+        if not copies:
+            return
+        fence = self.sched_step_seq + 1
+        if not self.config.defer_block_free or fence <= self.processed_step_seq:
+            self.kv_cache_manager.free_blocks(retained)
+            return
+        self.deferred_frees.append((fence, retained[::-1], True))
+
+    def _drain_deferred_frees(self) -> None:
+        while self.deferred_frees and self.deferred_frees[0][0] <= self.processed_step_seq:
+            _, blocks, _ = self.deferred_frees.popleft()
+            self.kv_cache_manager.free_blocks(reversed(blocks))
+
+    def _advance_processed(self, processed: int) -> bool:
+        before = (self.processed_step_seq, len(self.deferred_frees))
+        self.processed_step_seq = max(self.processed_step_seq, processed)
+        self._drain_deferred_frees()
+        return (self.processed_step_seq, len(self.deferred_frees)) != before
+
+    def complete_in_flight_steps(self) -> bool:
+        """The engine idles: every step still in flight completes. True when
+        that changed anything (a fence passed, blocks came back)."""
+        return self._advance_processed(self.sched_step_seq)
+
+    def deferred_blocks(self) -> list[list[KVCacheBlock]]:
+        """Blocks popped for a fenced free (their owners are gone)."""
+        return [blocks for _, blocks, copy in self.deferred_frees if not copy]
+
+    def copy_retained_blocks(self) -> list[list[KVCacheBlock]]:
+        """Both ends of pending copy-on-write copies: an extra reference on
+        blocks a request may still hold, until the copying step completes."""
+        return [blocks for _, blocks, copy in self.deferred_frees if copy]
+
+    def _finish(self, request: Request) -> None:
+        self.running.remove(request)
+        self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self._free_request_blocks(request)
+        del self.requests[request.request_id]
+        self.last_sched_seq.pop(request.request_id, None)
+
+    def num_deferred_blocks(self) -> int:
+        return sum(len(blocks) for _, blocks, _ in self.deferred_frees)
+
+    def _take_prefix_cache_stats(self) -> tuple[int, int]:
+        stats = self.kv_cache_manager.make_prefix_cache_stats()
+        if stats is None:
+            return 0, 0
+        return stats.queries + stats.preempted_queries, stats.hits + stats.preempted_hits
+
+    # ------------------------------------------------------------------- stats
+    def make_gauges(self, *, exclude_arrived: bool = False) -> SchedulerGauges:
+        """The gauges now (the one builder for step records and samples).
+        ``exclude_arrived``: vLLM's engine core adds arrivals between steps,
+        so its ``make_stats`` counts the waiting queue without the requests
+        that arrived while the step ran (kvsim adds them as they arrive)."""
+        kv = self.kv_cache_manager
+        arrived = self._num_arrived_since_schedule if exclude_arrived else 0
+        return SchedulerGauges(
+            num_requests_running=self.num_running,
+            num_requests_waiting=self.num_waiting - arrived,
+            num_free_blocks=kv.num_free_blocks,
+            num_deferred_blocks=self.num_deferred_blocks(),
+            kv_cache_usage_perc=kv.usage,
+            num_retained_checkpoints=kv.num_retained_checkpoints(),
+        )
+
+    def make_stats(self, output: SchedulerOutput, outcome: StepOutcome) -> SchedulerStats:
+        """One step's stats once its output is applied (vLLM's ``make_stats``)."""
+        return SchedulerStats(
+            step=output.step_index,
+            num_scheduled_requests=len(output.scheduled),
+            num_scheduled_tokens=output.total_num_scheduled_tokens,
+            num_prefill_tokens=output.num_prefill_tokens,
+            num_decode_tokens=output.num_decode_tokens,
+            num_admitted=len(output.new_request_ids),
+            num_resumed=len(output.resumed_request_ids),
+            num_preemptions=len(output.preempted_request_ids),
+            num_finished=len(outcome.finished),
+            num_generation_tokens=outcome.num_generated_tokens,
+            gauges=self.make_gauges(exclude_arrived=True),
+            prefix_cache_stats=PrefixCacheStats(
+                prefix_cache_queries_tokens=output.prefix_cache_queries,
+                prefix_cache_hits_tokens=output.prefix_cache_hits,
+                prefix_cache_evicted_blocks=output.num_evicted_blocks,
+            ),
+            spec_decoding_stats=SpecDecodingStats(
+                num_draft_tokens=outcome.num_draft_tokens,
+                num_accepted_tokens=outcome.num_accepted_tokens,
+            ),
+        )
+
+    def token_counts(self) -> dict[str, int]:
+        """Each running request's tokens (prompt plus outputs, no drafts)."""
+        return {r.request_id: r.num_tokens for r in self.running}
+
+
+def _arrival_s(entry: Request | RequestSpec) -> float:
+    return entry.arrival_time if isinstance(entry, Request) else entry.arrival_s

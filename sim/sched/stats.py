@@ -23,9 +23,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any, get_type_hints
 
 if TYPE_CHECKING:
-    from sim.kv_cache_manager import KVCacheManager
-    from sim.sched.output import SchedulerOutput, StepOutcome
-    from sim.vllm_bridge import Request
+    pass
 
 
 # The step records are built for every step and read at once: not frozen
@@ -164,74 +162,3 @@ class Columns:
     def to_dict(self) -> dict[str, list[Any]]:
         """The columns in order (the lists themselves: read, do not change)."""
         return self._columns
-
-
-class StatsReporting:
-    """The scheduler's builders of these records (a base of ``Scheduler``,
-    ``scheduler.py``, holding no state of its own)."""
-
-    kv_cache_manager: KVCacheManager
-    running: list[Request]
-    _num_arrived_since_schedule: int
-
-    if TYPE_CHECKING:
-
-        @property
-        def num_running(self) -> int: ...
-
-        @property
-        def num_waiting(self) -> int: ...
-
-        def num_deferred_blocks(self) -> int: ...
-
-    def _take_prefix_cache_stats(self) -> tuple[int, int]:
-        stats = self.kv_cache_manager.make_prefix_cache_stats()
-        if stats is None:
-            return 0, 0
-        return stats.queries + stats.preempted_queries, stats.hits + stats.preempted_hits
-
-    # ------------------------------------------------------------------- stats
-    def make_gauges(self, *, exclude_arrived: bool = False) -> SchedulerGauges:
-        """The gauges now (the one builder for step records and samples).
-        ``exclude_arrived``: vLLM's engine core adds arrivals between steps,
-        so its ``make_stats`` counts the waiting queue without the requests
-        that arrived while the step ran (kvsim adds them as they arrive)."""
-        kv = self.kv_cache_manager
-        arrived = self._num_arrived_since_schedule if exclude_arrived else 0
-        return SchedulerGauges(
-            num_requests_running=self.num_running,
-            num_requests_waiting=self.num_waiting - arrived,
-            num_free_blocks=kv.num_free_blocks,
-            num_deferred_blocks=self.num_deferred_blocks(),
-            kv_cache_usage_perc=kv.usage,
-            num_retained_checkpoints=kv.num_retained_checkpoints(),
-        )
-
-    def make_stats(self, output: SchedulerOutput, outcome: StepOutcome) -> SchedulerStats:
-        """One step's stats once its output is applied (vLLM's ``make_stats``)."""
-        return SchedulerStats(
-            step=output.step_index,
-            num_scheduled_requests=len(output.scheduled),
-            num_scheduled_tokens=output.total_num_scheduled_tokens,
-            num_prefill_tokens=output.num_prefill_tokens,
-            num_decode_tokens=output.num_decode_tokens,
-            num_admitted=len(output.new_request_ids),
-            num_resumed=len(output.resumed_request_ids),
-            num_preemptions=len(output.preempted_request_ids),
-            num_finished=len(outcome.finished),
-            num_generation_tokens=outcome.num_generated_tokens,
-            gauges=self.make_gauges(exclude_arrived=True),
-            prefix_cache_stats=PrefixCacheStats(
-                prefix_cache_queries_tokens=output.prefix_cache_queries,
-                prefix_cache_hits_tokens=output.prefix_cache_hits,
-                prefix_cache_evicted_blocks=output.num_evicted_blocks,
-            ),
-            spec_decoding_stats=SpecDecodingStats(
-                num_draft_tokens=outcome.num_draft_tokens,
-                num_accepted_tokens=outcome.num_accepted_tokens,
-            ),
-        )
-
-    def token_counts(self) -> dict[str, int]:
-        """Each running request's tokens (prompt plus outputs, no drafts)."""
-        return {r.request_id: r.num_tokens for r in self.running}

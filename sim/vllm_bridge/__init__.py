@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -125,6 +126,7 @@ __all__ = [
     "planning",
     "sha256",
     "vllm_info",
+    "watch_hash_insertions",
     "worker_api",
 ]
 
@@ -332,3 +334,28 @@ def worker_api() -> SimpleNamespace:
         KVBlockZeroer=KVBlockZeroer,
         allocate_kv_cache=allocate_kv_cache,
     )
+
+
+def watch_hash_insertions(block_pool: BlockPool, inserted: Callable[[Any], None]) -> None:
+    """Call ``inserted(key)`` after each (hash, block) pair ``block_pool``
+    puts into its cached-hash map that the map lacked (a call for a pair it
+    holds inserts nothing: vLLM returns at once).
+
+    The one instrumented private of vLLM, and why: vLLM offers no other
+    door. Every insertion into ``cached_block_hash_to_block`` (full blocks,
+    partial units, a copy-on-write's moved hashes) goes through
+    ``BlockPool._insert_block_hash``, the pool is built inside vLLM's
+    coordinator (no class to pass in), and its KV events are drained once a
+    step and name no moved hash, while the fast path's missed-lookup memo
+    (``sim/sched/fast_path/missed_lookups.py``) must see an insertion before the next
+    lookup. The map is read through ``block_pool`` each call: a prefix-cache
+    reset replaces the map, not this method."""
+    insert = block_pool._insert_block_hash
+
+    def watched(key: Any, block: KVCacheBlock, *args: Any, **kwargs: Any) -> None:
+        held = block_pool.cached_block_hash_to_block.contain(key, block.block_id)
+        insert(key, block, *args, **kwargs)
+        if not held:
+            inserted(key)
+
+    block_pool._insert_block_hash = watched  # type: ignore[method-assign,assignment]

@@ -14,7 +14,8 @@ from sim.engine import Simulation
 from sim.paths import SCENARIOS_DIR
 from sim.scenario import load_scenario
 from sim.sched.engine_core import BatchQueueEngineCore, EngineCore
-from sim.sched.fast_path import AuditCounts, FastPath
+from sim.sched.fast_path.kv_cache_manager import AuditCounts
+from sim.sched.fast_path.memos import FastPath
 
 
 def one_request(tmp_path: Path, prompt: int, output: int, *overrides: str) -> Simulation:

@@ -14,7 +14,8 @@ find no hit again (rule 10 of ``fast_path.py``):
   (a hash and a group id; a block of several hash units is keyed by its
   last unit's hash, which chains over the whole prefix);
 - the map grows only through ``BlockPool._insert_block_hash`` (full,
-  partial and moved hashes alike), which this counts; evictions, frees and
+  partial and moved hashes alike), which this counts (through the
+  bridge's ``watch_hash_insertions``); evictions, frees and
   a prefix-cache reset only remove entries, and a lookup's hit only
   shrinks with entries removed (each group's hit is monotone in the cached
   hashes, and so is the coordinator's fixed point over them);
@@ -50,10 +51,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from sim.vllm_bridge import kv_cache_utils
+from sim.vllm_bridge import kv_cache_utils, watch_hash_insertions
 
 if TYPE_CHECKING:
-    from sim.vllm_bridge import BlockPool, KVCacheBlock, Request
+    from sim.vllm_bridge import BlockPool, Request
 
 # What a pin pass read: hash insertions, waiter token changes, the pinned
 # waiters, the waiting queue's entries by identity (and the entries, so no
@@ -99,23 +100,18 @@ class MissedPinLookups:
         self._count_insertions(block_pool)
 
     def _count_insertions(self, block_pool: BlockPool) -> None:
-        """Count every hash inserted into ``cached_block_hash_to_block`` (the
-        one place vLLM's pool inserts into it) and forget the waiters it is
-        one of the hashes of. A call for a pair the map already holds is not
-        counted: vLLM returns at once, and a decode's caching makes one every
-        step (the prompt's partial tail, re-keyed). The map is read through
-        ``block_pool`` each time: a reset replaces it, not this method, so
-        the count survives it."""
-        insert = block_pool._insert_block_hash
+        """Count every hash inserted into the pool's cached-hash map and
+        forget the waiters it is one of the hashes of (the bridge's one
+        adapter, ``watch_hash_insertions``, says why it must instrument
+        vLLM). A call for a pair the map already holds is not counted: a
+        decode's caching makes one every step (the prompt's partial tail,
+        re-keyed)."""
 
-        def counting(key: bytes, block: KVCacheBlock, *args: Any, **kwargs: Any) -> None:
-            held = block_pool.cached_block_hash_to_block.contain(key, block.block_id)
-            insert(key, block, *args, **kwargs)
-            if not held:
-                self.num_hash_insertions += 1
-                self._forget_waiters_of(kv_cache_utils.get_block_hash(key))
+        def inserted(key: Any) -> None:
+            self.num_hash_insertions += 1
+            self._forget_waiters_of(kv_cache_utils.get_block_hash(key))
 
-        block_pool._insert_block_hash = counting  # type: ignore[method-assign]
+        watch_hash_insertions(block_pool, inserted)
 
     def _forget_waiters_of(self, block_hash: bytes) -> None:
         """A key with ``block_hash`` was inserted: the waiters whose hashes

@@ -40,14 +40,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from sim.allocator_invariants import allocator_snapshot
-from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepOutcome, StepTally
-from sim.sched.steady import SKIP, SteadyItems
+from sim.sched.fast_path.steady import SKIP, SteadyItems, SteadyLane, _each
+from sim.sched.output import (
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepOutcome,
+    StepTally,
+    reaches_max_tokens,
+)
 from sim.vllm_bridge import Request
 
 if TYPE_CHECKING:
     from sim.sched.async_scheduler import AsyncScheduler
-    from sim.sched.fast_path import FastPath
+    from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
 
 
 # ``ScheduledRequest(...)`` without the named tuple's Python-level
@@ -79,18 +85,16 @@ class _KeptAsync:
     max_tokens_end: int = 0
 
 
-class AsyncSteadyDecode:
+class AsyncSteadyDecode(SteadyLane[_KeptAsync]):
     """The steady lane for ``BatchQueueEngineCore`` (one per engine core)."""
 
-    def __init__(self, scheduler: AsyncScheduler, fast_path: FastPath) -> None:
-        self.scheduler = scheduler
-        self.fast_path = fast_path
-        self.num_spec = scheduler.config.num_speculative_tokens
-        self.step_tokens = 1 + self.num_spec
+    scheduler: AsyncScheduler
+
+    def __init__(self, scheduler: AsyncScheduler, door: FastPathKVCacheManager) -> None:
+        super().__init__(scheduler, door)
         # The scheduler's decode stagger (pp): a taken decode's next is that
         # many schedule calls later.
         self.decode_stagger = scheduler.decode_stagger
-        self._kept: dict[str, _KeptAsync] = {}
         # The decodes the scheduler took in the last schedule.
         self.num_taken = 0
 
@@ -111,7 +115,7 @@ class AsyncSteadyDecode:
                 items[request_id] = SKIP
                 continue
             computed = kept.computed
-            if computed > kept.limit or computed + 2 - kept.placeholders >= kept.max_tokens_end:
+            if computed > kept.limit or reaches_max_tokens(computed, kept.placeholders, kept.max_tokens_end):
                 self._leave(request)
                 continue
             fields = (request_id, step_tokens, computed, num_spec, 0, False)  # a decode, not padded
@@ -121,7 +125,7 @@ class AsyncSteadyDecode:
             return scheduler.schedule()
         steady = SteadyItems(items=items, hand_over=self._leave)  # type: ignore[arg-type]
         output = scheduler.schedule(steady)
-        if self.fast_path.audit and steady.taken:
+        if self.door.audit and steady.taken:
             self._audit_allocations(steady.taken)
         # ``AsyncScheduler._finish_schedule``'s share, for the taken decodes.
         eligible = output.step_index + self.decode_stagger
@@ -134,7 +138,7 @@ class AsyncSteadyDecode:
         self.num_taken = len(steady.taken)
         return output
 
-    def complete(self, output: SchedulerOutput, sampled: ModelRunnerOutput) -> StepOutcome:
+    def update_from_output(self, output: SchedulerOutput, sampled: ModelRunnerOutput) -> StepOutcome:
         """The oldest step's output landed: the fences pass first (rule 8),
         then each request's tokens: a kept decode's in the lane, as
         ``AsyncScheduler.apply_sampled`` would apply them, when they cannot
@@ -147,7 +151,7 @@ class AsyncSteadyDecode:
         scheduler.output_arrives(output)
         tally = StepTally()
         kept_by_id, tokens_by_id = self._kept, sampled.sampled_token_ids
-        step_tokens, num_spec, audit = self.step_tokens, self.num_spec, self.fast_path.audit
+        step_tokens, num_spec, audit = self.step_tokens, self.num_spec, self.door.audit
         num_applied = num_generated = 0
         for item in output.scheduled:
             request_id, num_scheduled, _, num_spec_scheduled, _, is_padded = item
@@ -184,23 +188,14 @@ class AsyncSteadyDecode:
             tally.num_accepted_tokens += num_generated - num_applied
         return tally.outcome()
 
-    def flush(self) -> None:
-        """Every request in the lane takes its state and leaves it."""
-        for kept in list(self._kept.values()):
-            self._leave(kept.request)
-
     def num_output_placeholders(self, request: Request) -> int:
         """``request``'s placeholders as the scheduler would have them."""
         kept = self._kept.get(request.request_id)
         return request.num_output_placeholders if kept is None else kept.placeholders
 
     # ------------------------------------------------------- entry and exit
-    def _leave(self, request: Request) -> None:
-        """``request`` (in the lane) takes its state and leaves it."""
-        self._hand_over(self._kept.pop(request.request_id))
-
     @staticmethod
-    def _hand_over(kept: _KeptAsync) -> None:
+    def _hand_over(kept: _KeptAsync) -> None:  # type: ignore[override]
         """The request takes the counters and the ids kept aside."""
         request = kept.request
         request.num_computed_tokens = kept.computed
@@ -220,8 +215,7 @@ class AsyncSteadyDecode:
             request.is_prefill_chunk
             or request.num_output_tokens == 0
             or request.num_stale_output_tokens
-            or request.num_tokens + placeholders - computed != 1
-            or len(request.spec_token_ids) != self.num_spec
+            or not self._decodes_next(request)
         ):
             return None
         limit = self._limit(request)
@@ -249,18 +243,18 @@ class AsyncSteadyDecode:
         ``allocate_slots`` spans from the processed tokens (they only grow)
         to ``1 + 2K`` past the computed ones; the clip leaves it ``1 + K``."""
         computed, scheduler = request.num_computed_tokens, self.scheduler
-        span = scheduler.decode_span(request, self.step_tokens + self.num_spec)
-        fast_path, request_id = self.fast_path, request.request_id
-        allocation = fast_path.allocations.bounds(request_id)
-        caching = fast_path.caching.bounds(request_id)
+        span = self.door.decode_span(request, self.step_tokens + self.num_spec)
+        door, request_id = self.door, request.request_id
+        allocation = door.allocations.bounds(request_id)
+        caching = door.caching.bounds(request_id)
         if span is None or allocation is None or caching is None:
             return None
         processed = span[0]
         if allocation[0] > processed or caching[0] > processed:
             return None
+        # The clip leaves the step whole (its room counts from the tokens computed).
         limit = min(
-            allocation[1] - (span[1] - computed),
-            scheduler.config.max_model_len - 1 - self.step_tokens,
+            allocation[1] - (span[1] - computed), computed + scheduler.clip_room(request) - self.step_tokens
         )
         return (limit, caching[0], caching[1]) if computed <= limit else None
 
@@ -268,20 +262,17 @@ class AsyncSteadyDecode:
     def _audit_allocations(self, taken: set[str]) -> None:
         """Make the allocation each taken decode skipped (``audit``), with
         its ``Request`` as the running loop would have seen it."""
-        kv = self.scheduler.kv_cache_manager
-        before = allocator_snapshot(kv)
-        for request_id in taken:
-            kept = self._kept[request_id]
-            self._hand_over(kept)
-            blocks = kv.allocate_slots(kept.request, self.step_tokens, num_lookahead_tokens=self.num_spec)
-            assert blocks is not None and not any(blocks.blocks), f"{request_id}: a steady decode allocates"
-        assert allocator_snapshot(kv) == before, "a steady decode's allocation changed the allocator"
-        self.fast_path.audited.lane_steps += 1
+        kept = [self._kept[request_id] for request_id in taken]
+        self.door.check_unchanged(lambda: _each(self._audit_taken, kept), "steady allocation")
+        self.door.audited.lane_steps += 1
+
+    def _audit_taken(self, kept: _KeptAsync) -> None:
+        self._hand_over(kept)
+        self._audit_allocation(kept.request)
 
     def _audit_caching(self, kept: _KeptAsync, processed: int) -> None:
         """Make the caching a kept decode's output skipped (``audit``)."""
-        kv = self.scheduler.kv_cache_manager
-        before = allocator_snapshot(kv)
         self._hand_over(kept)
-        kv.cache_blocks(kept.request, processed)
-        assert allocator_snapshot(kv) == before, "a steady decode's caching changed the allocator"
+        self.door.check_unchanged(
+            lambda: self.door.wrapped.cache_blocks(kept.request, processed), "steady caching"
+        )

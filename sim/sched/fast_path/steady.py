@@ -40,15 +40,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
-from sim.allocator_invariants import allocator_snapshot
 from sim.sched.model_runner import ModelRunner
 from sim.sched.output import ScheduledRequest, SchedulerOutput, StepOutcome, StepTally
 from sim.vllm_bridge import Request
 
 if TYPE_CHECKING:
-    from sim.sched.fast_path import FastPath
+    from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
     from sim.sched.scheduler import Scheduler
 
 
@@ -73,6 +72,9 @@ SKIP = object()
 NO_STEADY = SteadyItems(items={}, hand_over=lambda request: None)
 
 
+K = TypeVar("K")
+
+
 @dataclass(slots=True)
 class _Kept:
     """A request in the lane."""
@@ -89,14 +91,54 @@ class _Kept:
     unstoppable: int
 
 
-class SteadyDecode:
-    def __init__(self, scheduler: Scheduler, fast_path: FastPath, model_runner: ModelRunner) -> None:
+class SteadyLane(Generic[K]):
+    """What both lanes share (this one, ``async_steady.py``'s): the
+    requests kept aside, by id, each leaving the lane by taking back what
+    it kept (``_hand_over``, the lane's own), and the audit of a taken
+    decode's skipped allocation."""
+
+    def __init__(self, scheduler: Scheduler, door: FastPathKVCacheManager) -> None:
         self.scheduler = scheduler
-        self.fast_path = fast_path
-        self.model_runner = model_runner
+        self.door = door
         self.num_spec = scheduler.config.num_speculative_tokens
         self.step_tokens = 1 + self.num_spec
-        self._kept: dict[str, _Kept] = {}
+        self._kept: dict[str, K] = {}
+
+    def flush(self) -> None:
+        """Every request in the lane takes its state and leaves it."""
+        for kept in list(self._kept.values()):
+            self._leave(kept.request)  # type: ignore[attr-defined]
+
+    def _leave(self, request: Request) -> None:
+        """``request`` (in the lane) takes its state and leaves it."""
+        self._hand_over(self._kept.pop(request.request_id))
+
+    def _hand_over(self, kept: K) -> None:
+        raise NotImplementedError
+
+    def _decodes_next(self, request: Request) -> bool:
+        """A lane's entry: exactly the last known token left to compute
+        (placeholders count as known, async mode), the K drafts queued. (Not
+        ``output.is_decoding``, which also holds with a decode's tokens
+        still counted as computed.)"""
+        known = request.num_tokens + request.num_output_placeholders
+        return request.num_computed_tokens == known - 1 and len(request.spec_token_ids) == self.num_spec
+
+    def _audit_allocation(self, request: Request) -> None:
+        """Make the allocation a taken decode skipped (``audit``), its
+        ``Request`` as the running loop sees it: it must allocate nothing."""
+        blocks = self.door.wrapped.allocate_slots(
+            request, self.step_tokens, num_lookahead_tokens=self.num_spec
+        )
+        assert blocks is not None and not any(blocks.blocks), (
+            f"{request.request_id}: a steady decode allocates"
+        )
+
+
+class SteadyDecode(SteadyLane[_Kept]):
+    def __init__(self, scheduler: Scheduler, door: FastPathKVCacheManager, model_runner: ModelRunner) -> None:
+        super().__init__(scheduler, door)
+        self.model_runner = model_runner
         # The requests whose decodes the scheduler took in the step in flight.
         self._taken: set[str] = set()
 
@@ -129,11 +171,11 @@ class SteadyDecode:
         for request_id in steady.taken:
             kept_by_id[request_id].computed += step_tokens
         self._taken = steady.taken
-        if self.fast_path.audit and steady.taken:
+        if self.door.audit and steady.taken:
             self._audit_allocations()
         return output
 
-    def complete(self, output: SchedulerOutput) -> StepOutcome:
+    def sample_and_apply(self, output: SchedulerOutput) -> StepOutcome:
         """The workers ran the step: its requests' outputs in the step's
         order, the steady ones kept aside, the others the scheduler's way.
         (One loop with the common case inline: it runs for every request of
@@ -142,7 +184,7 @@ class SteadyDecode:
         scheduler.output_arrives(output)
         tally = StepTally()
         taken, kept_by_id = self._taken, self._kept
-        if self.fast_path.audit:
+        if self.door.audit:
             taken = set(taken)  # the audit after the loop reads the step's
         num_spec, step_tokens = self.num_spec, self.step_tokens
         draw = self.model_runner.acceptance_draws(num_spec)
@@ -166,7 +208,7 @@ class SteadyDecode:
         if num_spec:
             tally.num_draft_tokens += num_kept * num_spec
             tally.num_accepted_tokens += num_accepted_kept
-        if self.fast_path.audit and self.scheduler.config.caches_after_sampling:
+        if self.door.audit and self.scheduler.config.caches_after_sampling:
             self._audit_caching(taken)
         return tally.outcome()
 
@@ -181,16 +223,7 @@ class SteadyDecode:
         if stopped:
             tally.finished[request.request_id] = request.num_output_tokens
 
-    def flush(self) -> None:
-        """Every request in the lane takes its tokens and leaves it."""
-        for kept in list(self._kept.values()):
-            self._leave(kept.request)
-
     # ------------------------------------------------------- entry and exit
-    def _leave(self, request: Request) -> None:
-        """``request`` (in the lane) takes its tokens and leaves it."""
-        self._hand_over(self._kept.pop(request.request_id))
-
     def _hand_over(self, kept: _Kept) -> None:
         """The request takes its computed tokens as they stand and the
         tokens it sampled since it last took them."""
@@ -223,17 +256,17 @@ class SteadyDecode:
         starts after it). The arithmetic is the scheduler's: the span a
         decode allocates for, the room the ``max_model_len`` clip leaves."""
         computed, num_spec, step_tokens = request.num_computed_tokens, self.num_spec, self.step_tokens
-        if computed != request.num_tokens - 1 or len(request.spec_token_ids) != num_spec:
-            return None  # decoding, with K drafts queued
-        fast_path = self.fast_path
-        span = self.scheduler.decode_span(request, step_tokens + num_spec)
-        bounds = fast_path.allocations.bounds(request.request_id)
+        if not self._decodes_next(request):
+            return None
+        door = self.door
+        span = self.door.decode_span(request, step_tokens + num_spec)
+        bounds = door.allocations.bounds(request.request_id)
         if span is None or bounds is None or bounds[0] > span[0]:
             return None
         limit = bounds[1] - (span[1] - span[0])
         if num_spec and self.scheduler.config.caches_after_sampling:
             # then the step caches at computed + 1 .. computed + 1 + K
-            bounds = fast_path.caching.bounds(request.request_id)
+            bounds = door.caching.bounds(request.request_id)
             if bounds is None or bounds[0] > computed + 1:
                 return None
             limit = min(limit, bounds[1] - step_tokens)
@@ -252,29 +285,29 @@ class SteadyDecode:
     # -------------------------------------------------------------- audit
     def _audit_allocations(self) -> None:
         """Make the allocation each taken decode skipped (``audit``)."""
-        kv = self.scheduler.kv_cache_manager
-        before = allocator_snapshot(kv)
-        for request_id in self._taken:
-            kept = self._kept[request_id]
-            request = kept.request
-            # The request as the running loop sees it: its tokens taken, the
-            # step's not yet counted as computed.
-            self._hand_over(kept)
-            request.num_computed_tokens -= self.step_tokens
-            blocks = kv.allocate_slots(request, self.step_tokens, num_lookahead_tokens=self.num_spec)
-            request.num_computed_tokens += self.step_tokens
-            assert blocks is not None and not any(blocks.blocks), f"{request_id}: a steady decode allocates"
-        assert allocator_snapshot(kv) == before, "a steady decode's allocation changed the allocator"
-        self.fast_path.audited.lane_steps += 1
+        taken = [self._kept[request_id] for request_id in self._taken]
+        self.door.check_unchanged(lambda: _each(self._audit_taken, taken), "steady allocation")
+        self.door.audited.lane_steps += 1
+
+    def _audit_taken(self, kept: _Kept) -> None:
+        """As the running loop sees it: its tokens taken, the step's not yet
+        counted as computed."""
+        self._hand_over(kept)
+        kept.request.num_computed_tokens -= self.step_tokens
+        self._audit_allocation(kept.request)
+        kept.request.num_computed_tokens += self.step_tokens
 
     def _audit_caching(self, taken: set[str]) -> None:
-        """Make the caching each kept decode skipped (``audit``)."""
-        kv = self.scheduler.kv_cache_manager
-        before = allocator_snapshot(kv)
-        for request_id in taken:
-            kept = self._kept.get(request_id)
-            if kept is None:
-                continue  # it took its tokens the scheduler's way
-            self._hand_over(kept)
-            kv.cache_blocks(kept.request, kept.computed)
-        assert allocator_snapshot(kv) == before, "a steady decode's caching changed the allocator"
+        """Make the caching each kept decode skipped (``audit``); one that
+        took its tokens the scheduler's way has left the lane."""
+        kept = [self._kept[request_id] for request_id in taken if request_id in self._kept]
+        self.door.check_unchanged(lambda: _each(self._audit_cache, kept), "steady caching")
+
+    def _audit_cache(self, kept: _Kept) -> None:
+        self._hand_over(kept)
+        self.door.wrapped.cache_blocks(kept.request, kept.computed)
+
+
+def _each(call: Callable[[K], None], kept: list[K]) -> None:
+    for one in kept:
+        call(one)

@@ -1,0 +1,315 @@
+"""The fast path's door to the allocator: the ``KVCacheManager`` the
+scheduler holds when ``simulation.fast_path`` is on.
+
+No twin in vLLM (its scheduler makes every call). It wraps the manager
+(vLLM's, or the fork's pinning one) and decides every call that may change
+the allocator: ``allocate_slots``, ``cache_blocks``, ``get_computed_blocks``,
+``free``, ``pop_blocks_for_free``, ``free_blocks``,
+``take_kv_cache_block_copies`` and the fork's pin calls. Everything else
+passes through unchanged. So the scheduler calls
+``self.kv_cache_manager.allocate_slots(...)`` as vLLM's does, and:
+
+- a settled call (rules 1-2, ``settled.py``) is skipped here, and a real
+  one records its window;
+- every call that may change the allocator bumps the versions here, the
+  only door (rule 3 is structural): ``allocator_version`` counts them all,
+  ``release_version`` those that may do more than take blocks (rule 12: a
+  running request's allocation and caching only take blocks);
+- a lookup known to find nothing (rule 12) and a waiter's pin lookup known
+  to find no hit (rule 10, ``missed_lookups.py``) are answered here.
+
+``audit = True`` makes every skipped call anyway and asserts it changed
+nothing (``allocator_snapshot``), counted in ``audited``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from sim.allocator_invariants import allocator_snapshot
+from sim.sched.fast_path.missed_lookups import MissedPinLookups
+from sim.sched.fast_path.settled import SettledSteps
+from sim.sched.output import is_decoding
+from sim.vllm_bridge import RequestStatus
+
+if TYPE_CHECKING:
+    from sim.kv_cache_manager import KVCacheManager
+    from sim.sched.scheduler import SchedulerConfig
+    from sim.vllm_bridge import KVCacheBlock, KVCacheBlocks, Request
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class AuditCounts:
+    """The skipped calls an audit made anyway (each changed nothing)."""
+
+    allocations: int = 0
+    cachings: int = 0
+    waiting_loops: int = 0
+    lane_steps: int = 0
+    pin_lookups: int = 0
+    pin_passes: int = 0
+    unchanged_waiters: int = 0
+    lookups: int = 0
+    refused_admissions: int = 0
+
+
+class FastPathKVCacheManager:
+    """The manager ``wrapped`` behind the fast path's door (rules 1-3, 10, 12)."""
+
+    def __init__(self, wrapped: KVCacheManager, config: SchedulerConfig) -> None:
+        self.wrapped = wrapped
+        # Read every step (the gauges); fixed at construction.
+        self.block_pool = wrapped.block_pool
+        self.empty_kv_cache_blocks = wrapped.empty_kv_cache_blocks
+        self.allocations = settled_steps(wrapped, config)
+        self.caching = settled_steps(wrapped, config)
+        self.allocator_version = 0
+        self.release_version = 0
+        # Waiters whose pin lookup found no hit (rule 10).
+        self.missed_pin_lookups = MissedPinLookups(wrapped.block_pool)
+        # The waiting loop's last lookup: the request, and whether it found
+        # nothing in any group (rule 12); the last request whose lookup did,
+        # with rule 10's memo of it then.
+        self.last_lookup: tuple[object, bool] | None = None
+        self._found_nothing: tuple[object, object] | None = None
+        self.audit = False
+        self.audited = AuditCounts()
+
+    def __getattr__(self, name: str) -> Any:
+        """Any other attribute is the wrapped manager's (set one on
+        ``wrapped``: set here, it would shadow the manager's)."""
+        return getattr(self.wrapped, name)
+
+    # ------------------------------------------------------------ versions
+    def _changes(self) -> None:
+        """A call may change the allocator beyond taking blocks."""
+        self.allocator_version += 1
+        self.release_version += 1
+
+    def _changed(self, released_or_pinned: int) -> int:
+        if released_or_pinned:
+            self._changes()
+        return released_or_pinned
+
+    # ------------------------------------------------------ settled calls
+    def allocate_slots(self, request: Request, num_new_tokens: int, **kwargs: Any) -> KVCacheBlocks | None:
+        """A running request's allocation: skipped when settled (rule 1),
+        else it may take blocks (rule 12). An admission changes the
+        allocator when it succeeds (a refused one allocates nothing)."""
+        allocate = self.wrapped.allocate_slots
+        if request.status != RequestStatus.RUNNING:
+            blocks = allocate(request, num_new_tokens, **kwargs)
+            if blocks is not None:
+                self._changes()
+            return blocks
+        num_lookahead_tokens = kwargs.get("num_lookahead_tokens", 0)
+        span = self.decode_span(request, num_new_tokens + num_lookahead_tokens)
+        if span is not None and self.allocations.is_settled(request.request_id, *span):
+            if self.audit:
+                self._audit_allocation(request, num_new_tokens, num_lookahead_tokens)
+            return self.empty_kv_cache_blocks
+        self.allocator_version += 1
+        blocks = allocate(request, num_new_tokens, **kwargs)
+        if blocks is not None and span is not None:
+            self.allocations.record(request.request_id, *span, request.num_prompt_tokens)
+        return blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Skipped when settled (rule 1); else it may take blocks (rule 12)."""
+        computed = num_computed_tokens
+        if self.caching.is_settled(request.request_id, computed, computed):
+            if self.audit:
+                self.check_unchanged(lambda: self.wrapped.cache_blocks(request, computed), "caching")
+                self.audited.cachings += 1
+            return
+        self.allocator_version += 1
+        self.wrapped.cache_blocks(request, computed)
+        self.caching.record(request.request_id, computed, computed, request.num_prompt_tokens)
+
+    @staticmethod
+    def decode_span(request: Request, num_tokens: int) -> tuple[int, int] | None:
+        """The positions a decoding request's next ``num_tokens`` slots
+        span (None: not decoding). Decoding: only the last known token and
+        drafts are left to compute, so the prefill end lies behind the span
+        too. The span starts at the tokens processed, behind the tokens
+        still in flight (async scheduling: ``allocate_slots`` frees skipped
+        blocks on that basis; 0 in flight in sync mode)."""
+        computed = request.num_computed_tokens
+        if not is_decoding(computed, request.num_tokens):
+            return None
+        return computed - request.num_in_flight_tokens, computed + num_tokens
+
+    # -------------------------------------------------------------- frees
+    def free(self, request: Request) -> None:
+        self._forget(request.request_id)
+        self.wrapped.free(request)
+
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        self._forget(request.request_id)
+        return self.wrapped.pop_blocks_for_free(request)
+
+    def _forget(self, request_id: str) -> None:
+        """The request's blocks are freed (preempted or finished)."""
+        self.allocations.forget(request_id)
+        self.caching.forget(request_id)
+        self._changes()
+
+    def free_blocks(self, blocks: Any) -> None:
+        self._changes()
+        self.wrapped.free_blocks(blocks)
+
+    def take_kv_cache_block_copies(self) -> Any:
+        copies = self.wrapped.take_kv_cache_block_copies()
+        if copies[0]:
+            self._changes()
+        return copies
+
+    # ------------------------------------------------------------ lookups
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
+        """The waiting loop's lookup, or vLLM's answer for one known to find
+        nothing (rule 12: its last one did, and none of its hashes was
+        inserted since: its empty blocks, no tokens, no boundary). A lookup
+        that found no tokens is remembered by rule 10 too."""
+        if self.finds_nothing(request):
+            self.last_lookup = (request, True)
+            if self.audit:
+                self._audit_lookup(request)
+            return self.empty_kv_cache_blocks, 0, 0
+        blocks, num_hit, boundary = self.wrapped.get_computed_blocks(request)
+        missed = num_hit == 0 and boundary == 0 and not any(blocks.blocks)
+        self.last_lookup = (request, missed)
+        memos = self.missed_pin_lookups
+        if num_hit == 0 and not memos.knows_no_hit(request):
+            memos.found_no_hit(request)
+        self._found_nothing = (request, memos.memo_of(request)) if missed else None
+        return blocks, num_hit, boundary
+
+    def finds_nothing(self, request: Request) -> bool:
+        """Whether ``request``'s last waiting-loop lookup found nothing and
+        none of its hashes was inserted since: rule 10's memo of it is the
+        one it had then (a pin lookup that finds no hit remembers a
+        forgotten request anew, though a group's blocks may hit now)."""
+        found = self._found_nothing
+        if found is None or found[0] is not request:
+            return False
+        memo = self.missed_pin_lookups.memo_of(request)
+        return memo is not None and memo is found[1]
+
+    # --------------------------------------------- the fork's pins (0095-0097)
+    def yield_pinned_hits(self, *args: Any, **kwargs: Any) -> int:
+        return self._changed(self.wrapped.yield_pinned_hits(*args, **kwargs))  # type: ignore[attr-defined]
+
+    def release_pinned_extras(self, *args: Any) -> int:
+        return self._changed(self.wrapped.release_pinned_extras(*args))  # type: ignore[attr-defined]
+
+    def pin_waiting_hit(self, request: Request) -> int:
+        """A waiter's pin: none where its lookup is known to find no hit
+        (rule 10); a lookup that finds none is remembered, and one that pins
+        nothing and is not remembered is reported to rule 11."""
+        memos, wrapped = self.missed_pin_lookups, self.wrapped
+        if memos.knows_no_hit(request):
+            if self.audit:
+                self._audit_pin_lookup(request)
+            return 0
+        pinned = self._changed(wrapped.pin_waiting_hit(request))  # type: ignore[attr-defined]
+        if wrapped.pin_lookup_found_no_hit:  # type: ignore[attr-defined]
+            memos.found_no_hit(request)
+        elif not pinned:
+            # Pinned already, or a hit of null blocks only: not remembered,
+            # so any hash inserted may change what this waiter meets.
+            memos.pass_meets_unremembered_waiter()
+        return pinned
+
+    # -------------------------------------------------------------- audit
+    def check_unchanged(self, call: Callable[[], T], what: str) -> T:
+        """Make ``call`` and assert the allocator is as it was."""
+        before = allocator_snapshot(self.wrapped)
+        result = call()
+        assert allocator_snapshot(self.wrapped) == before, f"a skipped {what} call changed the allocator"
+        return result
+
+    def _audit_allocation(self, request: Request, num_new: int, num_lookahead: int) -> None:
+        allocate = self.wrapped.allocate_slots
+        blocks = self.check_unchanged(
+            lambda: allocate(request, num_new, num_lookahead_tokens=num_lookahead), "allocation"
+        )
+        assert blocks is not None and not any(blocks.blocks), (
+            f"{request.request_id}: a settled call allocated"
+        )
+        self.audited.allocations += 1
+
+    def _audit_lookup(self, request: Request) -> None:
+        """Make a skipped lookup: it must find nothing (vLLM's empty blocks)."""
+        found = self.check_unchanged(lambda: self.wrapped.get_computed_blocks(request), "lookup")
+        assert found == (self.empty_kv_cache_blocks, 0, 0), f"{request.request_id}: a lookup finds"
+        self.audited.lookups += 1
+
+    def _audit_pin_lookup(self, request: Request) -> None:
+        """Make the skipped pin call: it must look up and find no hit, which
+        returns before touching anything (no snapshot: there are many)."""
+        wrapped = self.wrapped
+        pinned = wrapped.pin_waiting_hit(request)  # type: ignore[attr-defined]  # a PinningKVCacheManager's
+        assert pinned == 0 and wrapped.pin_lookup_found_no_hit, (  # type: ignore[attr-defined]
+            f"{request.request_id}: a skipped pin lookup hits"
+        )
+        self.audited.pin_lookups += 1
+
+
+def _passed_through(name: str) -> property:
+    """A read of the wrapped manager's ``name``, made without ``__getattr__``
+    (which runs only after a failed lookup): for what the scheduler reads
+    every step."""
+    return property(lambda door: getattr(door.wrapped, name))
+
+
+# Read every step (the step's end, the gauges, the pin pass, the head guard).
+_EVERY_STEP = (
+    "new_step_starts",
+    "take_events",
+    "take_new_block_ids",
+    "take_new_ring_block_ids",
+    "make_prefix_cache_stats",
+    "num_free_blocks",
+    "usage",
+    "num_retained_checkpoints",
+    "enable_waiter_pins",
+    "pinned_waiter_ids",
+    "guards_head_yields",
+    "last_alloc_shortfall",
+    "num_grace_pins",
+    "num_pinned_waiters",
+    "max_pinned_waiters",
+)
+for _name in _EVERY_STEP:
+    setattr(FastPathKVCacheManager, _name, _passed_through(_name))
+
+
+def unwrapped(manager: KVCacheManager | FastPathKVCacheManager) -> KVCacheManager:
+    """The manager behind the fast path's door (itself when there is none)."""
+    return manager.wrapped if isinstance(manager, FastPathKVCacheManager) else manager
+
+
+def settled_steps(manager: KVCacheManager, config: SchedulerConfig) -> SettledSteps:
+    """Windows over every block size a call divides by (the groups', the
+    scheduler's; the hash unit only inside the prompt), widened by a margin
+    past the lookahead and re-prefill offsets a call adds (rule 2). The
+    rings' block size is left out: a ring is claimed once per request and
+    never reads a position."""
+    rings = manager.ring_managers
+    sizes = {m.block_size for m in manager.managers if m not in rings}
+    sizes.add(config.block_size)
+    # The hash unit (the fork's 64-token prefix-match unit) counts only
+    # inside the prompt (``settled.py``).
+    unit = manager.block_pool.hash_block_size
+    return SettledSteps(
+        tuple(sizes), margin_tokens(config.num_speculative_tokens), None if unit in sizes else unit
+    )
+
+
+def margin_tokens(num_speculative_tokens: int) -> int:
+    """The margin of rule 2, named so tests derive their counts from it."""
+    return 4 * (1 + num_speculative_tokens) + 16
