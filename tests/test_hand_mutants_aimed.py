@@ -48,3 +48,25 @@ def test_control_a_mutant_whose_old_text_is_gone_or_repeated_is_reported():
         f"repeated: {(ROOT / aimed.path).read_text().count(chr(10))} matches in {aimed.path}",
         f"stale-also: 0 matches in {aimed.path}",
     ]
+
+
+def _unknown_tests(mutants) -> list[str]:
+    """Test ids whose file, or whose function in it, is gone (a mutant run
+    against them would fail to collect: a false kill)."""
+    unknown = []
+    for test in sorted({test for mutant in mutants for test in mutant.tests}):
+        path, _, function = test.partition("::")
+        source = ROOT / path
+        if not source.is_file() or (function and f"def {function.split('[')[0]}(" not in source.read_text()):
+            unknown.append(test)
+    return unknown
+
+
+def test_every_hand_mutant_runs_tests_that_exist():
+    assert _unknown_tests(_script().MUTANTS) == []
+
+
+def test_control_a_mutant_naming_a_gone_test_is_reported():
+    aimed = _script().MUTANTS[0]
+    gone = ("tests/test_fast_path.py::test_no_such_test[x]", "tests/test_no_such_file.py")
+    assert _unknown_tests((dataclasses.replace(aimed, tests=(*aimed.tests, *gone)),)) == sorted(gone)
