@@ -1,6 +1,7 @@
 """Every hand mutant still aims (issue 42e): its patches' old texts occur
 exactly once in its file, so a refactor that moves a rule's code cannot leave
-a mutant silently "not applied". No mutant runs here."""
+a mutant silently "not applied"; and every test id it runs exists. No mutant
+runs here."""
 
 from __future__ import annotations
 
