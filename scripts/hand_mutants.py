@@ -281,13 +281,23 @@ MUTANTS = (
         "            or refusal.has_scheduled_reqs != bool(self.scheduler.running)\n",
         "",
     ),
-    _waiting(
+    Mutant(
         "rule3-takes-blocks-bumps-release",
         "swap",
         "fast path 3 and 12 (a running request's allocation bumps the version, not the release version)",
+        DOOR,
+        # Both calls that only take blocks (allocate_slots for a running
+        # request, cache_blocks): one method, allocator_takes_blocks, before
+        # the door.
         "        self.allocator_version += 1\n        blocks = allocate(request, num_new_tokens, **kwargs)",
         "        self.release_version += 1\n        blocks = allocate(request, num_new_tokens, **kwargs)",
-        DOOR,
+        WAITING_MEMO_TESTS,
+        also=(
+            (
+                "        self.allocator_version += 1\n        self.wrapped.cache_blocks(request, computed)",
+                "        self.release_version += 1\n        self.wrapped.cache_blocks(request, computed)",
+            ),
+        ),
     ),
     _waiting(
         "rule3-change-skips-release",
