@@ -127,18 +127,25 @@ PINS = "sim/fork/pins.py"
 SCHED_PINS = "sim/fork/scheduler_pins.py"
 MISSED = "sim/sched/fast_path/missed_lookups.py"
 STEADY = "sim/sched/fast_path/steady.py"
+# The fast path's door: the versions (rules 3, 12), decode spans (rule 9),
+# the lookup that found nothing (rule 12) and the margin (rule 2).
+DOOR = "sim/sched/fast_path/kv_cache_manager.py"
+# output.reaches_max_tokens: the async scheduler's sure-to-finish test.
+OUTPUT = "sim/sched/output.py"
 
 
 def _settled(name: str, kind: str, old: str, new: str) -> Mutant:
     return Mutant(name, kind, "fast path 1-2 (settled windows)", SETTLED, old, new, SETTLED_TESTS)
 
 
-def _async(name: str, kind: str, old: str, new: str) -> Mutant:
-    return Mutant(name, kind, "async scheduler (module docstring's list)", ASYNC, old, new, ASYNC_TESTS)
+def _async(name: str, kind: str, old: str, new: str, path: str = ASYNC) -> Mutant:
+    return Mutant(name, kind, "async scheduler (module docstring's list)", path, old, new, ASYNC_TESTS)
 
 
-def _waiting(name: str, kind: str, rule: str, old: str, new: str) -> Mutant:
-    return Mutant(name, kind, rule, "sim/sched/fast_path/memos.py", old, new, WAITING_MEMO_TESTS)
+def _waiting(
+    name: str, kind: str, rule: str, old: str, new: str, path: str = "sim/sched/fast_path/memos.py"
+) -> Mutant:
+    return Mutant(name, kind, rule, path, old, new, WAITING_MEMO_TESTS)
 
 
 def _pins(name: str, kind: str, rule: str, old: str, new: str, path: str = PINS) -> Mutant:
@@ -209,7 +216,7 @@ MUTANTS = (
         "fast-path-margin-one-less",
         "edge",
         "fast path 2 (the margin)",
-        "sim/sched/fast_path/memos.py",
+        DOOR,
         "return 4 * (1 + num_speculative_tokens) + 16",
         "return 4 * (1 + num_speculative_tokens) + 15",
         SETTLED_TESTS,
@@ -248,15 +255,17 @@ MUTANTS = (
         "rule12-no-boundary-clause-dropped",
         "clause",
         "fast path 12 (found nothing: no token, no block, no boundary)",
-        "missed = num_hit == 0 and boundary == 0 and not any(hit)",
-        "missed = num_hit == 0 and not any(hit)",
+        "missed = num_hit == 0 and boundary == 0 and not any(blocks.blocks)",
+        "missed = num_hit == 0 and not any(blocks.blocks)",
+        DOOR,
     ),
     _waiting(
         "rule12-no-block-clause-dropped",
         "clause",
         "fast path 12 (found nothing: no token, no block, no boundary)",
-        "missed = num_hit == 0 and boundary == 0 and not any(hit)",
+        "missed = num_hit == 0 and boundary == 0 and not any(blocks.blocks)",
         "missed = num_hit == 0 and boundary == 0",
+        DOOR,
     ),
     _waiting(
         "rule12-refusal-same-need-dropped",
@@ -272,14 +281,23 @@ MUTANTS = (
         "            or refusal.has_scheduled_reqs != bool(self.scheduler.running)\n",
         "",
     ),
-    _waiting(
+    Mutant(
         "rule3-takes-blocks-bumps-release",
         "swap",
         "fast path 3 and 12 (a running request's allocation bumps the version, not the release version)",
-        '        caching; a preemption, a pin\'s yield, a free report their own)."""\n'
-        "        self.allocator_version += 1",
-        '        caching; a preemption, a pin\'s yield, a free report their own)."""\n'
-        "        self.release_version += 1",
+        DOOR,
+        # Both calls that only take blocks (allocate_slots for a running
+        # request, cache_blocks): one method, allocator_takes_blocks, before
+        # the door.
+        "        self.allocator_version += 1\n        blocks = allocate(request, num_new_tokens, **kwargs)",
+        "        self.release_version += 1\n        blocks = allocate(request, num_new_tokens, **kwargs)",
+        WAITING_MEMO_TESTS,
+        also=(
+            (
+                "        self.allocator_version += 1\n        self.wrapped.cache_blocks(request, computed)",
+                "        self.release_version += 1\n        self.wrapped.cache_blocks(request, computed)",
+            ),
+        ),
     ),
     _waiting(
         "rule3-change-skips-release",
@@ -287,12 +305,13 @@ MUTANTS = (
         "fast path 3 and 12 (every other change bumps the release version too)",
         "        self.allocator_version += 1\n        self.release_version += 1\n",
         "        self.allocator_version += 1\n",
+        DOOR,
     ),
     Mutant(
         "rule9-span-blind-to-in-flight",
         "clause",
         "fast path 9 (an async decode spans from its processed tokens)",
-        "sim/sched/fast_path/memos.py",
+        DOOR,
         "return computed - request.num_in_flight_tokens, computed + num_tokens",
         "return computed, computed + num_tokens",
         SPAN_TESTS,
@@ -301,18 +320,21 @@ MUTANTS = (
         "rule9-decoding-edge-early",
         "edge",
         "fast path 9 (decoding: only the last known token left)",
-        "sim/sched/fast_path/memos.py",
-        "if computed < request.num_tokens - 1:",
-        "if computed < request.num_tokens - 2:",
+        DOOR,
+        # The door's call of output.is_decoding (computed >= num_tokens - 1),
+        # moved: decoding from computed >= num_tokens - 2.
+        "if not is_decoding(computed, request.num_tokens):",
+        "if not is_decoding(computed + 1, request.num_tokens):",
         SPAN_TESTS,
     ),
     Mutant(
         "rule9-decoding-edge-late",
         "edge",
         "fast path 9 (decoding: only the last known token left)",
-        "sim/sched/fast_path/memos.py",
-        "if computed < request.num_tokens - 1:",
-        "if computed < request.num_tokens:",
+        DOOR,
+        # decoding only from computed >= num_tokens.
+        "if not is_decoding(computed, request.num_tokens):",
+        "if not is_decoding(computed - 1, request.num_tokens):",
         SPAN_TESTS,
     ),
     # ------------------------------------------------ fast path, rules 10-11
@@ -407,15 +429,15 @@ MUTANTS = (
         "steady-decoding-clause-dropped",
         "clause",
         "6 (only a decode enters: all its tokens computed but the last)",
-        "if computed != request.num_tokens - 1 or len(request.spec_token_ids) != num_spec:",
-        "if len(request.spec_token_ids) != num_spec:",
+        "return request.num_computed_tokens == known - 1 and len(request.spec_token_ids) == self.num_spec",
+        "return len(request.spec_token_ids) == self.num_spec",
     ),
     _steady(
         "steady-drafts-clause-dropped",
         "clause",
         "6 (only a decode with K drafts queued enters)",
-        "if computed != request.num_tokens - 1 or len(request.spec_token_ids) != num_spec:",
-        "if computed != request.num_tokens - 1:",
+        "return request.num_computed_tokens == known - 1 and len(request.spec_token_ids) == self.num_spec",
+        "return request.num_computed_tokens == known - 1",
     ),
     _steady(
         "steady-allocation-window-start-dropped",
@@ -449,8 +471,8 @@ MUTANTS = (
         "steady-audit-caching-clause-dropped",
         "clause",
         "6 (the caching audit only where the scheduler caches after sampling)",
-        "if self.fast_path.audit and self.scheduler.config.caches_after_sampling:",
-        "if self.fast_path.audit:",
+        "if self.door.audit and self.scheduler.config.caches_after_sampling:",
+        "if self.door.audit:",
     ),
     _steady(
         "steady-leaves-at-limit-early",
@@ -463,8 +485,8 @@ MUTANTS = (
         "steady-decoding-edge",
         "edge",
         "6 (only a decode enters: all its tokens computed but the last)",
-        "if computed != request.num_tokens - 1 or",
-        "if computed != request.num_tokens - 2 or",
+        "return request.num_computed_tokens == known - 1 and",
+        "return request.num_computed_tokens == known - 2 and",
     ),
     _steady(
         "steady-allocation-window-start-edge",
@@ -477,8 +499,8 @@ MUTANTS = (
         "steady-span-one-short",
         "edge",
         "6 (the span a decode allocates for: 1 + K tokens and K lookahead slots)",
-        "span = self.scheduler.decode_span(request, step_tokens + num_spec)",
-        "span = self.scheduler.decode_span(request, step_tokens + num_spec - 1)",
+        "span = self.door.decode_span(request, step_tokens + num_spec)",
+        "span = self.door.decode_span(request, step_tokens + num_spec - 1)",
     ),
     _steady(
         "steady-caching-window-start-edge",
@@ -533,20 +555,23 @@ MUTANTS = (
     _async(
         "async-sure-to-finish-edge",
         "edge",
-        "request.num_computed_tokens + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens",
-        "request.num_computed_tokens + 1 - placeholders >= request.num_prompt_tokens + request.max_tokens",
+        "num_computed_tokens + 2 - num_output_placeholders >= max_tokens_end",
+        "num_computed_tokens + 1 - num_output_placeholders >= max_tokens_end",
+        OUTPUT,
     ),
     _async(
         "async-sure-to-finish-strict",
         "edge",
-        "request.num_computed_tokens + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens",
-        "request.num_computed_tokens + 2 - placeholders > request.num_prompt_tokens + request.max_tokens",
+        "num_computed_tokens + 2 - num_output_placeholders >= max_tokens_end",
+        "num_computed_tokens + 2 - num_output_placeholders > max_tokens_end",
+        OUTPUT,
     ),
     _async(
         "async-placeholders-clause-dropped",
         "clause",
-        "if placeholders > 0 and (",
-        "if (",
+        "return num_output_placeholders > 0 and num_computed_tokens",
+        "return num_computed_tokens",
+        OUTPUT,
     ),
     _async(
         "async-stagger-edge",
@@ -754,15 +779,24 @@ def _pytest(copy: Path, python: str, tests: tuple[str, ...]) -> tuple[str, float
     return ("passed" if done.returncode == 0 else "failed"), time.monotonic() - started
 
 
-def run_mutant(mutant: Mutant, copy: Path, python: str) -> dict[str, object]:
-    path = copy / mutant.path
-    original = path.read_text()
+def mutate(mutant: Mutant, original: str) -> tuple[str, int]:
+    """The mutated text, or '' and the match count of the first patch whose
+    old text does not occur exactly once (the mutant no longer aims)."""
     mutated = original
     for old, new in ((mutant.old, mutant.new), *mutant.also):
         count = mutated.count(old)
         if count != 1:
-            return {"outcome": f"not applied ({count} matches)", "seconds": 0.0}
+            return "", count
         mutated = mutated.replace(old, new)
+    return mutated, 1
+
+
+def run_mutant(mutant: Mutant, copy: Path, python: str) -> dict[str, object]:
+    path = copy / mutant.path
+    original = path.read_text()
+    mutated, count = mutate(mutant, original)
+    if not mutated:
+        return {"outcome": f"not applied ({count} matches)", "seconds": 0.0}
     path.write_text(mutated)
     try:
         outcome, seconds = _pytest(copy, python, mutant.tests)
