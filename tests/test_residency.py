@@ -12,21 +12,17 @@ fork's, with its source:
   candidate, benchmarks/2026-10-05/BENCH-CARD_OLD.md section 3); an eighth
   131K session not (kvsim; the card names no eighth).
 - The v2 gate (block 3,200, 317 blocks, layout off, no RecoverSSM): three
-  262K sessions resident (README, "the v2 gate held three at 302 of 317
-  blocks"; kvsim's count of blocks in use differs, docs/agent-bench.md).
+  262K sessions resident, "peak 302 / 317 blocks" (the v2 card,
+  benchmarks/2026-09-17/BENCH-CARD.md; README: "the v2 gate held three at
+  302 of 317 blocks"), derived by hand in
+  ``test_the_v2_gates_peak_of_302_blocks``.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from sim.analysis.residency import ResidencyRun, sessions_resident
-
-V2_GATE = [
-    "deployment.block_size=null",
-    "deployment.prefix_match_unit=null",
-    "deployment.use_replayssm=false",
-]
+from sim.analysis.residency import V2_GATE, ResidencyRun, sessions_resident, v2_gate_run
 
 
 @pytest.mark.parametrize(
@@ -36,7 +32,7 @@ V2_GATE = [
         (262_144, True, [], "on", 248, 3),
         (131_072, False, [], "on", 364, 7),
         (262_144, False, [], "on", 364, 3),
-        (262_144, True, V2_GATE, "off", 317, 3),
+        (262_144, True, list(V2_GATE), "off", 317, 3),
     ],
     ids=["v2.5.1-131K", "v2.5.1-262K", "no-MTP-131K", "no-MTP-262K", "v2-gate-262K"],
 )
@@ -45,6 +41,43 @@ def test_the_forks_residency_figures(tokens, mtp, overrides, layout, pool_blocks
     assert found.num_resident == expected
     assert found.fits.resident and found.fits.num_gpu_blocks == pool_blocks
     assert found.one_more is not None and not found.one_more.resident  # one more does not fit
+
+
+def test_the_v2_gates_peak_of_302_blocks():
+    """The v2 card's capacity row: three 262K sessions resident, "peak 302 /
+    317 blocks". The fork counts blocks in use in its scheduler log (v2
+    patch 0025, ``e2_alloc_log.py``) as the pool's ``num_gpu_blocks`` (317,
+    the null block among them) less its free blocks. By hand, from the
+    fork's own figures: a 262K request holds 103 blocks in the fork's plan
+    (806,792 = 317 / 103 x 262,144 tokens): 82 attention blocks (262,144 /
+    3,200, rounded up), 1 ring block, and 5 in each of the 4 Mamba-type
+    groups (GDN x 3, PLE): 1 + K = 4 states and, on the step its prefill
+    completes, the block-boundary state as well; a decoding request holds
+    4, so 99. The gate prefills at 1,024 tokens a step, so one session at a
+    time, and the peak is the step the third completes while the two
+    before it decode:
+
+        1 (null) + 3 x 82 + 3 x 1 + 4 x (5 + 4 + 4) = 1 + 246 + 3 + 52 = 302.
+
+    (The per-request sum the same log also writes, nulls excluded, is 301.)"""
+    run = v2_gate_run("agent-sessions", [])
+    assert run.resident and run.num_gpu_blocks == 317
+    assert run.blocks_in_use == 302
+
+
+@pytest.mark.parametrize(
+    ("control", "blocks_in_use"),
+    [
+        # v2.5's checkpoint retention (0086): each session also keeps its
+        # newest Mamba checkpoint, 1 block in each of 4 groups: 302 + 3 x 4.
+        (["fork.mamba_retain_checkpoint=true"], 314),
+    ],
+)
+def test_control_the_v2_gate_with_v25s_retention_holds_more(control, blocks_in_use):
+    """FAILING CONTROL: the peak moves off the card's 302 when the gate
+    runs with a patch v2 did not have."""
+    run = v2_gate_run("agent-sessions", control)
+    assert run.resident and run.blocks_in_use == blocks_in_use != 302
 
 
 def test_control_a_smaller_pool_holds_fewer_131k_sessions():

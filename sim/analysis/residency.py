@@ -9,8 +9,14 @@ allocator under its scheduler: N requests of L - 64 prompt tokens and a
 fits ``max_model_len``), all sent at t = 0 with a token budget that
 prefills them in one step, on the synchronous loop (the loop does not
 decide what fits); resident when the run reaches N running and preempts
-nothing. The blocks in use are vLLM's (the pool less the null block and
-the free queue) at the step where the most run. No twin in vLLM.
+nothing.
+
+Blocks in use are counted as the fork's scheduler log counts them
+(``vllm/v1/core/sched/e2_alloc_log.py``, its v2 patch 0025): the pool's
+``num_gpu_blocks`` less its free blocks, so the null block (never free)
+counts, and cached blocks no request holds do not; the peak over the run.
+``v2_gate_run`` runs three 262K sessions as the fork's v2 gate ran them
+(``V2_GATE``). No twin in vLLM.
 """
 
 from __future__ import annotations
@@ -28,8 +34,55 @@ NO_MTP_MODEL = "models/flash-next-no-mtp.yaml"
 
 
 @dataclass(frozen=True)
+class SessionShape:
+    """How each session is sent: its prompt and reply tokens, and whether
+    the token budget prefills every session in one step (else the
+    scenario's own budget chunks them, one session after another)."""
+
+    prompt_tokens: int
+    reply_tokens: int
+    one_step_prefill: bool = True
+
+    @classmethod
+    def of_length(cls, session_tokens: int) -> SessionShape:
+        """L tokens: L - 64 of prompt and a 64-token reply."""
+        return cls(session_tokens - SESSION_REPLY_TOKENS, SESSION_REPLY_TOKENS)
+
+    @property
+    def session_tokens(self) -> int:
+        return self.prompt_tokens + self.reply_tokens
+
+
+# The fork's v2 gate, "three 262K sessions resident ... peak 302 / 317
+# blocks" (benchmarks/2026-09-17/BENCH-CARD.md, and its fingerprint): the
+# computed block (3,200: no --block-size), no prefix-match unit and no
+# RecoverSSM (both came with v2.5), the old layout (0088 came with v2.5),
+# no Mamba checkpoint retention (0086/0087, v2.5) nor v2.5.1's 0093-0097,
+# MTP K=3, --max-num-batched-tokens 1024.
+V2_GATE = (
+    "deployment.block_size=null",
+    "deployment.prefix_match_unit=null",
+    "deployment.use_replayssm=false",
+    "fork.mamba_retain_checkpoint=false",
+    "fork.mamba_hold_partial_tail=false",
+    "fork.waiter_pins=false",
+    "fork.grace_pins=false",
+    "scheduler.max_num_batched_tokens=1024",
+)
+V2_GATE_LAYOUT: SideCacheSwitch = "off"
+V2_GATE_SESSIONS = 3
+# A 262K session as the gate could send it: the card's 261K prompt
+# (259,587 tokens) and a reply up to --max-model-len 262,144 (2,557
+# tokens), prefilled at the gate's own budget of 1,024 tokens a step: the
+# sessions prefill one after another, and the first two still decode when
+# the third's prefill completes (the card's three-way interval).
+V2_GATE_SESSION = SessionShape(prompt_tokens=259_587, reply_tokens=2_557, one_step_prefill=False)
+
+
+@dataclass(frozen=True)
 class ResidencyRun:
-    """One run of ``num_sessions`` sessions sent together."""
+    """One run of ``num_sessions`` sessions sent together;
+    ``blocks_in_use`` is the run's peak as the fork's log counts it."""
 
     num_sessions: int
     peak_running: int
@@ -60,24 +113,25 @@ class Residency:
 
 
 def session_overrides(
-    session_tokens: int, num_sessions: int, layout: SideCacheSwitch, *, mtp: bool
+    shape: SessionShape, num_sessions: int, layout: SideCacheSwitch, *, mtp: bool
 ) -> list[str]:
     """``--set`` lines that turn a scenario into the residency run."""
     synthetic = {
         "trace": "synthetic",
         "num_requests": num_sessions,
         "arrival": {"process": "constant", "rate_per_s": 1.0e6},
-        "prompt": {"distribution": "fixed", "tokens": session_tokens - SESSION_REPLY_TOKENS},
-        "output": {"distribution": "fixed", "tokens": SESSION_REPLY_TOKENS},
+        "prompt": {"distribution": "fixed", "tokens": shape.prompt_tokens},
+        "output": {"distribution": "fixed", "tokens": shape.reply_tokens},
     }
     workload = json.dumps(synthetic)  # JSON is YAML: one --set value
     overrides = [
         f"workload={workload}",
-        f"scheduler.max_num_batched_tokens={num_sessions * session_tokens}",
         "engine.mode=sync",
         f"layouts=[{layout}]",
         "simulation.sample_interval_s=null",
     ]
+    if shape.one_step_prefill:
+        overrides.append(f"scheduler.max_num_batched_tokens={num_sessions * shape.session_tokens}")
     if not mtp:  # the fork's no-MTP pool is at the computed block (its card, section 3)
         overrides += [f"model={NO_MTP_MODEL}", "deployment.block_size=null"]
     return overrides
@@ -86,7 +140,7 @@ def session_overrides(
 def residency_run(
     ref: str,
     overrides: list[str],
-    session_tokens: int,
+    shape: SessionShape,
     num_sessions: int,
     layout: SideCacheSwitch,
     *,
@@ -94,19 +148,25 @@ def residency_run(
 ) -> ResidencyRun:
     from sim.analysis.runs import run_scenario  # imports vLLM: only where runs run
 
-    scenario = load_scenario(
-        ref, [*overrides, *session_overrides(session_tokens, num_sessions, layout, mtp=mtp)]
-    )
+    scenario = load_scenario(ref, [*overrides, *session_overrides(shape, num_sessions, layout, mtp=mtp)])
     result = run_scenario(scenario)
     steps, summary = result.steps, result.summary.iloc[0]
-    peak_step = steps.loc[steps["num_requests_running"].idxmax()]
     num_blocks = int(summary["num_gpu_blocks"])
     return ResidencyRun(
         num_sessions=num_sessions,
-        peak_running=int(peak_step["num_requests_running"]),
+        peak_running=int(steps["num_requests_running"].max()),
         num_preemptions=int(summary["num_preemptions"]),
-        blocks_in_use=num_blocks - 1 - int(peak_step["num_free_blocks"]),  # less the null block
+        blocks_in_use=num_blocks - int(steps["num_free_blocks"].min()),  # the null block included
         num_gpu_blocks=num_blocks,
+    )
+
+
+def v2_gate_run(ref: str, overrides: list[str]) -> ResidencyRun:
+    """The fork's v2 gate's capacity row on ``ref``'s model: three 262K
+    sessions as ``V2_GATE_SESSION`` sends them, on ``V2_GATE`` and then
+    ``overrides``."""
+    return residency_run(
+        ref, [*V2_GATE, *overrides], V2_GATE_SESSION, V2_GATE_SESSIONS, V2_GATE_LAYOUT, mtp=True
     )
 
 
@@ -117,7 +177,7 @@ def sessions_resident(
     down to the first count resident; with the run of one more."""
 
     def run(n: int) -> ResidencyRun:
-        return residency_run(ref, overrides, session_tokens, n, layout, mtp=mtp)
+        return residency_run(ref, overrides, SessionShape.of_length(session_tokens), n, layout, mtp=mtp)
 
     cap = load_scenario(ref, list(overrides)).deployment.max_num_seqs
     first = run(cap)

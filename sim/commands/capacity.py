@@ -55,7 +55,7 @@ def token_list(text: str) -> tuple[int, ...]:
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
-    from sim.analysis.residency import largest_holding_cap, sessions_resident
+    from sim.analysis.residency import largest_holding_cap, sessions_resident, v2_gate_run
 
     cap_limit = args.max_num_seqs_up_to
     if cap_limit is not None and not 1 <= cap_limit <= MAX_CAP:
@@ -63,12 +63,13 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     print(
         f"kvsim capacity: {args.scenario}: sessions of L tokens resident at once (all running, no preemption)"
     )
-    print(f"{'L tokens':>9} {'MTP':>4} {'layout':>6}  resident  blocks in use once all run")
+    print(f"{'L tokens':>9} {'MTP':>4} {'layout':>6}  resident  peak blocks in use (the null block included)")
     for tokens in args.sessions_of:
         for mtp in (True, False):
             for layout in LAYOUTS:
                 found = sessions_resident(args.scenario, args.set, tokens, layout, mtp=mtp)
                 print(f"{tokens:>9,} {'on' if mtp else 'off':>4} {layout:>6}  {residency_words(found)}")
+    print(v2_gate_words(v2_gate_run(args.scenario, args.set)))
     if cap_limit is not None:
         for layout in LAYOUTS:
             cap, holds = largest_holding_cap(args.scenario, args.set, layout, cap_limit)
@@ -83,6 +84,16 @@ def residency_words(found: Any) -> str:
     beyond = "max_num_seqs" if found.one_more is None else f"{found.num_resident + 1} do not"
     blocks = f"{found.fits.blocks_in_use} of {found.fits.num_gpu_blocks}" if found.fits else "-"
     return f"{found.num_resident:>3} ({beyond}){'':<4}{blocks}"
+
+
+def v2_gate_words(run: Any) -> str:
+    """The fork's v2 gate row, as its card words it."""
+    held = "resident" if run.resident else "NOT resident"
+    return (
+        f"the fork's v2 gate (computed block, old layout, no RecoverSSM, MTP, 1,024-token chunks): "
+        f"three 262K sessions {held}, "
+        f"peak {run.blocks_in_use} / {run.num_gpu_blocks} blocks (the card: 302 / 317)"
+    )
 
 
 def cap_words(cap: int | None, holds: bool) -> str:
