@@ -80,6 +80,19 @@ def test_control_the_v2_gate_with_v25s_retention_holds_more(control, blocks_in_u
     assert run.resident and run.blocks_in_use == blocks_in_use != 302
 
 
+@pytest.mark.parametrize(
+    ("run", "words"),
+    [
+        (ResidencyRun(3, 3, 0, 302, 317), "three 262K sessions resident, peak 302 / 317 blocks"),
+        (ResidencyRun(3, 2, 0, 210, 317), "three 262K sessions NOT resident, peak 210 / 317 blocks"),
+    ],
+)
+def test_capacity_words_the_v2_gate_as_its_card_does(run, words):
+    from sim.commands.capacity import v2_gate_words
+
+    assert words in v2_gate_words(run) and v2_gate_words(run).endswith("(the card: 302 / 317)")
+
+
 def test_control_a_smaller_pool_holds_fewer_131k_sessions():
     """FAILING CONTROL: the fork's lower pin (3.8e9 B, its ceiling before
     the host-resident embeddings) cannot hold the six the test asserts."""
