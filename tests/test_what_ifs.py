@@ -51,6 +51,7 @@ def table(figures, *ids):
         ["mtp.num_speculative_tokens=0"],
         ["mtp.num_speculative_tokens=2"],
         ["step_time.quantization=w4a16-merlin-int8-attention"],
+        ["step_time.ple_transport=push"],
     ],
 )
 def test_each_what_if_runs_from_the_cli(tiny: Path, tmp_path: Path, settings: list[str]) -> None:
