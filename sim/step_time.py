@@ -85,6 +85,13 @@ class StepTimeConfig(StrictModel):
     pp_send_latency_s: float = Field(30e-6, ge=0)
     host_read_efficiency: float = Field(0.3, gt=0, le=1)
     host_gather_latency_s: float = Field(30e-6, ge=0)
+    # How the PLE rows reach the GPU: "pull" (v2 on: a host-mapped gather
+    # inside the step) or "push" (v1, the TP4 lane: upstream's offload
+    # process gathers them on the CPU and writes them back while the stage
+    # waits at the PLE layer, one round trip a step; the fork measured pull
+    # 4-10 % faster in decode, so 0.07 x its 18.7 ms step).
+    ple_transport: Literal["pull", "push"] = "pull"
+    ple_push_round_trip_s: float = Field(1.3e-3, ge=0)
     kernel_overhead_per_layer_s: float = Field(40e-6, ge=0)
     sampling_s: float = Field(0.3e-3, ge=0)
     step_overhead_s: float = Field(1.0e-3, ge=0)
@@ -371,7 +378,9 @@ class StepTimeModel:
 
     def _host_gather_s(self, b: _Batch) -> float:
         """Token-embedding rows (BF16, the rank's shard) and the PLE n-gram
-        rows (one per head) pulled from host memory over PCIe."""
+        rows (one per head) pulled from host memory over PCIe; or, with the
+        push transport, the PLE rows' round trip through the offload
+        process (its CPU gather and write-back are inside it)."""
         a, c = self.arch, self.config
         row = a.ple_embed_dim // a.ngram_heads
         bytes_read = 0.0
@@ -379,10 +388,14 @@ class StepTimeModel:
             bytes_read += (
                 b.tokens * a.hidden_size * self.quant.bytes_per_param("embed_tokens") / c.tensor_parallel_size
             )
+        pushed = 0.0
         if a.ple_layer_ids and "ple_table" in self.quant.host:
-            bytes_read += b.tokens * a.ngram_heads * row * self.quant.bytes_per_param("ple_table")
+            if c.ple_transport == "push":
+                pushed = c.ple_push_round_trip_s
+            else:
+                bytes_read += b.tokens * a.ngram_heads * row * self.quant.bytes_per_param("ple_table")
         bandwidth = self.gpu.pcie_bandwidth_bytes_per_s * c.host_read_efficiency
-        return c.host_gather_latency_s + bytes_read / bandwidth
+        return c.host_gather_latency_s + bytes_read / bandwidth + pushed
 
     def _last_stage_extra_s(self, costs: _BatchCosts) -> float:
         """LM head and sampling of the step's rows, then the K MTP draft

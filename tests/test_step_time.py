@@ -165,6 +165,20 @@ def test_more_work_never_takes_less_time():
     assert model.step_time_s(SchedulerOutput(step_index=1, scheduled=())) == 0.0
 
 
+def test_the_ple_push_transport_waits_one_round_trip_on_the_first_stage():
+    """Push (v1, the TP4 lane): the stage holding the PLE layer waits 1.3 ms
+    for the offload process instead of pulling the rows itself: a decode of
+    4 tokens no longer pulls 4 x 16 heads x 160 B of FP8 rows at 31.5 GB/s x
+    0.3. The last stage does not move; the push costs 7 % of the release
+    check's 18.7 ms step, the middle of the fork's pull-over-push 4-10 %."""
+    pull, push = _model(), _model(ple_transport="push")
+    pulled_s = 4 * 16 * 160 / (31.5e9 * 0.3)
+    delta = push.stage_s(_decode(1, 4096), 0) - pull.stage_s(_decode(1, 4096), 0)
+    assert delta == pytest.approx(1.3e-3 - pulled_s)
+    assert push.stage_s(_decode(1, 4096), 1) == pull.stage_s(_decode(1, 4096), 1)
+    assert 1.04 <= push.step_time_s(_decode(1, 4096)) / pull.step_time_s(_decode(1, 4096)) <= 1.10
+
+
 def test_the_linear_clock():
     """``seconds_per_token``: overhead + tokens x rate, the work spread over
     the stages and the overhead on the last."""
@@ -184,6 +198,8 @@ def test_scenario_overrides_and_names(tmp_path):
         scenario(tmp_path, step_time={"gpu": "h100"})
     with pytest.raises(ConfigError, match="step_time.quantization: unknown quantization 'int3'"):
         scenario(tmp_path, step_time={"quantization": "int3"})
+    with pytest.raises(ConfigError, match="ple_transport"):
+        scenario(tmp_path, step_time={"ple_transport": "carrier-pigeon"})
     with pytest.raises(ConfigError, match="layer_partition: 1 stages for pp 2"):
         scenario(tmp_path, step_time={"layer_partition": [48]})
 

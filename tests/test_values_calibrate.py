@@ -327,7 +327,7 @@ def test_the_fit_list_messages_name_every_coefficient_comma_separated():
         "custom_allreduce_max_bytes, nccl_base_latency_s, nccl_hop_latency_s, nccl_ll_efficiency, "
         "nccl_simple_extra_base_latency_s, nccl_simple_extra_hop_latency_s, "
         "replay_kernel_overhead_per_layer_s, "
-        "pp_send_latency_s, host_read_efficiency, host_gather_latency_s, "
+        "pp_send_latency_s, host_read_efficiency, host_gather_latency_s, ple_push_round_trip_s, "
         "kernel_overhead_per_layer_s, sampling_s, step_overhead_s, gdn_flops_per_state_entry"
     )
     # Every float field of StepTimeConfig, in declaration order; not the

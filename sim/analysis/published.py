@@ -40,6 +40,8 @@ Metric = Literal[
     "prefill_tok_s",
     "aggregate_tok_s",
     "pool_tokens",
+    "stage0_busy_ms",
+    "stage1_busy_ms",
 ]
 # The fork's serving settings (benchmarks/2026-09-17/BENCH-CARD.md, fingerprint).
 RIG_SCHEDULER = {"max_num_batched_tokens": 1024}
@@ -76,6 +78,9 @@ class Figure(StrictModel):
     # A lever: ``rig`` is the metric with these settings over the metric
     # without them (the card's arm over its control), and so is kvsim's.
     lever: dict[str, Any] = {}
+    # Why the card's data cannot support comparing kvsim with the figure:
+    # it is listed, flagged with this reason, and neither run nor judged.
+    flag: str | None = None
 
     @property
     def shape(self) -> tuple[Any, ...]:
@@ -199,7 +204,7 @@ def measure(figure: Figure, step_time: dict[str, Any] | None = None) -> dict[str
         "decode_tok_s": tokens_per_step / interval_s,
         "aggregate_tok_s": n * tokens_per_step / interval_s,
         "pool_tokens": float(sim.plan.kv_cache_tokens),
-    }
+    } | _stage_busy_ms(sim.step_time, recorder.steps, interval_s)
     pipelined = _async_run(figure, step_time)
     if n == 1:
         ttft_s, pipelined_s = _ttft_s(recording), _ttft_s(pipelined)
@@ -211,6 +216,16 @@ def measure(figure: Figure, step_time: dict[str, Any] | None = None) -> dict[str
         }
     values["pipelined_aggregate_tok_s"] = _aggregate_tok_s(pipelined, figure.output_tokens)
     return values
+
+
+def _stage_busy_ms(
+    model: StepTimeModel, steps: list[tuple[SchedulerOutput, float]], interval_s: float
+) -> dict[str, float]:
+    """Each stage's busy time in a decode step of the median interval."""
+    decodes = [(out, s) for out, s in steps if not out.num_prefill_tokens]
+    output, _ = min(decodes, key=lambda step: abs(step[1] - interval_s))
+    stages = range(model.config.pipeline_parallel_size)
+    return {f"stage{stage}_busy_ms": model.stage_s(output, stage) * 1e3 for stage in stages}
 
 
 def _async_run(figure: Figure, step_time: dict[str, Any] | None) -> Recording:
@@ -251,28 +266,36 @@ def published_table(figures: list[Figure], step_time: dict[str, Any] | None = No
 
     rows = []
     for figure in figures:
+        if figure.flag:  # the data cannot support it: neither run nor judged
+            rows.append(_row(figure, float("nan"), float("nan")))
+            continue
         kvsim, engine = value(figure)
         if figure.lever:
             arm = figure.model_copy(update={"settings": {**figure.settings, **figure.lever}, "lever": {}})
             arm_kvsim, arm_engine = value(arm)
             kvsim, engine = arm_kvsim / kvsim, arm_engine / engine
-        rows.append(
-            {
-                "figure": figure.id,
-                "metric": figure.metric + (" ratio" if figure.lever else ""),
-                "prompt_tokens": figure.prompt_tokens,
-                "rig": figure.rig,
-                "kvsim": kvsim,
-                "error_pct": 100 * (kvsim / figure.rig - 1),
-                "spread_pct": figure.spread_pct,
-                "verdict": verdict(100 * (kvsim / figure.rig - 1), figure.spread_pct),
-                "sync_engine": engine,
-                "fitted": figure.fitted or "",
-                "note": figure.note,
-                "card": f"{figure.card} ({figure.date}, {figure.release})",
-            }
-        )
+        rows.append(_row(figure, kvsim, engine))
     return pd.DataFrame(rows)
+
+
+def _row(figure: Figure, kvsim: float, engine: float) -> dict[str, Any]:
+    """The figure's row of the table; a flagged figure's kvsim, error and
+    engine values are NaN (nothing was run)."""
+    error_pct = 100 * (kvsim / figure.rig - 1)
+    return {
+        "figure": figure.id,
+        "metric": figure.metric + (" ratio" if figure.lever else ""),
+        "prompt_tokens": figure.prompt_tokens,
+        "rig": figure.rig,
+        "kvsim": kvsim,
+        "error_pct": error_pct,
+        "spread_pct": figure.spread_pct,
+        "verdict": "flagged" if figure.flag else verdict(error_pct, figure.spread_pct),
+        "sync_engine": engine,
+        "fitted": figure.fitted or "",
+        "note": figure.note,
+        "card": f"{figure.card} ({figure.date}, {figure.release})",
+    }
 
 
 def verdict(error_pct: float, spread_pct: float | None, bound_pct: float = 10.0) -> str:

@@ -45,6 +45,9 @@ def cmd_published(args: argparse.Namespace) -> int:
     print("kvsim: prefill and aggregate figures on the rig's engine loop (engine.mode async, steps")
     print("       overlapping across the stages); sync_engine: as kvsim's synchronous engine runs them;")
     print("       spread_pct: half the card's run-to-run range (boots, sends or prompts), where it gives one")
+    for figure in figures:
+        if figure.flag:
+            print(f"flagged {figure.id}: {figure.flag}")
     if args.plot:
         for path in write_figure(published_figure(table), Path(args.plot)):
             print(f"kvsim: wrote {path}")
