@@ -42,3 +42,10 @@ record heavy-preemption-async scenarios/conformance/heavy-preemption.yaml on --e
 # Prefix caching off: the fork retains no checkpoint (and reserves none).
 record heavy-preemption-nocache scenarios/conformance/heavy-preemption.yaml on \
   --set fork.base=fork --set allocator.enable_prefix_caching=false
+# v2.5.0 as the card ran it (the fork's v2.5.1 code with 0093-0097 off: a
+# 4,096-token match unit, no waiter pins), the whole agent bench, seed 1:
+# the fork's own scheduler preempts one deep follow-up 12 times near the end
+# (docs/agent-bench.md, "v2.5.0's preemptions").
+record agent-sessions-v250-seed1-async scenarios/agent-sessions.yaml on --engine async --set seed=1 \
+  --set deployment.prefix_match_unit=4096 --set fork.mamba_hold_partial_tail=false \
+  --set fork.waiter_pins=false --set fork.grace_pins=false

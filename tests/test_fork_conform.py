@@ -9,14 +9,16 @@ from __future__ import annotations
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from sim.analysis.agent_bench import CARD_V250
 from sim.cli import main
 from sim.conformance import fork_backend, fork_venv
 from sim.model_specs import build_worker_specs
 from sim.scenario import load_scenario
-from sim.vllm_bridge.fork_server import decode_spec
+from sim.vllm_bridge.fork_server import decode_spec, switch_pins
 
 SCENARIO = "scenarios/conformance/prefix-hits.yaml"
 FILE = "vllm/v1/core/sched/scheduler.py"
@@ -144,6 +146,14 @@ def test_no_package_index_is_one_line_exit_2_and_nothing_kept(tmp_path, capsys, 
     ("argv", "message"),
     [
         (["--mtp-hash-mode", "lookahead"], "the fork hashes with the EAGLE drop only"),
+        (["--set", "fork.deferred_free_eviction_order=false"], "the fork's code has no switch for it"),
+        (["--set", "fork.caches_at_allocation_only=false"], "the fork's code has no switch for it"),
+        # 0093 acts below the block's unit, where the fork cannot turn it off.
+        (
+            ["--set", "deployment.block_size=4096", "--set", "deployment.prefix_match_unit=64"]
+            + ["--set", "fork.mamba_hold_partial_tail=false"],
+            "the fork has no switch for 0093",
+        ),
     ],
 )
 def test_what_the_fork_cannot_run_is_one_line(tmp_path, capsys, argv, message):
@@ -154,6 +164,33 @@ def test_what_the_fork_cannot_run_is_one_line(tmp_path, capsys, argv, message):
 def test_record_needs_the_fork(tmp_path, capsys):
     assert main(["conform", SCENARIO, "--record", str(tmp_path / "g.jsonl.gz")]) == 2
     assert "--record: needs --fork" in capsys.readouterr().err
+
+
+def test_the_card_v250_switches_reach_the_forks_side():
+    """v2.5.0 as the card ran it (0093-0097 off, a block-sized match unit):
+    the fork's side is told to pin no waiter and grace no turn, and keeps
+    retention (VLLM_E2_MAMBA_RETAIN_CHECKPOINT, its one switch) as set."""
+    shipped = load_scenario("scenarios/agent-sessions.yaml")
+    v250 = load_scenario("scenarios/agent-sessions.yaml", CARD_V250.overrides)
+    assert fork_backend.fork_pin_switches(shipped) == {"waiter_pins": True, "grace_pins": True}
+    assert fork_backend.fork_pin_switches(v250) == {"waiter_pins": False, "grace_pins": False}
+    no_retention = load_scenario("scenarios/agent-sessions.yaml", ["fork.mamba_retain_checkpoint=false"])
+    for scenario, retain in ((v250, "1"), (no_retention, "0")):
+        environment = fork_backend.fork_environment("on", scenario.fork.patches())
+        assert environment["VLLM_E2_MAMBA_RETAIN_CHECKPOINT"] == retain
+
+
+@pytest.mark.parametrize(
+    ("patches", "max_pinned_waiters", "enable_grace_pins"),
+    [({}, 16, True), ({"waiter_pins": False, "grace_pins": False}, 0, False)],
+)
+def test_the_child_turns_the_forks_pins_off_where_told(patches, max_pinned_waiters, enable_grace_pins):
+    """The fork's manager has no pin switch: a bound of no waiters (its
+    ``pin_waiting_hit`` then returns at once) and graces off as under a KV
+    connector; told nothing, it is left as shipped (CONTROL)."""
+    manager = SimpleNamespace(MAX_PINNED_WAITERS=16, enable_grace_pins=True)
+    switch_pins(manager, patches)
+    assert (manager.MAX_PINNED_WAITERS, manager.enable_grace_pins) == (max_pinned_waiters, enable_grace_pins)
 
 
 # ------------------------------------------------------------- the child

@@ -59,6 +59,8 @@ def test_the_golden_frames_are_there():
     # The rig's engine: the fork's own batch queue over its AsyncScheduler.
     assert {"agent-sessions-150s-async-on.jsonl.gz", "agent-sessions-150s-async-off.jsonl.gz"} <= names
     assert "heavy-preemption-async-on.jsonl.gz" in names
+    # v2.5.0 as the card ran it, the whole agent bench (its preemption loop).
+    assert "agent-sessions-v250-seed1-async-on.jsonl.gz" in names
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name.removesuffix(".jsonl.gz"))
@@ -84,6 +86,36 @@ def test_the_recordings_exercise_the_forks_rules():
     assert sum(step["prefix_cache_hits_tokens"] for step in sessions.steps) > 200_000  # sub-block hits
     preemption = read_golden(GOLDEN / "heavy-preemption-on.jsonl.gz")
     assert _total(preemption, "preempted") >= 5 and _total(preemption, "resumed") >= 5
+
+
+def test_the_forks_own_v250_scheduler_loops_on_one_request():
+    """docs/agent-bench.md ("v2.5.0's preemptions"): on seed 1 kvsim's v2.5.0
+    preempts one follow-up 12 times in the last seconds. The fork's own
+    scheduler, run with v2.5.0's settings (pins off, a 4,096-token unit),
+    does the same, read off its frames alone (the replay above checks kvsim
+    takes each of those steps): 12 preemptions, all of one request, each
+    resumed on the same hit, with no pin or grace anywhere in the run."""
+    golden = read_golden(GOLDEN / "agent-sessions-v250-seed1-async-on.jsonl.gz")
+    assert golden.header["scenario"]["deployment"]["prefix_match_unit"] == 4096
+    preempted = [(step["time_s"], rid) for step in golden.steps for rid in step["preempted"]]
+    assert len(preempted) == 12 and {rid for _, rid in preempted} == {"s002t0010"}
+    assert min(time_s for time_s, _ in preempted) > 285
+    resumed_at = {
+        computed
+        for step in golden.steps
+        if "s002t0010" in step["resumed"]
+        for rid, computed, _, _ in step["scheduled_tokens"]
+        if rid == "s002t0010"
+    }
+    assert resumed_at == {110_592}  # 27 blocks of 4,096: the same hit every time
+    columns = _fork_columns(golden)
+    assert not any(c["pinned_waiters"] or c["graces"] for c in columns)
+    # CONTROL: with 0095/0096's waiter pins (v2.5.1's), kvsim leaves these
+    # frames at step 86, where the fork's own scheduler with its pins on
+    # pinned its first five waiters on the same run.
+    difference = first_difference(golden, kvsim_against_golden(golden, ("fork.waiter_pins=true",)))
+    assert difference is not None and difference.step == 86
+    assert len(dict(difference.kvsim["fork_state"])["pinned_waiters"]) == 5
 
 
 # --------------------------------------------------------------- controls

@@ -161,7 +161,7 @@ def _conform_fork(scenario: Any, args: argparse.Namespace) -> int:
     from sim.conformance.fork_conformance import fork_trajectory, kvsim_trajectory
     from sim.conformance.fork_venv import combined_diff, fork_python, scheduler_sections
 
-    _refuse_unsupported(args)
+    _refuse_unsupported(scenario, args)
     diff = combined_diff(args.fork)
     sections = scheduler_sections(diff)
     python = fork_python(args.fork)
@@ -182,7 +182,8 @@ def _conform_fork(scenario: Any, args: argparse.Namespace) -> int:
     print(
         f"  fork's pool: {built['num_blocks']} blocks of {built['block_size']} tokens, hash unit "
         f"{built['hash_block_size']}, fenced frees {_on(built['defer_block_free'])}, "
-        f"grace pins {_on(built['enable_grace_pins'])}"
+        f"grace pins {_on(built['enable_grace_pins'])}, waiter pins "
+        f"{_on(built['max_pinned_waiters'] > 0)}"
     )
     if args.record is not None:
         from sim.conformance.golden import write_golden
@@ -201,7 +202,10 @@ def _conform_fork(scenario: Any, args: argparse.Namespace) -> int:
     return 1
 
 
-def _refuse_unsupported(args: argparse.Namespace) -> None:
+def _refuse_unsupported(scenario: Any, args: argparse.Namespace) -> None:
+    from sim.conformance.fork_backend import fork_pin_switches
+
+    fork_pin_switches(scenario)  # a fork switch the fork's side cannot run: one line
     if args.mtp_hash_mode == "lookahead":
         raise ConfigError(
             "--fork --mtp-hash-mode lookahead: the fork hashes with the EAGLE drop only "

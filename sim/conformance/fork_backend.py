@@ -25,6 +25,7 @@ from typing import Any
 
 from sim.config import ConfigError
 from sim.conformance.backends import StepState, scheduled_request
+from sim.fork.patches import AS_SHIPPED, ForkPatches
 from sim.model_specs import build_worker_specs
 from sim.scenario import Scenario, SideCacheSwitch
 from sim.sched.model_runner import ModelRunner
@@ -70,14 +71,39 @@ def encode_workers(scenario: Scenario) -> tuple[int, list[list[tuple[str, dict[s
     return specs.block_size, encoded
 
 
-def fork_environment(layout: SideCacheSwitch) -> dict[str, str]:
+def fork_environment(layout: SideCacheSwitch, patches: ForkPatches = AS_SHIPPED) -> dict[str, str]:
     """The fork's switches as its launcher (``scripts/serve-v2.5.sh``) sets
-    them; the layout switch per compared layout."""
+    them; the layout switch per compared layout, retention as the scenario
+    sets it (the fork's one switch among the modelled patches)."""
     return {
         "VLLM_E2_SIDE_CACHE_LAYOUT": "1" if layout == "on" else "0",
-        "VLLM_E2_MAMBA_RETAIN_CHECKPOINT": "1",
+        "VLLM_E2_MAMBA_RETAIN_CHECKPOINT": "1" if patches.mamba_retain_checkpoint else "0",
         "VLLM_LOGGING_LEVEL": "ERROR",
     }
+
+
+def fork_pin_switches(scenario: Scenario) -> dict[str, bool]:
+    """The scenario's fork switches as the fork's side can run them, or a
+    one-line error for one it cannot. The fork has no switch for 0093-0097;
+    v2.5.0 is v2.5.1 without them (its CHANGELOG), and the fork's code gates
+    0093, 0094 and 0097 on a match unit finer than the block, so at the
+    block's unit only the waiter pins (0095/0096) act: the child bounds them
+    at no waiters, and turns graces off as the fork does under a connector.
+    The base-version rules and 0023 are the fork's code as built."""
+    patches = scenario.fork.patches()
+    fixed = ("deferred_free_eviction_order", "threshold_caps_lone_request", "caches_at_allocation_only")
+    for name in fixed:
+        if not getattr(patches, name):
+            raise ConfigError(f"--fork: fork.{name}=false: the fork's code has no switch for it")
+    hash_unit = scenario.deployment.prefix_match_unit
+    block_size = build_worker_specs(scenario.load_model(), scenario.deployment)[0].block_size
+    finer_than_block = hash_unit is not None and hash_unit < block_size
+    if patches.mamba_retain_checkpoint and not patches.mamba_hold_partial_tail and finer_than_block:
+        raise ConfigError(
+            "--fork: fork.mamba_hold_partial_tail=false: the fork has no switch for 0093, "
+            "which acts with a prefix-match unit finer than the block (set the unit to the block)"
+        )
+    return {"waiter_pins": patches.waiter_pins, "grace_pins": patches.grace_pins}
 
 
 def fork_settings(scenario: Scenario, block_size: int, *, async_scheduling: bool) -> dict[str, Any]:
@@ -96,6 +122,7 @@ def fork_settings(scenario: Scenario, block_size: int, *, async_scheduling: bool
         "prefix_match_unit": d.prefix_match_unit,
         "async_scheduling": async_scheduling,
         "kv_cache_layout": d.kv_cache_layout,
+        "patches": fork_pin_switches(scenario),
     }
 
 
@@ -208,7 +235,7 @@ class _ForkSide:
             settings=fork_settings(scenario, block_size, async_scheduling=self.async_scheduling),
             workers=workers,
             memory_bytes=[scenario.deployment.kv_cache_memory_bytes] * _num_workers(scenario),
-            environment=fork_environment(layout),
+            environment=fork_environment(layout, scenario.fork.patches()),
         )
         self._has_work = self._has_unfinished = False
 

@@ -163,6 +163,16 @@ def decode_spec(record: dict[str, Any]) -> Any:
 
 
 # ------------------------------------------------------------ the scheduler
+def switch_pins(manager: Any, patches: dict[str, bool]) -> None:
+    """The fork has no switch for its pins (0095-0097): waiter pins off is a
+    bound of no waiters (nothing is pinned, so nothing yields), graces off
+    as the fork turns them off under a KV connector."""
+    if not patches.get("waiter_pins", True):
+        manager.MAX_PINNED_WAITERS = 0
+    if not patches.get("grace_pins", True):
+        manager.enable_grace_pins = False
+
+
 class ForkScheduler:
     """The fork's Scheduler as its engine core builds it, stepped one call
     at a time (``EngineCore.step``: schedule, execute, update)."""
@@ -204,6 +214,7 @@ class ForkScheduler:
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         kv_cache_utils.init_none_hash(hash_fn)
         self.hasher = kv_cache_utils.get_request_block_hasher(hash_block_size, hash_fn)
+        switch_pins(self.scheduler.kv_cache_manager, settings.get("patches", {}))
         self.num_speculative_tokens = settings["num_speculative_tokens"]
         self.kv_cache_config = kv_cache_config
         self._output: Any = None
@@ -228,6 +239,7 @@ class ForkScheduler:
                 for g in self.kv_cache_config.kv_cache_groups
             ],
             "enable_grace_pins": bool(getattr(scheduler.kv_cache_manager, "enable_grace_pins", False)),
+            "max_pinned_waiters": int(getattr(scheduler.kv_cache_manager, "MAX_PINNED_WAITERS", 0)),
             "scheduler": type(scheduler).__name__,
             "max_concurrent_batches": int(self.vllm_config.max_concurrent_batches),
         }
