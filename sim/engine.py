@@ -26,7 +26,7 @@ import simpy
 from tqdm import tqdm
 
 from sim.allocator_invariants import check_allocator
-from sim.engine_assembly import build_engine
+from sim.engine_assembly import build_engine, plan_for, step_time_model
 from sim.kv_cache_plan import KVCachePlan
 from sim.metrics import SAMPLE_RECORD, SAMPLED_TOTALS, STEP_RECORD
 from sim.scenario import MAX_SAMPLE_ROWS, Scenario, SideCacheSwitch
@@ -34,7 +34,6 @@ from sim.sched.engine_core import EngineCall
 from sim.sched.engine_loop import IDLE, run_engine
 from sim.sched.output import SchedulerOutput, StepOutcome
 from sim.sched.stats import Columns, SchedulerGauges, flat_columns, flat_row
-from sim.step_time import StepTimeModel
 from sim.workloads import Workload, WorkloadRequest
 
 
@@ -74,8 +73,9 @@ class Simulation:
         self.layout = layout
         self.workload = workload
         self.progress = progress
-        self.step_time = StepTimeModel(scenario.step_time_config())
-        engine = build_engine(scenario, layout, steady_lane=steady_lane, step_time=self.step_time)
+        plan = plan_for(scenario, layout)
+        self.step_time = step_time_model(scenario, plan)
+        engine = build_engine(scenario, layout, steady_lane=steady_lane, step_time=self.step_time, plan=plan)
         self.plan: KVCachePlan = engine.plan
         self.kv_cache_manager = engine.kv_cache_manager
         self.model_runner = engine.model_runner

@@ -66,6 +66,7 @@ def build_engine(
     step_time: StepTimes | None = None,
     decode_stagger: int | None = None,
     max_concurrent_batches: int | None = None,
+    plan: KVCachePlan | None = None,
 ) -> EngineParts:
     """The engine for ``scenario`` under ``layout``, in ``mode`` (the
     scenario's ``engine.mode`` unless a harness drives one mode).
@@ -76,11 +77,11 @@ def build_engine(
     default). ``decode_stagger`` and ``max_concurrent_batches`` change the
     batch queue only (the async conformance's controls; pp and pp + 1)."""
     model = scenario.load_model()
-    plan = plan_for(scenario, layout)
+    plan = plan if plan is not None else plan_for(scenario, layout)
     config = scheduler_config(scenario, model, plan)
     manager = kv_cache_manager_for(scenario, plan, config)
     runner = model_runner(scenario.mtp.acceptance_rates, scenario.seed)
-    times = step_time if step_time is not None else StepTimeModel(scenario.step_time_config())
+    times = step_time if step_time is not None else step_time_model(scenario, plan)
     parts = _ENGINES[mode or scenario.engine.mode](
         _Wanted(scenario, config, manager, runner, times, steady_lane, decode_stagger, max_concurrent_batches)
     )
@@ -135,6 +136,15 @@ _ENGINES: dict[EngineMode, Callable[[_Wanted], _Parts]] = {"sync": _sync_engine,
 def pipeline_clock(scenario: Scenario, step_time: StepTimes) -> PipelineClock:
     """The async engine's clock: one stage per pipeline rank."""
     return PipelineClock(scenario.deployment.pipeline_parallel_size, step_time.stage_s, step_time.handoff_s)
+
+
+def step_time_model(scenario: Scenario, plan: KVCachePlan) -> StepTimeModel:
+    """The scenario's step-time model, told the block the planner resolved
+    (a deployment without ``block_size`` gets the computed one)."""
+    config = scenario.step_time_config()
+    if config.block_size is None:
+        config = config.model_copy(update={"block_size": plan.block_size})
+    return StepTimeModel(config)
 
 
 def plan_for(scenario: Scenario, layout: SideCacheSwitch) -> KVCachePlan:

@@ -347,6 +347,10 @@ class Scenario(StrictModel):
             "num_speculative_tokens": model.mtp.num_speculative_tokens,
             # RecoverSSM replays only under MTP (model_specs.uses_recoverssm).
             "recover_ssm_replay": self.deployment.use_replayssm and model.mtp.num_speculative_tokens > 0,
+            # Where align mode cuts prefill chunks (None: the planner's block,
+            # set by the engine: engine_assembly.step_time_model).
+            "block_size": self.deployment.block_size,
+            "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
             **self.step_time,
         }
         config = validate(StepTimeConfig, values, f"{source}: step_time")

@@ -15,6 +15,8 @@ of a stage work in parallel):
                   flops / (tensor_flops x clock fraction x compute_efficiency))
               + layers x (kernel overhead + 2 TP all-reduces, by degree and size)
               + RecoverSSM's replay kernels on a decode's GDN layers
+              + [unfused GDN forward] GDN layers x a fixed cost per chunk a
+                block boundary cut short of the budget
               + the first stage's host gathers (token embedding, PLE rows)
               + the last stage's sampling, MTP draft passes and step overhead
 
@@ -50,6 +52,11 @@ from sim.sched.output import ScheduledRequest, SchedulerOutput
 # head) and the PLE module as replicated layers.
 REPLICATED = frozenset({"hyper_connections", "router", "indexer", "ple_module", "final_mixer"})
 
+# Fitted (the one coefficient beyond the two of the release check): the
+# unfused GDN forward's extra time per GDN layer on a chunk cut short by a
+# block boundary. docs/step-time-model.md gives the fit and its range.
+UNFUSED_CUT_CHUNK_PER_GDN_LAYER_S = 5.7e-3
+
 
 class StepTimeConfig(StrictModel):
     """Coefficients of the step-time model; defaults: the Flash-Next
@@ -82,6 +89,19 @@ class StepTimeConfig(StrictModel):
     # decode's GDN state through its tokens one at a time and replays it.
     recover_ssm_replay: bool = False
     replay_kernel_overhead_per_layer_s: float = Field(5e-6, ge=0)
+    # The GDN prefill forward: "fused" (the packed forward: every build the
+    # cards measure but one) or "unfused" (v2.5.0's release candidate, which
+    # turned it off under RecoverSSM). Unfused, a prefill chunk that a block
+    # boundary cuts short of the chunk budget costs this much more on every
+    # GDN layer: fitted on the candidate's 10K row against its block-4,096
+    # row (docs/step-time-model.md, "The unfused GDN forward").
+    gdn_forward: Literal["fused", "unfused"] = "fused"
+    unfused_cut_chunk_per_gdn_layer_s: float = Field(UNFUSED_CUT_CHUNK_PER_GDN_LAYER_S, ge=0)
+    # The KV block (align mode cuts prefill chunks at its boundaries) and
+    # the scheduler's chunk budget; the engine sets the block the planner
+    # resolved. Read only by the unfused forward's term.
+    block_size: int | None = Field(None, gt=0)
+    max_num_batched_tokens: int | None = Field(None, gt=0)
     pp_send_latency_s: float = Field(30e-6, ge=0)
     host_read_efficiency: float = Field(0.3, gt=0, le=1)
     host_gather_latency_s: float = Field(30e-6, ge=0)
@@ -142,6 +162,7 @@ class _BatchCosts:
     kv_bytes: float  # one QSA layer's KV read
     attention_flops: float  # one QSA layer's indexer and attention
     layer_fixed_s: float  # one layer's kernel gaps and all-reduces
+    cut_chunks: int = 0  # prefill chunks a block boundary cut short of the budget (unfused forward only)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,6 +222,7 @@ class StepTimeModel:
         costs = self._costs_of(output.scheduled)
         st = self._stages[stage]
         seconds = self._layers_s(st, costs) + st.num_layers * costs.layer_fixed_s
+        seconds += st.num_gdn * costs.cut_chunks * c.unfused_cut_chunk_per_gdn_layer_s
         if st.is_first:
             seconds += self._host_gather_s(costs.batch)
         if st.is_last:
@@ -251,9 +273,21 @@ class StepTimeModel:
             kv_bytes=self._kv_bytes(batch),
             attention_flops=self._attention_flops(batch),
             layer_fixed_s=self._layer_fixed_s(batch.tokens),
+            cut_chunks=self._cut_chunks(scheduled),
         )
         self._last_batch = (scheduled, costs)
         return costs
+
+    def _cut_chunks(self, scheduled: tuple[ScheduledRequest, ...]) -> int:
+        """Chunks the unfused GDN forward pays extra for (none when fused)."""
+        c = self.config
+        if c.gdn_forward == "fused" or c.block_size is None or c.max_num_batched_tokens is None:
+            return 0
+        block, budget = c.block_size, c.max_num_batched_tokens
+        return sum(
+            is_block_cut_chunk(r.num_computed_tokens, r.num_prompt_tokens_left, block, budget)
+            for r in scheduled
+        )
 
     def _bytes(self, group: str, params: float) -> float:
         return params * self.quant.bytes_per_param(group)
@@ -431,6 +465,29 @@ class StepTimeModel:
         bytes_read = self._mtp_bytes + experts_bytes + costs.kv_bytes
         layer = self._roofline_s(bytes_read, 2 * tokens * self._draft_params) + layer_fixed_s
         return layer + self._head_s(costs.batch.requests) + self.config.sampling_s
+
+
+def is_block_cut_chunk(
+    num_computed_tokens: int, num_prompt_tokens: int, block_size: int, budget: int
+) -> bool:
+    """Whether a prefill chunk ends on a block boundary short of the chunk
+    budget: vLLM's align mode cuts the chunk there so the GDN state is
+    written at the boundary (a prompt whose end falls on a boundary counts
+    its last chunk too: the step does not say which chunk is the last). A
+    3,392-token block under a 1,024-token budget is three full chunks and
+    one cut one; a 4,096-token block is four full ones; a prompt's last
+    chunk ends where the prompt does::
+
+        block 3,392: |1024|1024|1024|320|1024|1024|1024|320| ...  cut: the 320s
+        block 4,096: |1024|1024|1024|1024|1024| ...              none cut
+
+    >>> is_block_cut_chunk(3072, 320, 3392, 1024), is_block_cut_chunk(3072, 1024, 4096, 1024)
+    (True, False)
+    >>> is_block_cut_chunk(6784, 144, 3392, 1024)  # the 10,000-token prompt's last chunk
+    False
+    """
+    end = num_computed_tokens + num_prompt_tokens
+    return 0 < num_prompt_tokens < budget and end % block_size == 0
 
 
 @functools.cache

@@ -179,6 +179,45 @@ def test_the_ple_push_transport_waits_one_round_trip_on_the_first_stage():
     assert 1.04 <= push.step_time_s(_decode(1, 4096)) / pull.step_time_s(_decode(1, 4096)) <= 1.10
 
 
+def test_the_unfused_forward_prices_a_chunk_a_block_boundary_cut_short():
+    """v2.5.0's release candidate (unfused GDN forward, computed 3,392-token
+    block, 1,024-token budget): a block is chunks of 1,024, 1,024, 1,024 and
+    320, the last cut by the boundary at 3,392. That chunk costs 5.7 ms more
+    on each GDN layer: 19 x 5.7 = 108.3 ms on stage 0 (layers 0-24, a QSA
+    layer every fourth: 3, 7, ..., 23), 17 x 5.7 = 96.9 ms on stage 1.
+    Controls: the same chunk on the fused forward, a full chunk ending on a
+    4,096 boundary, the 10,000-token prompt's 144-token last chunk and a
+    decode cost nothing more."""
+    block = {"block_size": 3392, "max_num_batched_tokens": 1024}
+    fused, unfused = _model(**block), _model(**block, gdn_forward="unfused")
+    cut = _prefill(320, context=3072)
+    assert unfused.stage_s(cut, 0) - fused.stage_s(cut, 0) == pytest.approx(19 * 5.7e-3)
+    assert unfused.stage_s(cut, 1) - fused.stage_s(cut, 1) == pytest.approx(17 * 5.7e-3)
+    at_4096 = {"block_size": 4096, "max_num_batched_tokens": 1024}
+    full = _prefill(1024, context=3072)
+    assert _model(**at_4096, gdn_forward="unfused").stage_s(full, 0) == _model(**at_4096).stage_s(full, 0)
+    for uncut in (_prefill(144, context=6784), _prefill(1024, context=1024), _decode(1, 3388)):
+        for stage in (0, 1):
+            assert unfused.stage_s(uncut, stage) == fused.stage_s(uncut, stage)
+    # Without the block (a model built outside an engine) nothing is cut.
+    assert _model(gdn_forward="unfused").stage_s(cut, 0) == _model().stage_s(cut, 0)
+
+
+def test_the_engine_tells_the_clock_the_planners_block(tmp_path):
+    """A deployment without ``block_size`` gets the planner's (the rig with
+    RecoverSSM: 3,392, the v2.5.0 card's "computed 3,392-token block"); one
+    that names it keeps it."""
+    from sim.engine_assembly import plan_for, step_time_model
+
+    computed = scenario(tmp_path, "computed", rig=True, deployment={"block_size": None})
+    assert computed.step_time_config().block_size is None
+    plan = plan_for(computed, "on")
+    assert plan.block_size == 3392
+    assert step_time_model(computed, plan).config.block_size == 3392
+    named = scenario(tmp_path, "named", rig=True, deployment={"block_size": 4096})
+    assert step_time_model(named, plan_for(named, "on")).config.block_size == 4096
+
+
 def test_the_linear_clock():
     """``seconds_per_token``: overhead + tokens x rate, the work spread over
     the stages and the overhead on the last."""

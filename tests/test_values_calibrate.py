@@ -326,7 +326,7 @@ def test_the_fit_list_messages_name_every_coefficient_comma_separated():
         "memory_efficiency, compute_efficiency, p2p_bandwidth_bytes_per_s, allreduce_latency_s, "
         "custom_allreduce_max_bytes, nccl_base_latency_s, nccl_hop_latency_s, nccl_ll_efficiency, "
         "nccl_simple_extra_base_latency_s, nccl_simple_extra_hop_latency_s, "
-        "replay_kernel_overhead_per_layer_s, "
+        "replay_kernel_overhead_per_layer_s, unfused_cut_chunk_per_gdn_layer_s, "
         "pp_send_latency_s, host_read_efficiency, host_gather_latency_s, ple_push_round_trip_s, "
         "kernel_overhead_per_layer_s, sampling_s, step_overhead_s, gdn_flops_per_state_entry"
     )
