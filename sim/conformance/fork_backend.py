@@ -243,30 +243,14 @@ class ForkBackend(_ForkSide):
 
     def schedule(self) -> SchedulerOutput:
         answer = self.process.call("schedule")
-        self._token_counts = {rid: num_tokens for rid, _, _, num_tokens, _ in answer["scheduled"]}
-        return SchedulerOutput(
-            step_index=answer["step_index"],
-            scheduled=tuple(_scheduled(*entry) for entry in answer["scheduled"]),
-            new_request_ids=tuple(answer["new"]),
-            resumed_request_ids=tuple(answer["resumed"]),
-            preempted_request_ids=tuple(answer["preempted"]),
-        )
+        self._token_counts = {row[0]: row[3] for row in answer["scheduled"]}
+        return scheduler_output(answer)
 
     def execute(self, output: SchedulerOutput) -> StepState:
         sampled = self.runner.execute(output, self._token_counts).sampled_token_ids
         answer = self.process.call("update", sampled={rid: list(ids) for rid, ids in sampled.items()})
         self._has_unfinished = answer["has_unfinished"]
         return step_state(output, answer)
-
-
-def _scheduled(
-    request_id: str, num_scheduled: int, computed_after: int, num_tokens: int, spec: list[int]
-) -> Any:
-    request = SimpleNamespace(
-        request_id=request_id, num_computed_tokens=computed_after, num_tokens=num_tokens
-    )
-    padded = bool(spec) and all(token == -1 for token in spec)
-    return scheduled_request(request, num_scheduled, len(spec), padded)
 
 
 def step_state(output: SchedulerOutput, answer: dict[str, Any]) -> StepState:
@@ -327,7 +311,7 @@ class ForkEngine(_ForkSide):
         return self._only_empty_in_flight
 
     def _sample(self, question: dict[str, Any]) -> dict[str, Any]:
-        output = _engine_output(question["scheduled"])
+        output = scheduler_output(question["scheduled"])
         sampled = self.runner.execute_sampling(output, question["samples"]).sampled_token_ids
         return {"sampled": {rid: list(ids) for rid, ids in sampled.items()}}
 
@@ -337,7 +321,7 @@ class ForkEngine(_ForkSide):
 
         answer = self.process.call("engine_step", on_callback=self._sample)
         self._has_work, self._has_unfinished = answer["has_work"], answer["has_unfinished"]
-        scheduled = _engine_output(answer["scheduled"]) if answer["scheduled"] else None
+        scheduled = scheduler_output(answer["scheduled"]) if answer["scheduled"] else None
         if scheduled is not None:
             self._in_flight.append(scheduled)
         processed = self._in_flight.popleft() if answer["processed"] else None
@@ -355,20 +339,20 @@ class ForkEngine(_ForkSide):
         return call, dataclasses.replace(state, fork_state=fork_state_of(answer["fork"]))
 
 
-def _engine_output(record: dict[str, Any]) -> SchedulerOutput:
-    """kvsim's record of the fork's engine step (the clock's and the runner's
-    input). Under async scheduling every draft is a -1 placeholder; an
-    admitted request's are padding."""
+def scheduler_output(record: dict[str, Any]) -> SchedulerOutput:
+    """kvsim's record of a step of the fork's scheduler or engine (the clock's
+    and the runner's input), from the rows ``fork_server.scheduled_row``
+    wrote."""
     return SchedulerOutput(
         step_index=record["step_index"],
         scheduled=tuple(
             scheduled_request(
                 SimpleNamespace(request_id=rid, num_computed_tokens=computed_after, num_tokens=num_tokens),
                 n,
-                num_spec,
-                admitted and num_spec > 0,
+                num_drafts,
+                is_padded,
             )
-            for rid, n, computed_after, num_tokens, num_spec, admitted in record["scheduled"]
+            for rid, n, computed_after, num_tokens, num_drafts, is_padded in record["scheduled"]
         ),
         new_request_ids=tuple(record["new"]),
         resumed_request_ids=tuple(record["resumed"]),
