@@ -24,7 +24,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from sim.config import ConfigError
-from sim.conformance.backends import StepState, scheduled_request
+from sim.conformance.backends import ComparedStep, scheduled_request
 from sim.model_specs import build_worker_specs
 from sim.scenario import Scenario, SideCacheSwitch
 from sim.sched.model_runner import ModelRunner
@@ -246,15 +246,15 @@ class ForkBackend(_ForkSide):
         self._token_counts = {row[0]: row[3] for row in answer["scheduled"]}
         return scheduler_output(answer)
 
-    def execute(self, output: SchedulerOutput) -> StepState:
+    def execute(self, output: SchedulerOutput) -> ComparedStep:
         sampled = self.runner.execute(output, self._token_counts).sampled_token_ids
         answer = self.process.call("update", sampled={rid: list(ids) for rid, ids in sampled.items()})
         self._has_unfinished = answer["has_unfinished"]
-        return step_state(output, answer)
+        return compared_step(output, answer)
 
 
-def step_state(output: SchedulerOutput, answer: dict[str, Any]) -> StepState:
-    return StepState(
+def compared_step(output: SchedulerOutput, answer: dict[str, Any]) -> ComparedStep:
+    return ComparedStep(
         scheduled_tokens=tuple(
             (r.request_id, r.num_computed_tokens, r.num_scheduled_tokens) for r in output.scheduled
         ),
@@ -316,7 +316,7 @@ class ForkEngine(_ForkSide):
         return {"sampled": {rid: list(ids) for rid, ids in sampled.items()}}
 
     def step(self) -> tuple[Any, Any]:
-        from sim.conformance.async_engine import _state
+        from sim.conformance.async_engine import compared_call
         from sim.sched.engine_core import EngineCall
 
         answer = self.process.call("engine_step", on_callback=self._sample)
@@ -327,7 +327,7 @@ class ForkEngine(_ForkSide):
         processed = self._in_flight.popleft() if answer["processed"] else None
         self._only_empty_in_flight = answer["in_flight_empty"]
         call = EngineCall(scheduled, answer["samples"], waits=processed is not None, processed=processed)
-        state = _state(
+        state = compared_call(
             call,
             placeholders=answer["placeholders"],
             finished=answer["finished"],
