@@ -653,7 +653,7 @@ def test_the_boot_log_is_read_for_its_size_layout_and_notes():
         "boot_kv_cache_tokens": 1234567,
         "boot_side_cache_layout": "on",
         "boot_notes": ["ring 2 slots", "eagle drop"],
-        "layout_mismatches": [],
+        "boot_mismatches": [],
     }
 
 

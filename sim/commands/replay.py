@@ -148,7 +148,7 @@ def _check_boot(server: Any, plan: dict[str, Any]) -> Any:
     boot = check_boot_log(server.log_text(), plan)
     for mismatch in boot.mismatches:
         print(
-            f"kvsim: LAYOUT MISMATCH: {mismatch}: the server is not the deployment kvsim modelled",
+            f"kvsim: POOL PLAN MISMATCH: {mismatch}: the server is not the deployment kvsim modelled",
             file=sys.stderr,
         )
     return boot
@@ -173,7 +173,7 @@ def _write(
         scenario=scenario.name,
         layout=args.layout,
         plan=plan,
-        extra_summary={"layout_check": check, "complete": outcome.ran_to_end},
+        extra_summary={"pool_plan_check": check, "complete": outcome.ran_to_end},
     )
     extra = {
         "source": "replay",
@@ -183,7 +183,7 @@ def _write(
         "url": url,
         "speed": args.speed,
         "layout": args.layout,
-        "layout_check": check,
+        "pool_plan_check": check,
         **(boot.to_dict() if boot else {}),
         "warnings": outcome.warnings,
     }
