@@ -120,17 +120,17 @@ def test_fold_never_widens_a_stage(flash_next, reference):
     really does widen PP0."""
     plan = plan_kv_cache(flash_next, reference, side_cache_layout=False)
     _, workers = build_worker_specs(flash_next, reference)
-    layout = plan.engine.cache_config.get_resolved_kv_cache_layout()
+    kv_cache_layout = plan.engine.cache_config.get_resolved_kv_cache_layout()
     groups = planning.get_global_kv_cache_groups(plan.engine, workers)
-    base = side.worker_strides(groups, workers, layout)
-    folded, notes = side.fold_replicated_mamba_groups(groups, workers, layout)
-    assert side.worker_strides(folded, workers, layout) == base
+    base = side.worker_strides(groups, workers, kv_cache_layout)
+    folded, notes = side.fold_replicated_mamba_groups(groups, workers, kv_cache_layout)
+    assert side.worker_strides(folded, workers, kv_cache_layout) == base
     assert len(folded) == len(groups) - 1 and "into Mamba group 1" in notes[0]
 
     ple_index = next(i for i, g in enumerate(groups) if PLE in g.layer_names)
     forced = side.merge_groups(groups[0], groups[ple_index])
     wrong = [forced] + [g for i, g in enumerate(groups) if i not in (0, ple_index)]
-    widened = side.worker_strides(wrong, workers, layout)
+    widened = side.worker_strides(wrong, workers, kv_cache_layout)
     page = flash_next_attention_page(plan)
     assert widened[0] == base[0] + page == base[0] + 1_638_400  # 8 pages instead of 7
 

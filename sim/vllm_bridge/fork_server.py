@@ -30,7 +30,7 @@ from typing import Any, TextIO
 
 # The smallest Qwen2-shaped MiMo config vLLM accepts: MiMo has an MTP draft
 # (``num_nextn_predict_layers``) and both of its modules import on a CPU.
-# The KV layout comes from kvsim's layer specs, not from this model. Shared
+# The KV cache groups come from kvsim's layer specs, not from this model. Shared
 # with ``scheduler.py`` (vLLM 0.33.0): this module imports only the standard
 # library at its top, so kvsim's process can import it too.
 STAND_IN_HF_CONFIG: dict[str, Any] = {
