@@ -300,6 +300,24 @@ def test_an_idle_engine_sleeps_until_an_arrival_and_ends_when_arrivals_do():
     assert repr(IDLE) == "IDLE"
 
 
+@pytest.mark.parametrize("settle", [None, True])
+def test_only_a_loop_told_to_settle_at_rest_completes_its_steps_in_flight_before_it_sleeps(settle):
+    """No work, arrivals open: a simulation's loop (the default) sleeps with
+    its steps in flight left to its next step, as vLLM's busy loop waits on
+    its input queue; ``kvsim serve``'s (``settle_at_rest=True``) lets them
+    complete first, once per rest. CONTROL: the two logs differ."""
+    core, io = _ScriptedCore([]), _IO(ended=False)
+    arrivals = [lambda: None, lambda: setattr(io, "ended", True)]
+    loop = (
+        run_engine(core, _StubClock([]), io)
+        if settle is None
+        else run_engine(core, _StubClock([]), io, settle_at_rest=settle)
+    )
+    pauses, stalled = _drive(loop, io, lambda: arrivals.pop(0)())
+    assert (pauses, stalled) == ([IDLE, IDLE], False)
+    assert core.log == ([] if settle is None else [("complete", None), ("complete", None)])
+
+
 @pytest.mark.parametrize(("unfinished", "stalled"), [(True, True), (False, False)])
 def test_an_idle_call_with_arrivals_over_is_a_stall_only_with_requests_left(unfinished, stalled):
     """An idle call (nothing scheduled, nothing to wait for) is recorded;
