@@ -157,9 +157,10 @@ declare -A MODULES=(
   [steady]="sim/sched/fast_path/steady.py|$STEADY_TESTS"
   [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_steady.py::test_the_stream_gives_the_generators_own_draws_across_blocks tests/test_steady.py::test_the_streams_acceptance_draws_are_the_rules tests/test_steady.py::test_a_steps_acceptance_draws_in_one_call_are_the_rules tests/test_steady.py::test_a_runners_acceptance_draws_are_its_per_request_draws"
   # The rest of sim/sched/: the engine core's step, the scheduler's output
-  # records (what the step-time model reads), the stats records and columns.
+  # records (what the step-time model reads; async scheduling's max_tokens
+  # skip, vLLM's rule by hand), the stats records and columns.
   [engine_core]="sim/sched/engine_core.py|tests/test_values_async.py tests/test_scheduler.py tests/test_engine_timeline.py $STEADY_TESTS $ASYNC_STEADY_TESTS $ASYNC_CONFORMANCE_TESTS"
-  [output]="sim/sched/output.py|tests/test_step_time.py tests/test_scheduler_rules.py tests/test_engine_timeline.py"
+  [output]="sim/sched/output.py|tests/test_step_time.py tests/test_scheduler_rules.py tests/test_engine_timeline.py tests/test_values_async.py::test_a_step_in_flight_reaches_max_tokens_as_vllms_running_loop_counts"
   [stats]="sim/sched/stats.py|tests/test_engine_stats.py tests/test_metrics.py tests/test_engine_timeline.py"
   # tests/test_simulation.py pins the engine too but takes seconds a test.
   [engine]="sim/engine.py|tests/test_engine_timeline.py"

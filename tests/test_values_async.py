@@ -25,7 +25,7 @@ from sim.sched.engine_loop import IDLE, make_call, run_engine
 from sim.sched.fast_path.async_steady import AsyncSteadyDecode
 from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
-from sim.sched.output import ScheduledRequest, SchedulerOutput, StepTally
+from sim.sched.output import ScheduledRequest, SchedulerOutput, StepTally, reaches_max_tokens
 from sim.sched.scheduler import Scheduler, SchedulerConfig
 from sim.vllm_bridge import RequestStatus
 from sim.workloads import WorkloadRequest
@@ -700,6 +700,26 @@ def test_a_preempted_requests_one_stale_token_drains_and_it_resumes():
     assert calls[6].scheduled.resumed_request_ids == ("r001",)
     assert calls[5].outcome.finished == {"r000": 5}
     assert calls[10].outcome.finished == {"r001": 5}
+
+
+@pytest.mark.parametrize(
+    ("computed", "placeholders", "max_tokens_end", "reached"),
+    [
+        (100, 4, 98, True),  # 100 + 2 - 4 = 98: the step in flight ends it even with 3 drafts rejected
+        (100, 4, 99, False),  # one token short: another step is needed
+        (97, 1, 98, True),  # one placeholder (no drafts): 97 + 2 - 1 = 98
+        (100, 0, 0, False),  # nothing in flight: the running loop schedules it
+    ],
+)
+def test_a_step_in_flight_reaches_max_tokens_as_vllms_running_loop_counts(
+    computed, placeholders, max_tokens_end, reached
+):
+    """vLLM 0.33.0's ``Scheduler.schedule`` skips a running request when
+    ``num_output_placeholders > 0 and num_computed_tokens + 2 -
+    num_output_placeholders >= num_prompt_tokens + max_tokens``: the computed
+    tokens count the placeholders, so the step in flight's one sure token
+    (drafts all rejected) is +1, and the token after it +1 more."""
+    assert reaches_max_tokens(computed, placeholders, max_tokens_end) is reached
 
 
 def test_a_stale_token_that_reaches_max_tokens_finishes_the_waiting_request():
