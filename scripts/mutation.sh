@@ -165,9 +165,10 @@ declare -A MODULES=(
   # tests/test_simulation.py pins the engine too but takes seconds a test.
   [engine]="sim/engine.py|tests/test_engine_timeline.py"
   # The one engine assembly (scheduler_config, allocator_options, the
-  # runner's stream, each mode's parts): the runs it builds, the config's
-  # fields, the stream against its seed by hand.
-  [engine_assembly]="sim/engine_assembly.py|tests/test_engine_timeline.py tests/test_metrics.py tests/test_values_conformance.py::test_the_backends_sample_through_the_engines_own_rng_stream"
+  # runner's stream, each mode's parts): each argument and fork switch by
+  # value in the parts it builds (both modes), the runs it builds, the
+  # config's fields, the stream against its seed by hand.
+  [engine_assembly]="sim/engine_assembly.py|tests/test_values_engine_assembly.py tests/test_engine_timeline.py tests/test_metrics.py tests/test_values_conformance.py::test_the_backends_sample_through_the_engines_own_rng_stream"
   # Where simulation meets measurement (issue 26): the value tests
   # (tests/test_values_*.py, hand frames and numpy, vLLM's metric
   # definitions, a fault server) and the fast tests already pinning each.
