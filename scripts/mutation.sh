@@ -271,7 +271,7 @@ tests/test_serve_hostile.py::test_hostile_clients_leave_the_server_responsive_an
   # checkpoints freed last): the allocator's rules and the fork's order and
   # fenced-victim tests; the layout pass (0088) against its own tests and
   # the deployments the fork boots.
-  [frees]="sim/fork/frees.py|tests/test_allocator.py tests/test_ordering_rules.py tests/test_fork_eviction_order.py tests/test_fork_fenced_victim.py"
+  [frees]="sim/fork/frees.py|tests/test_fork_eviction_order.py tests/test_fork_retention.py tests/test_allocator.py tests/test_ordering_rules.py tests/test_fork_fenced_victim.py"
   [side_cache_layout]="sim/fork/side_cache_layout.py|tests/test_layout.py tests/test_fork_deployment.py"
   [partial_tail]="sim/fork/retention.py|tests/test_fork_partial_tail.py tests/test_fork_retention.py tests/test_fork_draft_group.py tests/test_fork_prompt_tail.py tests/test_allocator.py tests/test_allocator_invariant_rules.py tests/test_values_fork_mamba.py|*ǁPartialTailHoldingMambaManagerǁ* *ǁRetainingMambaManagerǁ*"
   # The async engine (issue 26 item 3): the pipeline clock, the one engine
