@@ -88,3 +88,14 @@ def test_each_fork_switch_reaches_the_scheduler_config_by_itself(overrides, caps
     parts = build_engine(scenario, "on", mode="sync")
     config = scheduler_config(scenario, scenario.load_model(), parts.plan)
     assert (config.threshold_caps_lone_request, config.caches_after_sampling) == (caps, after_sampling)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_the_scenarios_fast_path_switch_reaches_either_scheduler(mode, fast_path):
+    """``simulation.fast_path: false`` (the A/B check that the fast path
+    changes no frame) gives the scheduler the manager itself; on, the
+    scheduler calls it through the fast path's door (a wrapper)."""
+    scenario = load_scenario("reference", [f"simulation.fast_path={str(fast_path).lower()}"])
+    parts = build_engine(scenario, "on", mode=mode)
+    assert (parts.scheduler.kv_cache_manager is not parts.kv_cache_manager) is fast_path
