@@ -7,12 +7,14 @@ flat reversal gives [6, 5, 4, 3, 2, 1] (the failing control)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
-from helpers.fork import BLOCK, decode, free_queue_ids, hybrid_manager, prefill, request, tokens
+from helpers.fork import BLOCK, decode, free_queue_ids, hybrid_manager, mamba_spec, prefill, request, tokens
 
 from sim.fork.frees import BlockObserver, fork_defers_block_free
-from sim.fork.patches import ForkPatches
+from sim.fork.patches import AS_SHIPPED, ForkPatches
 from sim.kv_cache_manager import KVCacheManager
 from sim.vllm_bridge import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, init_none_hash, sha256
 
@@ -111,3 +113,49 @@ def test_the_fork_fences_frees_whenever_more_than_one_batch_is_in_flight(max_con
     while another batch may still read it waits for that batch's output
     (one batch in flight: no other reader, an immediate free)."""
     assert fork_defers_block_free(max_concurrent_batches) is defers
+
+
+def _mamba_first_manager() -> KVCacheManager:
+    """The fork's hybrid in Flash-Next's group order: the Mamba groups
+    first, attention last (its plan: three GDN groups, the ring, attention)."""
+    init_none_hash(sha256)
+    attention = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float16)
+    groups = [KVCacheGroupSpec([f"gdn_{i}"], mamba_spec(AS_SHIPPED)) for i in range(2)]
+    groups.append(KVCacheGroupSpec(["attn"], attention))
+    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+    return KVCacheManager(
+        replace(config, prefix_cache_retention_interval=0),
+        max_model_len=8192,
+        scheduler_block_size=BLOCK,
+        hash_block_size=BLOCK,
+        enable_caching=True,
+        use_eagle=True,
+    )
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["free", "fence"])
+def test_checkpoints_go_back_after_the_attention_prefix_even_with_the_mamba_groups_first(deferred):
+    """Patch 0086: a finished request's retained checkpoints return to the
+    pool after every group's table, so they are evicted after the attention
+    prefix they resume. In Flash-Next's order (Mamba groups first) a
+    group-by-group free would return each checkpoint with its own group,
+    ahead of the attention blocks (the fork's hybrid helper, attention
+    first, cannot tell the two apart)."""
+    manager = _mamba_first_manager()
+    a = request("A", tokens(1, 150))
+    prefill(manager, a)
+    decode(manager, a, steps=4)
+    checkpoints = [
+        b.block_id for m in manager.managers if hasattr(m, "retained_blocks") for b in m.retained_blocks()
+    ]
+    attention = {
+        b for b in manager.get_block_ids("A")[2] if manager.block_pool.blocks[b].block_hash is not None
+    }
+    assert len(checkpoints) == 2 and len(attention) == 150 // BLOCK  # the prompt's full blocks
+    if deferred:
+        manager.block_pool.free_blocks(reversed(manager.pop_blocks_for_free(a)))
+    else:
+        manager.free(a)
+    pool = manager.block_pool
+    hashed = [i for i in free_queue_ids(manager) if pool.blocks[i].block_hash is not None]
+    assert hashed[-2:] == checkpoints and set(hashed[:-2]) >= attention
