@@ -144,7 +144,13 @@ declare -A MODULES=(
   # pure-function ones (judging, tolerances, the baseline rewrite) and
   # tests/test_gate_reports.py (run, report, --update on a sub-second gate).
   [gates]="sim/analysis/gates.py|tests/test_gate_reports.py tests/test_ordering_rules.py tests/test_gates.py::test_judge tests/test_gates.py::test_parse_tolerance tests/test_gates.py::test_parse_tolerance_rejects tests/test_gates.py::test_rewrite_changes_only_the_values"
-  [single_type_kv_cache_manager]="sim/fork/side_cache_rings.py sim/fork/retention.py|tests/test_allocator.py tests/test_ordering_rules.py tests/test_allocator_invariant_rules.py"
+  # The old single_type_kv_cache_manager.py, split by issue 42: the ring
+  # slot spec, pool and manager (0088, 0049) against the allocator's rules
+  # and the layout pass and pool plan that build slot-packed rings; Mamba
+  # retention and the partial-tail hold (0086, 0087, 0093, 0094) against the
+  # fork's retention tests (partial_tail below: two classes of it only).
+  [side_cache_rings]="sim/fork/side_cache_rings.py|tests/test_allocator.py tests/test_ordering_rules.py tests/test_allocator_invariant_rules.py tests/test_layout.py tests/test_values_pool_plan.py tests/test_scheduler.py"
+  [retention]="sim/fork/retention.py|tests/test_fork_retention.py tests/test_fork_partial_tail.py tests/test_fork_draft_group.py tests/test_fork_prompt_tail.py tests/test_fork_eviction_order.py tests/test_values_fork_mamba.py tests/test_allocator.py tests/test_allocator_invariant_rules.py"
   # The conformance gate (kvsim's scheduler and allocator step for step
   # against vLLM's own Scheduler, 12 short runs, about 6 s) runs last:
   # mutmut runs the fastest tests first.
@@ -302,7 +308,7 @@ tests/test_steady.py::test_the_check_catches_a_waiting_loop_wrongly_skipped"
   [sessions]="sim/workloads/sessions.py|tests/test_values_sessions.py tests/test_sessions.py::test_turn_n_prompt_is_the_prefix_plus_the_history_so_far tests/test_sessions.py::test_every_turn_is_a_token_prefix_of_the_next_and_sessions_share_only_the_prefix tests/test_sessions.py::test_the_workload_is_deterministic_per_seed"
   [bench]="sim/bench.py|$BENCH_TESTS|*target_lines* *_target_line* *AllocatorTimer* *_allocator_shares* *step_cost_ratios* *x__measure__*"
 )
-ORDER=(engine engine_assembly scheduler settled steady engine_core pipeline_clock engine_loop async_scheduler async_steady fast_path missed_lookups output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving server_metrics live_engine server openai_requests recording client launch loaders config async_engine pool_replay kv_cache_pins sched_pins frees side_cache_layout partial_tail waiting_queue bench scenario_record sessions)
+ORDER=(engine engine_assembly scheduler settled steady engine_core pipeline_clock engine_loop async_scheduler async_steady fast_path missed_lookups output stats gates kv_cache_manager step_time allocator_invariants model_runner side_cache_rings retention validate calibrate conformance serving server_metrics live_engine server openai_requests recording client launch loaders config async_engine pool_replay kv_cache_pins sched_pins frees side_cache_layout partial_tail waiting_queue bench scenario_record sessions)
 
 toml_list() { printf '"%s", ' "$@" | sed 's/, $//'; }
 
