@@ -268,10 +268,12 @@ tests/test_serve_hostile.py::test_hostile_clients_leave_the_server_responsive_an
   [pool_replay]="sim/pool_replay/*|tests/test_values_pool_checks.py tests/test_values_pool_writes.py tests/test_values_pool_plan.py tests/test_values_pool_replay_parts.py tests/test_values_pool_replay.py tests/test_values_pool_views.py tests/test_worker_views.py tests/test_pool_replay.py"
   # The fork's patches 0093 and 0095-0097 (issue 26): the pins on the
   # manager and the scheduler's pin points, each against the fork's values
-  # (tests/test_fork_pins.py, about 10 s); the partial-tail hold and the
+  # (tests/test_fork_pins.py, about 10 s), and the missed-lookup value tests
+  # that read the flag a waiter's pin lookup leaves for the fast path
+  # (pin_lookup_found_no_hit); the partial-tail hold and the
   # retention it extends, restricted by a third field (default mutant
   # globs, overridden by KVSIM_MUTANTS) to those two classes of their file.
-  [kv_cache_pins]="sim/fork/pins.py|tests/test_fork_pins.py tests/test_values_fork_pins.py"
+  [kv_cache_pins]="sim/fork/pins.py|tests/test_fork_pins.py tests/test_values_fork_pins.py tests/test_values_fast_path.py"
   [sched_pins]="sim/fork/scheduler_pins.py|tests/test_fork_pins.py tests/test_values_fork_pins.py tests/test_values_fast_path.py"
   # The fork's fence gate and deferred-free order (0018, 0023, 0086's
   # checkpoints freed last): the allocator's rules and the fork's order and
