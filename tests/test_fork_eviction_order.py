@@ -7,11 +7,9 @@ flat reversal gives [6, 5, 4, 3, 2, 1] (the failing control)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
-from helpers.fork import BLOCK, decode, free_queue_ids, hybrid_manager, mamba_spec, prefill, request, tokens
+from helpers.fork import BLOCK, decode, free_queue_ids, hybrid_manager, prefill, request, tokens
 
 from sim.fork.frees import BlockObserver, fork_defers_block_free
 from sim.fork.patches import AS_SHIPPED, ForkPatches
@@ -115,24 +113,6 @@ def test_the_fork_fences_frees_whenever_more_than_one_batch_is_in_flight(max_con
     assert fork_defers_block_free(max_concurrent_batches) is defers
 
 
-def _mamba_first_manager() -> KVCacheManager:
-    """The fork's hybrid in Flash-Next's group order: the Mamba groups
-    first, attention last (its plan: three GDN groups, the ring, attention)."""
-    init_none_hash(sha256)
-    attention = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float16)
-    groups = [KVCacheGroupSpec([f"gdn_{i}"], mamba_spec(AS_SHIPPED)) for i in range(2)]
-    groups.append(KVCacheGroupSpec(["attn"], attention))
-    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
-    return KVCacheManager(
-        replace(config, prefix_cache_retention_interval=0),
-        max_model_len=8192,
-        scheduler_block_size=BLOCK,
-        hash_block_size=BLOCK,
-        enable_caching=True,
-        use_eagle=True,
-    )
-
-
 @pytest.mark.parametrize("deferred", [False, True], ids=["free", "fence"])
 def test_checkpoints_go_back_after_the_attention_prefix_even_with_the_mamba_groups_first(deferred):
     """Patch 0086: a finished request's retained checkpoints return to the
@@ -141,7 +121,7 @@ def test_checkpoints_go_back_after_the_attention_prefix_even_with_the_mamba_grou
     group-by-group free would return each checkpoint with its own group,
     ahead of the attention blocks (the fork's hybrid helper, attention
     first, cannot tell the two apart)."""
-    manager = _mamba_first_manager()
+    manager = hybrid_manager(64, AS_SHIPPED, attention_last=True)  # Flash-Next's group order
     a = request("A", tokens(1, 150))
     prefill(manager, a)
     decode(manager, a, steps=4)
