@@ -144,7 +144,13 @@ declare -A MODULES=(
   # pure-function ones (judging, tolerances, the baseline rewrite) and
   # tests/test_gate_reports.py (run, report, --update on a sub-second gate).
   [gates]="sim/analysis/gates.py|tests/test_gate_reports.py tests/test_ordering_rules.py tests/test_gates.py::test_judge tests/test_gates.py::test_parse_tolerance tests/test_gates.py::test_parse_tolerance_rejects tests/test_gates.py::test_rewrite_changes_only_the_values"
-  [single_type_kv_cache_manager]="sim/fork/side_cache_rings.py sim/fork/retention.py|tests/test_allocator.py tests/test_ordering_rules.py tests/test_allocator_invariant_rules.py"
+  # The old single_type_kv_cache_manager.py, split by issue 42: the ring
+  # slot spec, pool and manager (0088, 0049) against the allocator's rules
+  # and the layout pass and pool plan that build slot-packed rings; Mamba
+  # retention and the partial-tail hold (0086, 0087, 0093, 0094) against the
+  # fork's retention tests (partial_tail below: two classes of it only).
+  [side_cache_rings]="sim/fork/side_cache_rings.py|tests/test_allocator.py tests/test_ordering_rules.py tests/test_allocator_invariant_rules.py tests/test_layout.py tests/test_values_pool_plan.py tests/test_scheduler.py"
+  [retention]="sim/fork/retention.py|tests/test_fork_retention.py tests/test_fork_partial_tail.py tests/test_fork_draft_group.py tests/test_fork_prompt_tail.py tests/test_fork_eviction_order.py tests/test_values_fork_mamba.py tests/test_allocator.py tests/test_allocator_invariant_rules.py"
   # The conformance gate (kvsim's scheduler and allocator step for step
   # against vLLM's own Scheduler, 12 short runs, about 6 s) runs last:
   # mutmut runs the fastest tests first.
@@ -157,16 +163,18 @@ declare -A MODULES=(
   [steady]="sim/sched/fast_path/steady.py|$STEADY_TESTS"
   [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_steady.py::test_the_stream_gives_the_generators_own_draws_across_blocks tests/test_steady.py::test_the_streams_acceptance_draws_are_the_rules tests/test_steady.py::test_a_steps_acceptance_draws_in_one_call_are_the_rules tests/test_steady.py::test_a_runners_acceptance_draws_are_its_per_request_draws"
   # The rest of sim/sched/: the engine core's step, the scheduler's output
-  # records (what the step-time model reads), the stats records and columns.
+  # records (what the step-time model reads; async scheduling's max_tokens
+  # skip, vLLM's rule by hand), the stats records and columns.
   [engine_core]="sim/sched/engine_core.py|tests/test_values_async.py tests/test_scheduler.py tests/test_engine_timeline.py $STEADY_TESTS $ASYNC_STEADY_TESTS $ASYNC_CONFORMANCE_TESTS"
-  [output]="sim/sched/output.py|tests/test_step_time.py tests/test_scheduler_rules.py tests/test_engine_timeline.py"
+  [output]="sim/sched/output.py|tests/test_step_time.py tests/test_scheduler_rules.py tests/test_engine_timeline.py tests/test_values_async.py::test_a_step_in_flight_reaches_max_tokens_as_vllms_running_loop_counts"
   [stats]="sim/sched/stats.py|tests/test_engine_stats.py tests/test_metrics.py tests/test_engine_timeline.py"
   # tests/test_simulation.py pins the engine too but takes seconds a test.
   [engine]="sim/engine.py|tests/test_engine_timeline.py"
   # The one engine assembly (scheduler_config, allocator_options, the
-  # runner's stream, each mode's parts): the runs it builds, the config's
-  # fields, the stream against its seed by hand.
-  [engine_assembly]="sim/engine_assembly.py|tests/test_engine_timeline.py tests/test_metrics.py tests/test_values_conformance.py::test_the_backends_sample_through_the_engines_own_rng_stream"
+  # runner's stream, each mode's parts): each argument and fork switch by
+  # value in the parts it builds (both modes), the runs it builds, the
+  # config's fields, the stream against its seed by hand.
+  [engine_assembly]="sim/engine_assembly.py|tests/test_values_engine_assembly.py tests/test_engine_timeline.py tests/test_metrics.py tests/test_values_conformance.py::test_the_backends_sample_through_the_engines_own_rng_stream"
   # Where simulation meets measurement (issue 26): the value tests
   # (tests/test_values_*.py, hand frames and numpy, vLLM's metric
   # definitions, a fault server) and the fast tests already pinning each.
@@ -260,11 +268,19 @@ tests/test_serve_hostile.py::test_hostile_clients_leave_the_server_responsive_an
   [pool_replay]="sim/pool_replay/*|tests/test_values_pool_checks.py tests/test_values_pool_writes.py tests/test_values_pool_plan.py tests/test_values_pool_replay_parts.py tests/test_values_pool_replay.py tests/test_values_pool_views.py tests/test_worker_views.py tests/test_pool_replay.py"
   # The fork's patches 0093 and 0095-0097 (issue 26): the pins on the
   # manager and the scheduler's pin points, each against the fork's values
-  # (tests/test_fork_pins.py, about 10 s); the partial-tail hold and the
+  # (tests/test_fork_pins.py, about 10 s), and the missed-lookup value tests
+  # that read the flag a waiter's pin lookup leaves for the fast path
+  # (pin_lookup_found_no_hit); the partial-tail hold and the
   # retention it extends, restricted by a third field (default mutant
   # globs, overridden by KVSIM_MUTANTS) to those two classes of their file.
-  [kv_cache_pins]="sim/fork/pins.py|tests/test_fork_pins.py tests/test_values_fork_pins.py"
+  [kv_cache_pins]="sim/fork/pins.py|tests/test_fork_pins.py tests/test_values_fork_pins.py tests/test_values_fast_path.py"
   [sched_pins]="sim/fork/scheduler_pins.py|tests/test_fork_pins.py tests/test_values_fork_pins.py tests/test_values_fast_path.py"
+  # The fork's fence gate and deferred-free order (0018, 0023, 0086's
+  # checkpoints freed last): the allocator's rules and the fork's order and
+  # fenced-victim tests; the layout pass (0088) against its own tests and
+  # the deployments the fork boots.
+  [frees]="sim/fork/frees.py|tests/test_fork_eviction_order.py tests/test_fork_retention.py tests/test_allocator.py tests/test_ordering_rules.py tests/test_fork_fenced_victim.py"
+  [side_cache_layout]="sim/fork/side_cache_layout.py|tests/test_layout.py tests/test_fork_deployment.py"
   [partial_tail]="sim/fork/retention.py|tests/test_fork_partial_tail.py tests/test_fork_retention.py tests/test_fork_draft_group.py tests/test_fork_prompt_tail.py tests/test_allocator.py tests/test_allocator_invariant_rules.py tests/test_values_fork_mamba.py|*ǁPartialTailHoldingMambaManagerǁ* *ǁRetainingMambaManagerǁ*"
   # The async engine (issue 26 item 3): the pipeline clock, the one engine
   # loop, the AsyncScheduler twin, its steady lane, the batch-queue core.
@@ -294,7 +310,7 @@ tests/test_steady.py::test_the_check_catches_a_waiting_loop_wrongly_skipped"
   [sessions]="sim/workloads/sessions.py|tests/test_values_sessions.py tests/test_sessions.py::test_turn_n_prompt_is_the_prefix_plus_the_history_so_far tests/test_sessions.py::test_every_turn_is_a_token_prefix_of_the_next_and_sessions_share_only_the_prefix tests/test_sessions.py::test_the_workload_is_deterministic_per_seed"
   [bench]="sim/bench.py|$BENCH_TESTS|*target_lines* *_target_line* *AllocatorTimer* *_allocator_shares* *step_cost_ratios* *x__measure__*"
 )
-ORDER=(engine engine_assembly scheduler settled steady engine_core pipeline_clock engine_loop async_scheduler async_steady fast_path missed_lookups output stats gates kv_cache_manager step_time allocator_invariants model_runner single_type_kv_cache_manager validate calibrate conformance serving server_metrics live_engine server openai_requests recording client launch loaders config async_engine pool_replay kv_cache_pins sched_pins partial_tail waiting_queue bench scenario_record sessions)
+ORDER=(engine engine_assembly scheduler settled steady engine_core pipeline_clock engine_loop async_scheduler async_steady fast_path missed_lookups output stats gates kv_cache_manager step_time allocator_invariants model_runner side_cache_rings retention validate calibrate conformance serving server_metrics live_engine server openai_requests recording client launch loaders config async_engine pool_replay kv_cache_pins sched_pins frees side_cache_layout partial_tail waiting_queue bench scenario_record sessions)
 
 toml_list() { printf '"%s", ' "$@" | sed 's/, $//'; }
 

@@ -35,7 +35,7 @@ from sim.sched.scheduler import Scheduler, SchedulerConfig
 from sim.step_time import StepTimeModel
 
 
-class StepTimes(Protocol):
+class StepTimeSource(Protocol):
     """What the clocks ask of a step-time model (``StepTimeModel``, or a
     recording of its answers: ``fork_conformance.ClockTape``)."""
 
@@ -63,7 +63,7 @@ def build_engine(
     *,
     mode: EngineMode | None = None,
     steady_lane: bool = True,
-    step_time: StepTimes | None = None,
+    step_time: StepTimeSource | None = None,
     decode_stagger: int | None = None,
     max_concurrent_batches: int | None = None,
     plan: KVCachePlan | None = None,
@@ -96,7 +96,7 @@ class _Wanted:
     config: SchedulerConfig
     kv_cache_manager: KVCacheManager
     model_runner: ModelRunner
-    step_time: StepTimes
+    step_time: StepTimeSource
     steady_lane: bool
     decode_stagger: int | None
     max_concurrent_batches: int | None
@@ -133,7 +133,7 @@ def _batch_queue_engine(wanted: _Wanted) -> _Parts:
 _ENGINES: dict[EngineMode, Callable[[_Wanted], _Parts]] = {"sync": _sync_engine, "async": _batch_queue_engine}
 
 
-def pipeline_clock(scenario: Scenario, step_time: StepTimes) -> PipelineClock:
+def pipeline_clock(scenario: Scenario, step_time: StepTimeSource) -> PipelineClock:
     """The async engine's clock: one stage per pipeline rank."""
     return PipelineClock(scenario.deployment.pipeline_parallel_size, step_time.stage_s, step_time.handoff_s)
 

@@ -48,9 +48,9 @@ class MTPHashing:
     num_prefill_lookahead_tokens: int = 1
 
     @classmethod
-    def for_mode(
+    def for_hash_mode(
         cls,
-        mode: MTPHashMode,
+        hash_mode: MTPHashMode,
         *,
         num_speculative_tokens: int,
         multi_module_mtp: bool = False,
@@ -62,20 +62,23 @@ class MTPHashing:
         ``Scheduler.__init__``, which turns the drop off under lookahead
         hashes); ``eagle-drop`` is ``disable_lookahead_block_hashes=True``.
 
-        >>> MTPHashing.for_mode("lookahead", num_speculative_tokens=3)
+        >>> MTPHashing.for_hash_mode("lookahead", num_speculative_tokens=3)
         MTPHashing(use_eagle_block_drop=False, num_hash_lookahead_tokens=1, num_prefill_lookahead_tokens=1)
-        >>> MTPHashing.for_mode("lookahead", num_speculative_tokens=3, kv_connector=True).use_eagle_block_drop
+        >>> connector = MTPHashing.for_hash_mode("lookahead", num_speculative_tokens=3, kv_connector=True)
+        >>> connector.use_eagle_block_drop
         True
         """
-        if mode not in MTP_HASH_MODES:
-            raise ValueError(f"mtp_hash_mode must be one of {MTP_HASH_MODES}, got {mode!r}")
+        if hash_mode not in MTP_HASH_MODES:
+            raise ValueError(f"mtp_hash_mode must be one of {MTP_HASH_MODES}, got {hash_mode!r}")
         if num_speculative_tokens == 0:
             return cls(
                 use_eagle_block_drop=False, num_hash_lookahead_tokens=0, num_prefill_lookahead_tokens=0
             )
         prefill_lookahead = num_speculative_tokens if multi_module_mtp else 1
         hash_lookahead = (
-            prefill_lookahead if mode == "lookahead" and enable_prefix_caching and not kv_connector else 0
+            prefill_lookahead
+            if hash_mode == "lookahead" and enable_prefix_caching and not kv_connector
+            else 0
         )
         return cls(
             use_eagle_block_drop=hash_lookahead == 0,
@@ -84,11 +87,13 @@ class MTPHashing:
         )
 
     @classmethod
-    def for_engine(cls, mode: MTPHashMode, engine: Any, *, enable_prefix_caching: bool = True) -> MTPHashing:
-        """The hashing a plan's engine config gives in ``mode``."""
+    def for_engine(
+        cls, hash_mode: MTPHashMode, engine: Any, *, enable_prefix_caching: bool = True
+    ) -> MTPHashing:
+        """The hashing a plan's engine config gives in ``hash_mode``."""
         speculative = engine.speculative_config
-        return cls.for_mode(
-            mode,
+        return cls.for_hash_mode(
+            hash_mode,
             num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
             multi_module_mtp=bool(speculative and speculative.use_multi_module_mtp()),
             enable_prefix_caching=enable_prefix_caching,

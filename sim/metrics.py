@@ -350,7 +350,7 @@ REPLAY_ONLY: dict[Frame, tuple[Metric, ...]] = {
         _m("error", "text", "value", "why the request failed (HTTP status, lost connection, timeout)"),
     ),
     "summary": (
-        _m("layout_check", "ok|mismatch|unchecked", "value", "the server's boot log against kvsim's plan"),
+        _m("pool_plan_check", "ok|mismatch|unchecked", "value", "the server's boot log against kvsim's plan"),
         _m("complete", "bool", "value", "every request was sent and ended (not interrupted)"),
     ),
 }

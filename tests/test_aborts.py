@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from sim.analysis.runs import scenario_workload
-from sim.conformance.backends import StepState
+from sim.conformance.backends import ComparedStep
 from sim.conformance.driver import compare, conformance_scenario, drive, kvsim_backend, plan_for, vllm_backend
 from sim.paths import SCENARIOS_DIR
 from sim.scenario import load_scenario
@@ -41,7 +41,7 @@ class Aborting:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.backend, name)
 
-    def execute(self, output: Any) -> StepState:
+    def execute(self, output: Any) -> ComparedStep:
         state = self.backend.execute(output)
         self.steps += 1
         if self.steps == self.at_step:

@@ -11,7 +11,8 @@ import pytest
 import torch
 from helpers.fork import BLOCK, decode, free_queue_ids, hybrid_manager, prefill, request, tokens
 
-from sim.fork.patches import ForkPatches
+from sim.fork.frees import BlockObserver, fork_defers_block_free
+from sim.fork.patches import AS_SHIPPED, ForkPatches
 from sim.kv_cache_manager import KVCacheManager
 from sim.vllm_bridge import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, init_none_hash, sha256
 
@@ -79,3 +80,62 @@ def test_the_fence_and_free_agree_on_the_fork_hybrid(retain, eviction_order):
         pool = manager.block_pool
         orders.append([i for i in free_queue_ids(manager) if pool.blocks[i].block_hash is not None])
     assert (orders[0] == orders[1]) is eviction_order
+
+
+def test_the_observer_sees_each_request_while_its_blocks_are_still_held():
+    """The pool replay's observer (``BlockObserver.blocks_freed``) is told
+    which request is leaving before ``free`` or the fence's
+    ``pop_blocks_for_free`` takes its blocks: it reads the request's block
+    table at that moment (ids from vLLM's own ``get_block_ids``)."""
+    manager = hybrid_manager(64, ForkPatches())
+    seen: list[tuple[str, tuple[list[int], ...]]] = []
+
+    class Recorder(BlockObserver):
+        def blocks_freed(self, request) -> None:
+            seen.append((request.request_id, manager.get_block_ids(request.request_id)))
+
+    manager.observer = Recorder()
+    a, b = request("A", tokens(1, 150)), request("B", tokens(2, 100))
+    prefill(manager, a)
+    prefill(manager, b)
+    held = {r.request_id: manager.get_block_ids(r.request_id) for r in (a, b)}
+    manager.free(a)
+    manager.block_pool.free_blocks(reversed(manager.pop_blocks_for_free(b)))
+    assert seen == [("A", held["A"]), ("B", held["B"])]
+    assert all(any(ids) for ids in held["A"])  # CONTROL: each group held blocks when told
+
+
+@pytest.mark.parametrize(("max_concurrent_batches", "defers"), [(1, False), (2, True), (3, True)])
+def test_the_fork_fences_frees_whenever_more_than_one_batch_is_in_flight(max_concurrent_batches, defers):
+    """Patch 0018's gate in the fork's ``Scheduler.__init__``: a block freed
+    while another batch may still read it waits for that batch's output
+    (one batch in flight: no other reader, an immediate free)."""
+    assert fork_defers_block_free(max_concurrent_batches) is defers
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["free", "fence"])
+def test_checkpoints_go_back_after_the_attention_prefix_even_with_the_mamba_groups_first(deferred):
+    """Patch 0086: a finished request's retained checkpoints return to the
+    pool after every group's table, so they are evicted after the attention
+    prefix they resume. In Flash-Next's order (Mamba groups first) a
+    group-by-group free would return each checkpoint with its own group,
+    ahead of the attention blocks (the fork's hybrid helper, attention
+    first, cannot tell the two apart)."""
+    manager = hybrid_manager(64, AS_SHIPPED, attention_last=True)  # Flash-Next's group order
+    a = request("A", tokens(1, 150))
+    prefill(manager, a)
+    decode(manager, a, steps=4)
+    checkpoints = [
+        b.block_id for m in manager.managers if hasattr(m, "retained_blocks") for b in m.retained_blocks()
+    ]
+    attention = {
+        b for b in manager.get_block_ids("A")[2] if manager.block_pool.blocks[b].block_hash is not None
+    }
+    assert len(checkpoints) == 2 and len(attention) == 150 // BLOCK  # the prompt's full blocks
+    if deferred:
+        manager.block_pool.free_blocks(reversed(manager.pop_blocks_for_free(a)))
+    else:
+        manager.free(a)
+    pool = manager.block_pool
+    hashed = [i for i in free_queue_ids(manager) if pool.blocks[i].block_hash is not None]
+    assert hashed[-2:] == checkpoints and set(hashed[:-2]) >= attention

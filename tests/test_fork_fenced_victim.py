@@ -46,7 +46,7 @@ def _scheduler(defer: bool) -> Scheduler:
         defer_block_free=defer,
         max_concurrent_batches=2,
         # No drafts (no EAGLE drop), as the fork's test.
-        mtp_hashing=MTPHashing.for_mode("eagle-drop", num_speculative_tokens=0),
+        mtp_hashing=MTPHashing.for_hash_mode("eagle-drop", num_speculative_tokens=0),
     )
     return Scheduler(scheduler_config, manager, fast_path=False)
 

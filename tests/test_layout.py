@@ -5,15 +5,17 @@ figures. Each case runs the code path users run (``plan_kv_cache``, and the
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
+import torch
 
 from sim.cli import main
 from sim.fork import side_cache_layout as side
-from sim.fork.side_cache_rings import SlotPackedKVCacheTensor
+from sim.fork.side_cache_rings import RingSlotsSpec, SlotPackedKVCacheTensor, group_slots_per_block
 from sim.kv_cache_plan import plan_kv_cache
 from sim.model_specs import build_worker_specs
-from sim.vllm_bridge import kv_cache_utils, planning
+from sim.vllm_bridge import CircularBufferSpec, KVCacheGroupSpec, kv_cache_utils, planning
 
 # SSM dtype -> block, block bytes PP0/PP1, blocks, per-request off/on, tokens off/on
 POOL_FIGURES = {
@@ -120,17 +122,17 @@ def test_fold_never_widens_a_stage(flash_next, reference):
     really does widen PP0."""
     plan = plan_kv_cache(flash_next, reference, side_cache_layout=False)
     _, workers = build_worker_specs(flash_next, reference)
-    layout = plan.engine.cache_config.get_resolved_kv_cache_layout()
+    kv_cache_layout = plan.engine.cache_config.get_resolved_kv_cache_layout()
     groups = planning.get_global_kv_cache_groups(plan.engine, workers)
-    base = side.worker_strides(groups, workers, layout)
-    folded, notes = side.fold_replicated_mamba_groups(groups, workers, layout)
-    assert side.worker_strides(folded, workers, layout) == base
+    base = side.worker_strides(groups, workers, kv_cache_layout)
+    folded, notes = side.fold_replicated_mamba_groups(groups, workers, kv_cache_layout)
+    assert side.worker_strides(folded, workers, kv_cache_layout) == base
     assert len(folded) == len(groups) - 1 and "into Mamba group 1" in notes[0]
 
     ple_index = next(i for i, g in enumerate(groups) if PLE in g.layer_names)
     forced = side.merge_groups(groups[0], groups[ple_index])
     wrong = [forced] + [g for i, g in enumerate(groups) if i not in (0, ple_index)]
-    widened = side.worker_strides(wrong, workers, layout)
+    widened = side.worker_strides(wrong, workers, kv_cache_layout)
     page = flash_next_attention_page(plan)
     assert widened[0] == base[0] + page == base[0] + 1_638_400  # 8 pages instead of 7
 
@@ -244,3 +246,26 @@ def test_an_installed_fork_plans_with_its_own_switch(flash_next, reference, monk
     assert (on.kv_cache_tokens, off.kv_cache_tokens) == (853_994, 806_792)
     assert on.applied and not off.applied
     assert "VLLM_E2_SIDE_CACHE_LAYOUT" not in os.environ
+
+
+def _ring(slots_per_block: int = 1, spec_type: type = RingSlotsSpec) -> Any:
+    extra = {"slots_per_block": slots_per_block} if spec_type is RingSlotsSpec else {}
+    return spec_type(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16, **extra)
+
+
+def test_a_ring_of_fewer_than_one_slot_per_block_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"^slots_per_block must be positive, got 0$"):
+        _ring(0)
+    assert _ring(1).slots_per_block == 1  # CONTROL: one slot is the old layout's whole block
+
+
+def test_a_groups_slot_count_is_its_ring_specs_or_else_the_forks_own_field_on_the_group():
+    """kvsim carries the count on the ring's spec; a plan by the installed
+    fork (``plan_kv_cache``'s "fork" source) carries it on the group
+    (``KVCacheGroupSpec.slots_per_block``) over vLLM's plain ring spec; a
+    group with neither is one block per request."""
+    packed = KVCacheGroupSpec(["ring"], _ring(4))
+    forks = KVCacheGroupSpec(["ring"], _ring(spec_type=CircularBufferSpec))
+    forks.slots_per_block = 6  # type: ignore[attr-defined]
+    plain = KVCacheGroupSpec(["ring"], _ring(spec_type=CircularBufferSpec))
+    assert [group_slots_per_block(g) for g in (packed, forks, plain)] == [4, 6, 1]

@@ -34,7 +34,7 @@ from sim.kv_cache_manager import MTPHashing
     ],
 )
 def test_the_hashing_vllm_derives(mode, num_spec, multi_module, caching, connector, expected):
-    hashing = MTPHashing.for_mode(
+    hashing = MTPHashing.for_hash_mode(
         mode,
         num_speculative_tokens=num_spec,
         multi_module_mtp=multi_module,
@@ -52,7 +52,7 @@ def test_an_unknown_mode_names_the_modes():
     with pytest.raises(
         ValueError, match=r"^mtp_hash_mode must be one of \('eagle-drop', 'lookahead'\), got 'ahead'$"
     ):
-        MTPHashing.for_mode("ahead", num_speculative_tokens=3)  # type: ignore[arg-type]
+        MTPHashing.for_hash_mode("ahead", num_speculative_tokens=3)  # type: ignore[arg-type]
 
 
 def _engine(num_spec: int | None, *, multi_module: bool = False, connector: bool = False) -> SimpleNamespace:

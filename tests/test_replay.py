@@ -106,7 +106,7 @@ def test_closed_loop_serve_and_replay_reproduce_the_simulation(tmp_path, capsys)
     sim, replay = _frames(tmp_path / "sim")["summary"].iloc[0], _frames(out)["summary"].iloc[0]
     assert agreement(sim, replay) == []
     manifest = _manifest(out)
-    assert manifest["complete"] is True and manifest["layout_check"] == "ok"
+    assert manifest["complete"] is True and manifest["pool_plan_check"] == "ok"
     assert manifest["frames"] == ["requests.parquet", "samples.parquet", "summary.parquet"]
     assert manifest["boot_kv_cache_tokens"] == sim["kv_cache_tokens"]
     frames = _frames(out)
@@ -206,13 +206,13 @@ def test_a_server_that_dies_mid_run_gives_failures_whole_frames_and_incomplete(t
     argv = ["replay", str(path), "--layout", "on", "--launch", "--server-cmd", server_cmd, "--out", str(out)]
     assert main([*argv, "--speed", "10", "--request-timeout", "20", "--boot-timeout", "60"]) == 1
     captured = capsys.readouterr()
-    assert "LAYOUT MISMATCH" in captured.err  # a fault server logs no KV cache size
+    assert "POOL PLAN MISMATCH" in captured.err  # a fault server logs no KV cache size
     requests = _frames(out)["requests"]
     assert len(requests) == 6 and list(requests["finished"]) == [True, True] + [False] * 4
     assert requests["rejected"].sum() == 4 and requests.loc[requests["rejected"], "error"].notna().all()
     manifest = _manifest(out)
     assert manifest["complete"] is False and manifest["server_lost"] is True
-    assert manifest["layout_check"] == "mismatch"
+    assert manifest["pool_plan_check"] == "mismatch"
     assert _frames(out)["summary"]["complete"].item() == False  # noqa: E712
 
 

@@ -105,7 +105,7 @@ def sweep_dir(root, scenario_path) -> Path:
 
 def test_replay_validate_calibrate_recovers_the_rigs_coefficients(run_dir, replay_dir, tmp_path, capsys):
     manifest = json.loads((replay_dir / "manifest.json").read_text())
-    assert manifest["complete"] is True and manifest["layout_check"] == "ok"
+    assert manifest["complete"] is True and manifest["pool_plan_check"] == "ok"
     assert main(["validate", str(run_dir), str(replay_dir), "--out", str(tmp_path / "validate")]) == 0
     report = json.loads((tmp_path / "validate" / "validate.json").read_text())
     assert report  # the table, per layout

@@ -301,7 +301,7 @@ def test_a_full_prefix_hit_is_padded_only_with_room_for_the_sampled_token(max_mo
     1 + K = 4 rows, if its computed tokens, the 4 rows and the sampled
     token fit in max_model_len: 480 + 4 + 1 = 485 (padded at 485; at 484 it
     runs its one token)."""
-    hashing = MTPHashing.for_mode("lookahead", num_speculative_tokens=K)
+    hashing = MTPHashing.for_hash_mode("lookahead", num_speculative_tokens=K)
     manager = build_kv_cache_manager(
         _plan_with_max_model_len(max_model_len), num_gpu_blocks=400, mtp_hashing=hashing
     )
@@ -641,7 +641,7 @@ def test_a_hit_too_close_to_max_model_len_to_pad_runs_on_a_short_budget(max_mode
     a 3-token budget. At max_model_len 485 it would be padded to 4 rows, more
     than the budget: vLLM prefers not scheduling it. At 484 there is no room
     to pad, so it is not a padding candidate: its one token runs."""
-    hashing = MTPHashing.for_mode("lookahead", num_speculative_tokens=K)
+    hashing = MTPHashing.for_hash_mode("lookahead", num_speculative_tokens=K)
     manager = build_kv_cache_manager(
         _plan_with_max_model_len(max_model_len), num_gpu_blocks=400, mtp_hashing=hashing
     )

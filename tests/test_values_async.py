@@ -25,7 +25,7 @@ from sim.sched.engine_loop import IDLE, make_call, run_engine
 from sim.sched.fast_path.async_steady import AsyncSteadyDecode
 from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
-from sim.sched.output import ScheduledRequest, SchedulerOutput, StepTally
+from sim.sched.output import ScheduledRequest, SchedulerOutput, StepTally, reaches_max_tokens
 from sim.sched.scheduler import Scheduler, SchedulerConfig
 from sim.vllm_bridge import RequestStatus
 from sim.workloads import WorkloadRequest
@@ -298,6 +298,24 @@ def test_an_idle_engine_sleeps_until_an_arrival_and_ends_when_arrivals_do():
     assert (pauses, stalled) == ([IDLE, 1.0, IDLE], False)
     assert io.records == [(step, 0.0, 1.0)]
     assert repr(IDLE) == "IDLE"
+
+
+@pytest.mark.parametrize("settle", [None, True])
+def test_only_a_loop_told_to_settle_at_rest_completes_its_steps_in_flight_before_it_sleeps(settle):
+    """No work, arrivals open: a simulation's loop (the default) sleeps with
+    its steps in flight left to its next step, as vLLM's busy loop waits on
+    its input queue; ``kvsim serve``'s (``settle_at_rest=True``) lets them
+    complete first, once per rest. CONTROL: the two logs differ."""
+    core, io = _ScriptedCore([]), _IO(ended=False)
+    arrivals = [lambda: None, lambda: setattr(io, "ended", True)]
+    loop = (
+        run_engine(core, _StubClock([]), io)
+        if settle is None
+        else run_engine(core, _StubClock([]), io, settle_at_rest=settle)
+    )
+    pauses, stalled = _drive(loop, io, lambda: arrivals.pop(0)())
+    assert (pauses, stalled) == ([IDLE, IDLE], False)
+    assert core.log == ([] if settle is None else [("complete", None), ("complete", None)])
 
 
 @pytest.mark.parametrize(("unfinished", "stalled"), [(True, True), (False, False)])
@@ -682,6 +700,26 @@ def test_a_preempted_requests_one_stale_token_drains_and_it_resumes():
     assert calls[6].scheduled.resumed_request_ids == ("r001",)
     assert calls[5].outcome.finished == {"r000": 5}
     assert calls[10].outcome.finished == {"r001": 5}
+
+
+@pytest.mark.parametrize(
+    ("computed", "placeholders", "max_tokens_end", "reached"),
+    [
+        (100, 4, 98, True),  # 100 + 2 - 4 = 98: the step in flight ends it even with 3 drafts rejected
+        (100, 4, 99, False),  # one token short: another step is needed
+        (97, 1, 98, True),  # one placeholder (no drafts): 97 + 2 - 1 = 98
+        (100, 0, 0, False),  # nothing in flight: the running loop schedules it
+    ],
+)
+def test_a_step_in_flight_reaches_max_tokens_as_vllms_running_loop_counts(
+    computed, placeholders, max_tokens_end, reached
+):
+    """vLLM 0.33.0's ``Scheduler.schedule`` skips a running request when
+    ``num_output_placeholders > 0 and num_computed_tokens + 2 -
+    num_output_placeholders >= num_prompt_tokens + max_tokens``: the computed
+    tokens count the placeholders, so the step in flight's one sure token
+    (drafts all rejected) is +1, and the token after it +1 more."""
+    assert reaches_max_tokens(computed, placeholders, max_tokens_end) is reached
 
 
 def test_a_stale_token_that_reaches_max_tokens_finishes_the_waiting_request():

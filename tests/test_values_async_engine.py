@@ -1,5 +1,5 @@
 """The async conformance harness's records by value (issue 26): what one
-engine call is recorded as (``_state``), what vLLM's engine outputs say
+engine call is recorded as (``compared_call``), what vLLM's engine outputs say
 finished and how many prefix tokens they report (``_finished_and_prefix``,
 fed vLLM's own ``EngineCoreOutputs`` and ``PrefixCacheStats``), and the
 batch queue's depth against vLLM's own derivation. A mutant here changes
@@ -76,7 +76,7 @@ def test_an_engine_call_is_recorded_field_by_field():
     r2 new and r3 resumed, r9 and r7 preempted; it applied step 5. r1 holds
     2 placeholders after, r3 1, r2 none (absent from the map: 0)."""
     call = EngineCall(_scheduled(7), processed=_scheduled(5))
-    state = async_engine._state(
+    state = async_engine.compared_call(
         call,
         placeholders={"r1": 2, "r3": 1},
         finished=["r4"],
@@ -95,7 +95,7 @@ def test_an_engine_call_is_recorded_field_by_field():
 
 
 def test_a_call_that_scheduled_and_applied_nothing_is_step_zero():
-    state = async_engine._state(
+    state = async_engine.compared_call(
         EngineCall(),
         placeholders={},
         finished=[],

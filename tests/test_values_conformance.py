@@ -10,7 +10,7 @@ import argparse
 from types import SimpleNamespace
 
 import pytest
-from helpers.values import step_state, trajectory
+from helpers.values import compared_step, trajectory
 
 from sim.commands import conform as conform_command
 from sim.conformance.backends import KvsimBackend
@@ -49,8 +49,8 @@ def test_identical_steps_with_one_backend_stalled_do_not_conform(left_stalled, r
 
 
 def test_differing_fields_name_exactly_the_fields_that_differ():
-    left = step_state(preempted=("a",), num_free_blocks=3, waiting=("a",))
-    right = step_state(preempted=("b",), num_free_blocks=3, waiting=("a",), prefix_cache_hits_tokens=64)
+    left = compared_step(preempted=("a",), num_free_blocks=3, waiting=("a",))
+    right = compared_step(preempted=("b",), num_free_blocks=3, waiting=("a",), prefix_cache_hits_tokens=64)
     comparison = Comparison(
         left=Trajectory(backend="kvsim", steps=(left,), times_s=(0.0,), stalled=False),
         right=Trajectory(backend="vllm", steps=(right,), times_s=(0.0,), stalled=False),
@@ -97,7 +97,7 @@ class ScriptedBackend:
     def execute(self, output: SchedulerOutput):
         for item in output.scheduled:
             self.left[item.request_id] -= 1
-        return step_state(running=tuple(item.request_id for item in output.scheduled))
+        return compared_step(running=tuple(item.request_id for item in output.scheduled))
 
 
 HALF_SECOND = SimpleNamespace(step_time_s=lambda output: 0.5)
@@ -172,7 +172,7 @@ def test_victims_and_finished_requests_are_compared_in_id_order():
     )
     backend.kv_cache_manager = SimpleNamespace(block_pool=SimpleNamespace(get_num_free_blocks=lambda: 17))
     state = backend.execute(output)
-    assert state == step_state(
+    assert state == compared_step(
         scheduled_tokens=(("r9", 10, 1), ("r1", 4, 2)),
         admitted=("r9",),
         preempted=("r10", "r3", "r7"),

@@ -338,7 +338,7 @@ def test_a_stream_is_recorded_token_by_token_and_the_servers_usage_wins():
     assert record.error is None and record.finish_reason == "length" and record.generated_tokens == 9
     without_usage = _replay(Scripted([(200, lines[:-2] + [DONE_LINE])]), [_spec("r0", 0.0)])
     assert without_usage.records[0].generated_tokens == 5 and without_usage.records[0].error is None
-    assert outcome.complete and not outcome.interrupted and not outcome.server_lost
+    assert outcome.ran_to_end and not outcome.interrupted and not outcome.server_lost
 
 
 def test_times_are_wall_seconds_since_the_start_times_the_speed():
@@ -389,13 +389,13 @@ def test_an_http_error_is_its_status_and_body_on_one_line_of_at_most_200_charact
     outcome = _replay(Scripted(scripts), [_spec(f"r{i}", 0.0) for i in range(3)])
     errors = sorted((r.error for r in outcome.records), key=len)
     assert errors == ["HTTP 503: busy now", "HTTP 400: " + "x" * 200, "HTTP 400: " + "y" * 197 + "..."]
-    assert all(math.isnan(r.first_token_s) for r in outcome.records) and outcome.complete
+    assert all(math.isnan(r.first_token_s) for r in outcome.records) and outcome.ran_to_end
 
 
 def test_a_request_past_its_timeout_is_a_failure_and_the_run_goes_on():
     lines = [_chunk(ids=[1], finish="length"), DONE_LINE]
     outcome = _replay(Scripted([(200, lines)], pause_s=2.0), [_spec("r0", 0.0)], request_timeout_s=0.25)
-    assert outcome.records[0].error == "timed out after 0.25 s" and outcome.complete
+    assert outcome.records[0].error == "timed out after 0.25 s" and outcome.ran_to_end
 
 
 def test_a_connection_cut_mid_stream_is_a_lost_server():
@@ -418,7 +418,7 @@ def test_a_connection_cut_mid_stream_is_a_lost_server():
     cause = error.removeprefix("connection lost: ClientPayloadError: ")
     assert cause.startswith("Response payload is not completed: <TransferEncodingError: 400, message=")
     assert len(cause) == 120 and cause.endswith("...")
-    assert outcome.server_lost and not outcome.complete
+    assert outcome.server_lost and not outcome.ran_to_end
 
 
 @pytest.mark.parametrize(
@@ -605,7 +605,7 @@ def test_a_stop_drains_for_the_drain_timeout_then_cancels():
         "cancelled: the replay was stopped before the request finished",
         "not sent: the replay was stopped first",
     ]
-    assert math.isnan(outcome.records[1].sent_s) and outcome.interrupted and not outcome.complete
+    assert math.isnan(outcome.records[1].sent_s) and outcome.interrupted and not outcome.ran_to_end
 
 
 def test_a_stop_before_the_first_arrival_sends_nothing_and_is_an_interrupted_run():
@@ -619,7 +619,7 @@ def test_a_stop_before_the_first_arrival_sends_nothing_and_is_an_interrupted_run
 
     with app_in_thread(server.app, start_timeout_s=10) as url:
         outcome = asyncio.run(run(url))
-    assert outcome.interrupted is True and not outcome.complete and server.bodies == []
+    assert outcome.interrupted is True and not outcome.ran_to_end and server.bodies == []
     assert outcome.records[0].error == "not sent: the replay was stopped first"
 
 
@@ -630,7 +630,7 @@ def test_a_replay_of_no_requests_is_complete_and_not_interrupted():
 
 def test_a_replay_is_complete_unless_stopped_or_the_server_was_lost():
     def outcome(**flags: bool) -> bool:
-        return ReplayOutcome(records=[], samples=[], duration_s=0.0, **flags).complete
+        return ReplayOutcome(records=[], samples=[], duration_s=0.0, **flags).ran_to_end
 
     assert outcome() and not outcome(interrupted=True) and not outcome(server_lost=True)
 
@@ -653,7 +653,7 @@ def test_the_boot_log_is_read_for_its_size_layout_and_notes():
         "boot_kv_cache_tokens": 1234567,
         "boot_side_cache_layout": "on",
         "boot_notes": ["ring 2 slots", "eagle drop"],
-        "layout_mismatches": [],
+        "boot_mismatches": [],
     }
 
 

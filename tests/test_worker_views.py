@@ -279,10 +279,10 @@ def test_a_small_pool_is_the_planners_own(flash_next, reference, plans, on):
     """Shrinking a 24-block plan to 23 blocks gives exactly the planner's
     23-block configs, slot-packed tensors included."""
     smaller = small_plan(flash_next, reference, on, 23)
-    layout = KVCacheLayout.BLNHC
+    kv_cache_layout = KVCacheLayout.BLNHC
     for config, expected in zip(plans[on].worker_configs, smaller.worker_configs, strict=True):
-        assert with_num_blocks(config, 23, layout) == expected
-        assert type(with_num_blocks(config, 23, layout)) is type(expected)
+        assert with_num_blocks(config, 23, kv_cache_layout) == expected
+        assert type(with_num_blocks(config, 23, kv_cache_layout)) is type(expected)
 
 
 def test_bad_pool_sizes_are_value_errors(plans):

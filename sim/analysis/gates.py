@@ -22,7 +22,7 @@ regressions; a change past the tolerance the other way is ``improved``
 that the new layout admits no fewer requests than the old (``on-vs-off``).
 
 ``--update`` rewrites only the baseline values in the file, character for
-character everywhere else, so comments and layout survive. No twin in vLLM.
+character everywhere else, so comments and formatting survive. No twin in vLLM.
 """
 
 from __future__ import annotations

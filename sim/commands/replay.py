@@ -117,7 +117,7 @@ async def _replay(
             status = server.stop()
             print(f"kvsim: server stopped (exit status {status}); log: {server.log_path}")
     _write(out_dir, scenario, args, plan, outcome, boot, url)
-    return 0 if outcome.complete else 1
+    return 0 if outcome.ran_to_end else 1
 
 
 async def _start_server(
@@ -148,7 +148,7 @@ def _check_boot(server: Any, plan: dict[str, Any]) -> Any:
     boot = check_boot_log(server.log_text(), plan)
     for mismatch in boot.mismatches:
         print(
-            f"kvsim: LAYOUT MISMATCH: {mismatch}: the server is not the deployment kvsim modelled",
+            f"kvsim: POOL PLAN MISMATCH: {mismatch}: the server is not the deployment kvsim modelled",
             file=sys.stderr,
         )
     return boot
@@ -173,17 +173,17 @@ def _write(
         scenario=scenario.name,
         layout=args.layout,
         plan=plan,
-        extra_summary={"layout_check": check, "complete": outcome.complete},
+        extra_summary={"pool_plan_check": check, "complete": outcome.ran_to_end},
     )
     extra = {
         "source": "replay",
-        "complete": outcome.complete,
+        "complete": outcome.ran_to_end,
         "interrupted": outcome.interrupted,
         "server_lost": outcome.server_lost,
         "url": url,
         "speed": args.speed,
         "layout": args.layout,
-        "layout_check": check,
+        "pool_plan_check": check,
         **(boot.to_dict() if boot else {}),
         "warnings": outcome.warnings,
     }
@@ -192,5 +192,5 @@ def _write(
     print(
         f"kvsim: {int(requests['finished'].sum())} of {len(requests)} requests finished, "
         f"{int(requests['rejected'].sum())} failed; frames written to {out_dir}/ (requests, samples, summary)"
-        + ("" if outcome.complete else " -- INCOMPLETE run")
+        + ("" if outcome.ran_to_end else " -- INCOMPLETE run")
     )

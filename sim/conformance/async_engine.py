@@ -15,7 +15,7 @@ workers answer at once), and the clock then says how long it blocked.
 Both sample through the same ``ModelRunner`` at schedule time, in schedule
 order.
 
-Each engine call is one record (``EngineStepState``): the step it
+Each engine call is one record (``ComparedEngineCall``): the step it
 scheduled (requests, computed tokens before, tokens, output placeholders
 after), admissions, preemptions, the step whose output it applied, the
 requests that finished, the queues, free blocks, and the prefix-cache
@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sim.conformance.backends import StepState, scheduled_request
+from sim.conformance.backends import ComparedStep, scheduled_request
 from sim.conformance.driver import (
     Comparison,
     TraceDriver,
@@ -40,7 +40,7 @@ from sim.conformance.driver import (
     vllm_settings,
     vllm_unavailable_as_one_line,
 )
-from sim.engine_assembly import EngineParts, StepTimes, build_engine, model_runner, pipeline_clock
+from sim.engine_assembly import EngineParts, StepTimeSource, build_engine, model_runner, pipeline_clock
 from sim.kv_cache_manager import MTPHashMode, scheduler_kv_cache_config
 from sim.kv_cache_plan import KVCachePlan
 from sim.pipeline_clock import PipelineClock
@@ -55,7 +55,7 @@ from sim.step_time import StepTimeModel
 
 
 @dataclass(frozen=True, kw_only=True)
-class EngineStepState(StepState):
+class ComparedEngineCall(ComparedStep):
     """One engine call as the comparison sees it: the synchronous step's
     view of the step it scheduled, the placeholders each scheduled request
     holds after the call, and which step's output the call applied."""
@@ -86,7 +86,7 @@ class _KvsimEngine:
     def only_empty_in_flight(self) -> bool:
         return self.core.only_empty_in_flight()
 
-    def step(self) -> tuple[EngineCall, EngineStepState]:
+    def step(self) -> tuple[EngineCall, ComparedEngineCall]:
         call = make_call(self.core)
         scheduled = call.scheduled
         if scheduled is not None:
@@ -96,7 +96,7 @@ class _KvsimEngine:
         if call.processed is not None:
             reported, self._prefix = self._prefix, (0, 0)
         s = self.scheduler
-        state = _state(
+        state = compared_call(
             call,
             placeholders={
                 rid: self.core.num_output_placeholders(s.requests[rid])
@@ -116,7 +116,7 @@ def _ids(output: SchedulerOutput | None) -> list[str]:
     return [] if output is None else [item.request_id for item in output.scheduled]
 
 
-def _state(
+def compared_call(
     call: EngineCall,
     *,
     placeholders: dict[str, int],
@@ -125,9 +125,9 @@ def _state(
     waiting: list[str],
     num_free_blocks: int,
     prefix: tuple[int, int],
-) -> EngineStepState:
+) -> ComparedEngineCall:
     out = call.scheduled
-    return EngineStepState(
+    return ComparedEngineCall(
         step=out.step_index if out is not None else 0,
         scheduled_tokens=tuple(
             (r.request_id, r.num_computed_tokens, r.num_scheduled_tokens, placeholders.get(r.request_id, 0))
@@ -231,7 +231,7 @@ class _VllmEngine:
             self.scheduler.requests[request_id], num_scheduled, num_spec, admitted and num_spec > 0
         )
 
-    def step(self) -> tuple[EngineCall, EngineStepState]:
+    def step(self) -> tuple[EngineCall, ComparedEngineCall]:
         self._scheduled, self._samples = None, False
         outputs, executed = self.core.step_with_batch_queue()
         self.core.post_step(executed)
@@ -240,7 +240,7 @@ class _VllmEngine:
         call = EngineCall(scheduled, self._samples, waits=processed is not None, processed=processed)
         finished, prefix = _finished_and_prefix(outputs)
         s = self.scheduler
-        state = _state(
+        state = compared_call(
             call,
             placeholders={
                 rid: s.requests[rid].num_output_placeholders for rid in _ids(scheduled) if rid in s.requests
@@ -274,7 +274,7 @@ class _EngineCalls:
 
     def __init__(self, engine: _KvsimEngine | _VllmEngine | Any) -> None:
         self.engine = engine
-        self._state: EngineStepState | None = None
+        self._state: ComparedEngineCall | None = None
 
     def has_work(self) -> bool:
         return self.engine.has_work()
@@ -296,7 +296,7 @@ class _EngineCalls:
         """A batch queue's steps complete only when applied (as vLLM's)."""
         return False
 
-    def take_state(self) -> EngineStepState | None:
+    def take_state(self) -> ComparedEngineCall | None:
         state, self._state = self._state, None
         return state
 
@@ -314,7 +314,7 @@ def drive_engine(
     return driver.run(_EngineCalls(engine), engine.name)
 
 
-def async_clock(scenario: Scenario, step_time: StepTimes) -> PipelineClock:
+def async_clock(scenario: Scenario, step_time: StepTimeSource) -> PipelineClock:
     return pipeline_clock(scenario, step_time)
 
 

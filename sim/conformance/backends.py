@@ -4,7 +4,7 @@ Both see the same requests at the same simulated times, produce kvsim's
 ``SchedulerOutput`` (what the step-time model reads), and sample through
 the same ``ModelRunner`` (same acceptance model, same seeded RNG, requests in
 scheduling order), so identical schedules draw identical numbers. After each
-step a backend reports a ``StepState``: what the comparison looks at.
+step a backend reports a ``ComparedStep``: what the comparison looks at.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from sim.vllm_bridge.fork_server import free_queue_digest, num_fenced_blocks
 
 
 @dataclass(frozen=True, kw_only=True)
-class StepState:
+class ComparedStep:
     """One executed step as the comparison sees it (ids in queue order)."""
 
     # (request, computed tokens before the step, tokens scheduled), in order.
@@ -76,7 +76,7 @@ class Backend(Protocol):
     def has_unfinished_requests(self) -> bool: ...
     def schedule(self) -> SchedulerOutput: ...
     def complete_in_flight_steps(self) -> bool: ...
-    def execute(self, output: SchedulerOutput) -> StepState: ...
+    def execute(self, output: SchedulerOutput) -> ComparedStep: ...
 
 
 class KvsimBackend:
@@ -109,10 +109,10 @@ class KvsimBackend:
     def complete_in_flight_steps(self) -> bool:
         return self.scheduler.complete_in_flight_steps()
 
-    def execute(self, output: SchedulerOutput) -> StepState:
+    def execute(self, output: SchedulerOutput) -> ComparedStep:
         assert self._scheduled is not None and self._scheduled.output is output, "execute the step scheduled"
         outcome = self.core.complete(self._scheduled)
-        return StepState(
+        return ComparedStep(
             scheduled_tokens=_scheduled_tokens(output),
             admitted=output.new_request_ids,
             resumed=output.resumed_request_ids,
@@ -255,7 +255,7 @@ class VllmBackend:
             self.scheduler.requests[request_id], num_scheduled, len(spec_token_ids), padded
         )
 
-    def execute(self, output: SchedulerOutput) -> StepState:
+    def execute(self, output: SchedulerOutput) -> ComparedStep:
         out = self._vllm_output
         sampled = self.runner.execute(output, self._token_counts).sampled_token_ids
         req_ids = list(out.num_scheduled_tokens)
@@ -274,7 +274,7 @@ class VllmBackend:
         self._propose_drafts([rid for rid in req_ids if sampled.get(rid) and rid not in finished])
         stats = next(eco.scheduler_stats for eco in engine_outputs.values() if eco.scheduler_stats)
         prefix = stats.prefix_cache_stats
-        return StepState(
+        return ComparedStep(
             scheduled_tokens=_scheduled_tokens(output),
             admitted=output.new_request_ids,
             resumed=output.resumed_request_ids,

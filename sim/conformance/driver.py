@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol
 
 from sim.config import ConfigError
-from sim.conformance.backends import Backend, KvsimBackend, StepState, VllmBackend
+from sim.conformance.backends import Backend, ComparedStep, KvsimBackend, VllmBackend
 from sim.engine_assembly import allocator_options, build_engine, model_runner, plan_for
 from sim.kv_cache_manager import MTPHashing, MTPHashMode
 from sim.kv_cache_plan import KVCachePlan
@@ -45,7 +45,7 @@ class Trajectory:
     """One backend's run: a state per executed step."""
 
     backend: str
-    steps: tuple[StepState, ...]
+    steps: tuple[ComparedStep, ...]
     times_s: tuple[float, ...]
     stalled: bool
     # How long each step took (the clock's figure).
@@ -58,7 +58,7 @@ class Trajectory:
 class RecordingCore(LoopCore, Protocol):
     """An engine core that keeps the comparison's record of each call."""
 
-    def take_state(self) -> StepState | None:
+    def take_state(self) -> ComparedStep | None:
         """The record of the call just made (None: nothing to compare)."""
         ...
 
@@ -90,7 +90,7 @@ class TraceDriver:
         self.clock = clock
         self.add_request = add_request
         self.max_time_s = max_time_s
-        self.states: list[StepState] = []
+        self.states: list[ComparedStep] = []
         self.times_s: list[float] = []
         self.steps_s: list[float] = []
         self._core: RecordingCore | None = None
@@ -172,7 +172,7 @@ class _BackendCore:
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self._state: StepState | None = None
+        self._state: ComparedStep | None = None
 
     def has_work(self) -> bool:
         return self.backend.has_unfinished_requests()
@@ -197,7 +197,7 @@ class _BackendCore:
     def complete_in_flight_steps(self) -> bool:
         return self.backend.complete_in_flight_steps()
 
-    def take_state(self) -> StepState | None:
+    def take_state(self) -> ComparedStep | None:
         state, self._state = self._state, None
         return state
 

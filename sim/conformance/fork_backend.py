@@ -24,7 +24,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from sim.config import ConfigError
-from sim.conformance.backends import StepState, scheduled_request
+from sim.conformance.backends import ComparedStep, scheduled_request
 from sim.fork.patches import AS_SHIPPED, ForkPatches
 from sim.model_specs import build_worker_specs
 from sim.scenario import Scenario, SideCacheSwitch
@@ -270,34 +270,18 @@ class ForkBackend(_ForkSide):
 
     def schedule(self) -> SchedulerOutput:
         answer = self.process.call("schedule")
-        self._token_counts = {rid: num_tokens for rid, _, _, num_tokens, _ in answer["scheduled"]}
-        return SchedulerOutput(
-            step_index=answer["step_index"],
-            scheduled=tuple(_scheduled(*entry) for entry in answer["scheduled"]),
-            new_request_ids=tuple(answer["new"]),
-            resumed_request_ids=tuple(answer["resumed"]),
-            preempted_request_ids=tuple(answer["preempted"]),
-        )
+        self._token_counts = {row[0]: row[3] for row in answer["scheduled"]}
+        return scheduler_output(answer)
 
-    def execute(self, output: SchedulerOutput) -> StepState:
+    def execute(self, output: SchedulerOutput) -> ComparedStep:
         sampled = self.runner.execute(output, self._token_counts).sampled_token_ids
         answer = self.process.call("update", sampled={rid: list(ids) for rid, ids in sampled.items()})
         self._has_unfinished = answer["has_unfinished"]
-        return step_state(output, answer)
+        return compared_step(output, answer)
 
 
-def _scheduled(
-    request_id: str, num_scheduled: int, computed_after: int, num_tokens: int, spec: list[int]
-) -> Any:
-    request = SimpleNamespace(
-        request_id=request_id, num_computed_tokens=computed_after, num_tokens=num_tokens
-    )
-    padded = bool(spec) and all(token == -1 for token in spec)
-    return scheduled_request(request, num_scheduled, len(spec), padded)
-
-
-def step_state(output: SchedulerOutput, answer: dict[str, Any]) -> StepState:
-    return StepState(
+def compared_step(output: SchedulerOutput, answer: dict[str, Any]) -> ComparedStep:
+    return ComparedStep(
         scheduled_tokens=tuple(
             (r.request_id, r.num_computed_tokens, r.num_scheduled_tokens) for r in output.scheduled
         ),
@@ -354,23 +338,23 @@ class ForkEngine(_ForkSide):
         return self._only_empty_in_flight
 
     def _sample(self, question: dict[str, Any]) -> dict[str, Any]:
-        output = _engine_output(question["scheduled"])
+        output = scheduler_output(question["scheduled"])
         sampled = self.runner.execute_sampling(output, question["samples"]).sampled_token_ids
         return {"sampled": {rid: list(ids) for rid, ids in sampled.items()}}
 
     def step(self) -> tuple[Any, Any]:
-        from sim.conformance.async_engine import _state
+        from sim.conformance.async_engine import compared_call
         from sim.sched.engine_core import EngineCall
 
         answer = self.process.call("engine_step", on_callback=self._sample)
         self._has_work, self._has_unfinished = answer["has_work"], answer["has_unfinished"]
-        scheduled = _engine_output(answer["scheduled"]) if answer["scheduled"] else None
+        scheduled = scheduler_output(answer["scheduled"]) if answer["scheduled"] else None
         if scheduled is not None:
             self._in_flight.append(scheduled)
         processed = self._in_flight.popleft() if answer["processed"] else None
         self._only_empty_in_flight = answer["in_flight_empty"]
         call = EngineCall(scheduled, answer["samples"], waits=processed is not None, processed=processed)
-        state = _state(
+        state = compared_call(
             call,
             placeholders=answer["placeholders"],
             finished=answer["finished"],
@@ -382,20 +366,20 @@ class ForkEngine(_ForkSide):
         return call, dataclasses.replace(state, fork_state=fork_state_of(answer["fork"]))
 
 
-def _engine_output(record: dict[str, Any]) -> SchedulerOutput:
-    """kvsim's record of the fork's engine step (the clock's and the runner's
-    input). Under async scheduling every draft is a -1 placeholder; an
-    admitted request's are padding."""
+def scheduler_output(record: dict[str, Any]) -> SchedulerOutput:
+    """kvsim's record of a step of the fork's scheduler or engine (the clock's
+    and the runner's input), from the rows ``fork_server.scheduled_row``
+    wrote."""
     return SchedulerOutput(
         step_index=record["step_index"],
         scheduled=tuple(
             scheduled_request(
                 SimpleNamespace(request_id=rid, num_computed_tokens=computed_after, num_tokens=num_tokens),
                 n,
-                num_spec,
-                admitted and num_spec > 0,
+                num_drafts,
+                is_padded,
             )
-            for rid, n, computed_after, num_tokens, num_spec, admitted in record["scheduled"]
+            for rid, n, computed_after, num_tokens, num_drafts, is_padded in record["scheduled"]
         ),
         new_request_ids=tuple(record["new"]),
         resumed_request_ids=tuple(record["resumed"]),

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sim.conformance.backends import StepState
+from sim.conformance.backends import ComparedStep
 from sim.conformance.driver import Trajectory
 
 FORMAT = "kvsim fork golden frames 1"
 
 
-def encode_state(state: StepState, time_s: float, step_s: float) -> dict[str, Any]:
+def encode_state(state: ComparedStep, time_s: float, step_s: float) -> dict[str, Any]:
     """A step as the golden file keeps it (JSON types only): when it ended
     and how long the clock gave it, then the comparison's columns."""
     record: dict[str, Any] = {"time_s": time_s, "step_s": step_s}

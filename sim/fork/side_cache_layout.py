@@ -55,7 +55,7 @@ def side_cache_layout_blocker(engine: Any) -> str | None:
     """Why the side-cache layout cannot apply to this engine, or None.
 
     KV connectors address groups and blocks themselves, HiSparse has its own
-    pool layout, decode context parallelism shards blocks, and slots need the
+    pool, decode context parallelism shards blocks, and slots need the
     block dimension outermost.
     """
     if engine.kv_transfer_config is not None:
@@ -84,7 +84,7 @@ def mamba_schedule_key(spec: MambaSpec) -> tuple:
 
 
 def worker_strides(
-    groups: list[KVCacheGroupSpec], worker_specs: WorkerSpecs, layout: KVCacheLayout
+    groups: list[KVCacheGroupSpec], worker_specs: WorkerSpecs, kv_cache_layout: KVCacheLayout
 ) -> list[int]:
     """Pool block bytes of every worker for this global grouping (0: no layers)."""
     strides = []
@@ -93,7 +93,7 @@ def worker_strides(
         if not any(group.layer_names for group in projected):
             strides.append(0)
             continue
-        strides.append(planning._get_kv_cache_bytes_per_block(projected, layout))
+        strides.append(planning._get_kv_cache_bytes_per_block(projected, kv_cache_layout))
     return strides
 
 
@@ -138,7 +138,7 @@ def _without(groups: list[KVCacheGroupSpec], index: int, target: int, merged: KV
 
 
 def fold_replicated_mamba_groups(
-    groups: list[KVCacheGroupSpec], worker_specs: WorkerSpecs, layout: KVCacheLayout
+    groups: list[KVCacheGroupSpec], worker_specs: WorkerSpecs, kv_cache_layout: KVCacheLayout
 ) -> tuple[list[KVCacheGroupSpec], list[str]]:
     """Fold every TP-replicated Mamba group into a compatible sharded one.
 
@@ -150,7 +150,7 @@ def fold_replicated_mamba_groups(
     """
     groups = list(groups)
     notes: list[str] = []
-    base = worker_strides(groups, worker_specs, layout)
+    base = worker_strides(groups, worker_specs, kv_cache_layout)
     index = 0
     while index < len(groups):
         source = groups[index]
@@ -158,7 +158,7 @@ def fold_replicated_mamba_groups(
         if key is None:
             index += 1
             continue
-        chosen = _first_fold_target(groups, index, key, worker_specs, layout, base)
+        chosen = _first_fold_target(groups, index, key, worker_specs, kv_cache_layout, base)
         if chosen is None:
             notes.append(
                 f"replicated Mamba group {index} ({len(source.layer_names)} layer(s)) "
@@ -182,7 +182,7 @@ def _first_fold_target(
     index: int,
     key: tuple,
     worker_specs: WorkerSpecs,
-    layout: KVCacheLayout,
+    kv_cache_layout: KVCacheLayout,
     base: list[int],
 ) -> tuple[int, list[KVCacheGroupSpec]] | None:
     source = groups[index]
@@ -190,7 +190,7 @@ def _first_fold_target(
         if target == index or not _is_fold_target(group, key, source.is_eagle_group):
             continue
         trial = _without(groups, index, target, merge_groups(group, source))
-        strides = worker_strides(trial, worker_specs, layout)
+        strides = worker_strides(trial, worker_specs, kv_cache_layout)
         if all(new <= old for new, old in zip(strides, base, strict=True)):
             return target, trial
     return None
@@ -201,7 +201,9 @@ def is_ring_group(group: KVCacheGroupSpec) -> bool:
     return bool(specs) and all(type(spec) is CircularBufferSpec for spec in specs)
 
 
-def choose_ring_slots(worker_groups: list[list[KVCacheGroupSpec]], layout: KVCacheLayout) -> dict[int, int]:
+def choose_ring_slots(
+    worker_groups: list[list[KVCacheGroupSpec]], kv_cache_layout: KVCacheLayout
+) -> dict[int, int]:
     """Slots per pool block for every ring group (group index -> S >= 2).
 
     S must cut every worker's block stride into equal slots that are
@@ -218,7 +220,9 @@ def choose_ring_slots(worker_groups: list[list[KVCacheGroupSpec]], layout: KVCac
     if not worker_groups or not worker_groups[0]:
         return chosen
     strides = [
-        planning._get_kv_cache_bytes_per_block(groups, layout) if any(g.layer_names for g in groups) else 0
+        planning._get_kv_cache_bytes_per_block(groups, kv_cache_layout)
+        if any(g.layer_names for g in groups)
+        else 0
         for groups in worker_groups
     ]
     for index, group in enumerate(worker_groups[0]):
@@ -249,7 +253,7 @@ def _largest_slots(needs: list[tuple[int, int]]) -> int | None:
 
 
 def pack_ring_slots(
-    config: KVCacheConfig, slots: dict[int, int], layout: KVCacheLayout
+    config: KVCacheConfig, slots: dict[int, int], kv_cache_layout: KVCacheLayout
 ) -> SideCacheKVCacheConfig:
     """``config`` with the chosen ring groups slot-packed: their specs carry
     ``slots_per_block`` and their tensors view every pool block as S slots."""
@@ -258,7 +262,7 @@ def pack_ring_slots(
         for i, group in enumerate(config.kv_cache_groups)
     ]
     slot_of_layer = {name: slots[i] for i in slots for name in config.kv_cache_groups[i].layer_names}
-    bytes_per_block = planning._get_kv_cache_bytes_per_block(config.kv_cache_groups, layout)
+    bytes_per_block = planning._get_kv_cache_bytes_per_block(config.kv_cache_groups, kv_cache_layout)
     layer_specs = config_layer_specs(config)
     tensors = [
         _slot_tensor(
@@ -267,7 +271,7 @@ def pack_ring_slots(
             layer_specs[tensor.layers[0]],
             config.num_blocks,
             bytes_per_block,
-            layout,
+            kv_cache_layout,
         )
         if tensor.layers and tensor.layers[0] in slot_of_layer
         else tensor
@@ -279,11 +283,16 @@ def pack_ring_slots(
 
 
 def _slot_tensor(
-    tensor, slots: int, spec: KVCacheSpec, num_blocks: int, bytes_per_block: int, layout: KVCacheLayout
+    tensor,
+    slots: int,
+    spec: KVCacheSpec,
+    num_blocks: int,
+    bytes_per_block: int,
+    kv_cache_layout: KVCacheLayout,
 ) -> SlotPackedKVCacheTensor:
     """A ring tensor re-strided so view block ``b * S + s`` is slot ``s`` of
     pool block ``b``."""
-    assert layout.is_block_outermost, "slot-packed groups need a block-outermost layout"
+    assert kv_cache_layout.is_block_outermost, "slot-packed groups need a block-outermost kv_cache_layout"
     assert bytes_per_block % slots == 0, (bytes_per_block, slots)
     slot_stride = bytes_per_block // slots
     ring_bytes = spec.page_size_bytes * len(tensor.layers)
@@ -294,7 +303,7 @@ def _slot_tensor(
         spec,
         num_blocks * slots,
         len(tensor.layers),
-        layout,
+        kv_cache_layout,
         fixed_strides=(None, slot_stride, None, None, None),
     )
     return SlotPackedKVCacheTensor(

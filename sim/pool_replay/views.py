@@ -84,7 +84,7 @@ class WorkerViews:
 
 def pool_block_bytes(config: KVCacheConfig) -> int:
     """Bytes of one pool block: the planner sizes the one backing buffer as
-    ``bytes_per_block * num_blocks`` (in a block-outermost layout, the stride
+    ``bytes_per_block * num_blocks`` (in a block-outermost memory order, the stride
     between consecutive blocks)."""
     sizes = {tensor.size for tensor in config.kv_cache_tensors}
     assert len(sizes) == 1, f"tensors disagree on the backing size: {sizes}"
@@ -93,10 +93,10 @@ def pool_block_bytes(config: KVCacheConfig) -> int:
     return size // config.num_blocks
 
 
-def with_num_blocks(config: KVCacheConfig, num_blocks: int, layout: KVCacheLayout) -> KVCacheConfig:
+def with_num_blocks(config: KVCacheConfig, num_blocks: int, kv_cache_layout: KVCacheLayout) -> KVCacheConfig:
     """``config`` with a pool of ``num_blocks`` blocks and the same placement.
 
-    In a block-outermost layout every tensor's offset and strides are per
+    With a block-outermost ``kv_cache_layout`` (vLLM's memory order) every tensor's offset and strides are per
     block, so only ``num_blocks`` and the backing size depend on the block
     count (vLLM's ``get_kv_cache_config_from_groups``): a small pool gives the
     same view of each block the planner's pool does, without the boot memory
@@ -105,8 +105,8 @@ def with_num_blocks(config: KVCacheConfig, num_blocks: int, layout: KVCacheLayou
     """
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-    if not layout.is_block_outermost:
-        raise ValueError(f"num_blocks: {layout.name} places blocks per layer")
+    if not kv_cache_layout.is_block_outermost:
+        raise ValueError(f"num_blocks: {kv_cache_layout.name} places blocks per layer")
     stride = pool_block_bytes(config)
     tensors = [replace(t, size=stride * num_blocks) for t in config.kv_cache_tensors]
     return replace(config, num_blocks=num_blocks, kv_cache_tensors=tensors)

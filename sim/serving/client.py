@@ -71,7 +71,10 @@ class ReplayOutcome:
     warnings: list[str] = field(default_factory=list)
 
     @property
-    def complete(self) -> bool:
+    def ran_to_end(self) -> bool:
+        """Neither stopped (Ctrl-C) nor cut off by the server: the results
+        manifest's ``complete``. (``complete`` in code means a step's output
+        applied: ``EngineCore.complete``.)"""
         return not (self.interrupted or self.server_lost)
 
 

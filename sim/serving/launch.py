@@ -110,7 +110,7 @@ class BootReport:
             "boot_kv_cache_tokens": self.kv_cache_tokens,
             "boot_side_cache_layout": self.side_cache_layout,
             "boot_notes": self.notes,
-            "layout_mismatches": self.mismatches,
+            "boot_mismatches": self.mismatches,
         }
 
 

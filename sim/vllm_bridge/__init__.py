@@ -236,12 +236,12 @@ def _cache_config(*, kv_cache_layout: str, **fields: Any) -> SimpleNamespace:
     """The cache config of ``engine_config``: the resolved block and the
     prefix-hit grid as ``resolve_kv_cache_block_sizes`` reads them, and the
     memory order."""
-    layout = KVCacheLayout[kv_cache_layout]
+    resolved = KVCacheLayout[kv_cache_layout]
     return SimpleNamespace(
         **fields,
         kv_cache_layout=kv_cache_layout,
         prefix_cache_retention_interval=0,
-        get_resolved_kv_cache_layout=lambda: layout,
+        get_resolved_kv_cache_layout=lambda: resolved,
     )
 
 

@@ -30,7 +30,7 @@ from typing import Any, TextIO
 
 # The smallest Qwen2-shaped MiMo config vLLM accepts: MiMo has an MTP draft
 # (``num_nextn_predict_layers``) and both of its modules import on a CPU.
-# The KV layout comes from kvsim's layer specs, not from this model. Shared
+# The KV cache groups come from kvsim's layer specs, not from this model. Shared
 # with ``scheduler.py`` (vLLM 0.33.0): this module imports only the standard
 # library at its top, so kvsim's process can import it too.
 STAND_IN_HF_CONFIG: dict[str, Any] = {
@@ -53,6 +53,8 @@ STAND_IN_ARCHITECTURES = {
     "MiMoMTPModel": ("vllm.model_executor.models.mimo_mtp", "MiMoMTP"),
 }
 DRAFT_TOKEN_ID = 0
+# vLLM's placeholder for a draft it pads a uniform decode with.
+PAD_TOKEN_ID = -1
 
 
 def register_stand_in_models() -> None:
@@ -261,23 +263,28 @@ class ForkScheduler:
         return {}
 
     def schedule(self) -> dict[str, Any]:
+        """One step of the fork's own ``Scheduler``: a padded uniform decode's
+        drafts are vLLM's -1 placeholders (real drafts are ``DRAFT_TOKEN_ID``)."""
         self._output = out = self.scheduler.schedule()
-        requests = self.scheduler.requests
+        drafts = out.scheduled_spec_decode_tokens
         resumed = set(getattr(out.scheduled_cached_reqs, "resumed_req_ids", ()) or ())
+        return {
+            **self._step_record(out, padded_ids={rid for rid, d in drafts.items() if _all_padding(d)}),
+            "new": [r.req_id for r in out.scheduled_new_reqs],
+            "resumed": [rid for rid in out.scheduled_cached_reqs.req_ids if rid in resumed],
+        }
+
+    def _step_record(self, out: Any, padded_ids: set[str]) -> dict[str, Any]:
+        """What both engines report of a step: each scheduled request's row
+        (``scheduled_row``; the drafts of ``padded_ids`` are padding) and who
+        was preempted."""
+        requests, drafts = self.scheduler.requests, out.scheduled_spec_decode_tokens
         return {
             "step_index": int(self.scheduler.current_step),
             "scheduled": [
-                [
-                    rid,
-                    n,
-                    requests[rid].num_computed_tokens,
-                    requests[rid].num_tokens,
-                    list(out.scheduled_spec_decode_tokens.get(rid, ())),
-                ]
+                scheduled_row(requests[rid], n, len(drafts.get(rid, ())), rid in padded_ids)
                 for rid, n in out.num_scheduled_tokens.items()
             ],
-            "new": [r.req_id for r in out.scheduled_new_reqs],
-            "resumed": [rid for rid in out.scheduled_cached_reqs.req_ids if rid in resumed],
             "preempted": sorted(out.preempted_req_ids or ()),
         }
 
@@ -369,26 +376,17 @@ class ForkEngine(ForkScheduler):
 
     def _convert(self, out: Any) -> dict[str, Any]:
         """The step as kvsim's engine reads it. Model Runner V2 lists resumed
-        requests among the new ones."""
+        requests among the new ones. Under async scheduling every draft is a
+        -1 placeholder; only an admitted request's are padding."""
         requests = self.scheduler.requests
         new_ids = [r.req_id for r in out.scheduled_new_reqs]
         resumed = [rid for rid in new_ids if requests[rid].num_preemptions > 0]
         return {
-            "step_index": int(self.scheduler.current_step),
-            "scheduled": [
-                [
-                    rid,
-                    n,
-                    requests[rid].num_computed_tokens,
-                    requests[rid].num_tokens,
-                    len(out.scheduled_spec_decode_tokens.get(rid, ())),
-                    rid in new_ids,
-                ]
-                for rid, n in out.num_scheduled_tokens.items()
-            ],
+            **self._step_record(
+                out, padded_ids={rid for rid in new_ids if out.scheduled_spec_decode_tokens.get(rid)}
+            ),
             "new": [rid for rid in new_ids if rid not in resumed],
             "resumed": resumed,
-            "preempted": sorted(out.preempted_req_ids or ()),
             "empty": out.total_num_scheduled_tokens == 0,
         }
 
@@ -417,6 +415,25 @@ class ForkEngine(ForkScheduler):
             },
             **self._state(stats),
         }
+
+
+def scheduled_row(request: Any, num_scheduled: int, num_drafts: int, is_padded: bool) -> list[Any]:
+    """One request's share of a step, as ``fork_backend.scheduler_output``
+    reads it back: its id, the tokens scheduled, its computed tokens (after
+    ``schedule()`` advanced them) and all its tokens, its drafts, whether
+    they are padding."""
+    return [
+        request.request_id,
+        num_scheduled,
+        request.num_computed_tokens,
+        request.num_tokens,
+        num_drafts,
+        is_padded,
+    ]
+
+
+def _all_padding(drafts: list[int]) -> bool:
+    return bool(drafts) and all(token == PAD_TOKEN_ID for token in drafts)
 
 
 def runner_output(req_ids: list[str], sampled: dict[str, list[int]]) -> Any:

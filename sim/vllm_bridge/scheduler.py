@@ -11,7 +11,7 @@ reads only generic model fields (``max_model_len``, runner type, multimodal
 support), so the config is built from a small stand-in HF ``config.json``
 (no weights) whose architecture, MiMo, maps to an importable target and an
 importable MTP draft model (``MiMoMTPModel``), which lets the MTP speculative
-config validate. The KV cache layout is not the model's: the Scheduler is
+config validate. The KV cache groups are not the model's: the Scheduler is
 given kvsim's scheduler-side ``KVCacheConfig`` of the deployment's plan.
 """
 

@@ -62,11 +62,16 @@ def hybrid_manager(
     num_mamba_groups: int = 2,
     hash_block_size: int = BLOCK,
     num_prefill_lookahead: int = 0,
+    attention_last: bool = False,
 ) -> KVCacheManager:
+    """The fork's tests' hybrid: one attention group, then the Mamba groups
+    (``ATTN``, ``MAMBA_GROUPS``); ``attention_last``: Flash-Next's order
+    instead (its plan: the GDN groups, the ring, attention)."""
     init_none_hash(sha256)
     attention = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float16)
-    groups = [KVCacheGroupSpec(["attn"], attention)]
-    groups += [KVCacheGroupSpec([f"gdn_{i}"], mamba_spec(fork)) for i in range(num_mamba_groups)]
+    groups = [KVCacheGroupSpec([f"gdn_{i}"], mamba_spec(fork)) for i in range(num_mamba_groups)]
+    attention_group = KVCacheGroupSpec(["attn"], attention)
+    groups = [*groups, attention_group] if attention_last else [attention_group, *groups]
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     manager = KVCacheManager(
         replace(config, prefix_cache_retention_interval=0),

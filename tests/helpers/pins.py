@@ -212,7 +212,7 @@ def grace_scheduler(num_blocks: int, fork: ForkPatches = AS_SHIPPED, *, eagle: b
         num_speculative_tokens=0,
         defer_block_free=False,
         max_concurrent_batches=1,
-        mtp_hashing=MTPHashing.for_mode("eagle-drop", num_speculative_tokens=0),
+        mtp_hashing=MTPHashing.for_hash_mode("eagle-drop", num_speculative_tokens=0),
     )
     scheduler = Scheduler(scheduler_config, manager, fast_path=False)
     scheduler.split = _AttentionOnlySplit()  # type: ignore[assignment]

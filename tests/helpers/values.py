@@ -31,10 +31,10 @@ def numpy_percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, float), q))
 
 
-def step_state(**changes: Any) -> Any:
-    """A conformance ``StepState`` with every field at a neutral value but
+def compared_step(**changes: Any) -> Any:
+    """A conformance ``ComparedStep`` with every field at a neutral value but
     those given."""
-    from sim.conformance.backends import StepState
+    from sim.conformance.backends import ComparedStep
 
     fields: dict[str, Any] = {
         "scheduled_tokens": (),
@@ -48,12 +48,12 @@ def step_state(**changes: Any) -> Any:
         "prefix_cache_queries_tokens": 0,
         "prefix_cache_hits_tokens": 0,
     }
-    return StepState(**{**fields, **changes})
+    return ComparedStep(**{**fields, **changes})
 
 
 def trajectory(name: str, free_blocks: list[int], stalled: bool = False) -> Any:
     """A hand trajectory: one step per entry, told apart by its free blocks."""
     from sim.conformance.driver import Trajectory
 
-    steps = tuple(step_state(num_free_blocks=n) for n in free_blocks)
+    steps = tuple(compared_step(num_free_blocks=n) for n in free_blocks)
     return Trajectory(backend=name, steps=steps, times_s=tuple(range(len(steps))), stalled=stalled)
