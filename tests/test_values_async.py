@@ -365,7 +365,7 @@ def test_a_stopped_caller_gets_no_further_call(stop_after):
 
 # ------------------------------------------------- the AsyncScheduler twin
 def _async_scheduler(
-    *, fast_path: bool | None = None, num_blocks: int = 400, num_spec: int = K, defer_block_free: bool = True
+    *, fast_path: bool = True, num_blocks: int = 400, num_spec: int = K, defer_block_free: bool = True
 ) -> AsyncScheduler:
     """The tiny plan's scheduler (budget 64, 32-token blocks, ``num_spec``
     drafts), pp 2: depth 3."""
@@ -379,9 +379,8 @@ def _async_scheduler(
         max_concurrent_batches=3,
         defer_block_free=defer_block_free,
     )
-    if fast_path is None:
-        return AsyncScheduler(config, manager, decode_stagger=2)
-    return AsyncScheduler(config, manager, decode_stagger=2, fast_path=fast_path)
+    door = FastPathKVCacheManager(manager, config) if fast_path else manager
+    return AsyncScheduler(config, door, decode_stagger=2)
 
 
 def test_the_async_scheduler_takes_the_fast_path_switch_and_vllms_placeholders():

@@ -48,9 +48,8 @@ class AsyncScheduler(Scheduler):
         kv_cache_manager: KVCacheManager,
         *,
         decode_stagger: int,
-        fast_path: bool = True,
     ) -> None:
-        super().__init__(config, kv_cache_manager, fast_path=fast_path)
+        super().__init__(config, kv_cache_manager)
         self.decode_stagger = decode_stagger
         self._placeholder_drafts = [-1] * config.num_speculative_tokens
         # The fence sequence number of each step in flight (non-empty steps count).

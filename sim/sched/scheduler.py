@@ -25,8 +25,7 @@ from typing import Protocol
 
 from sim.fork.scheduler_pins import NoPins, SchedulerPins, scheduler_pins
 from sim.kv_cache_manager import KVCacheManager, MTPHashing
-from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
-from sim.sched.fast_path.memos import FastPath, NoFastPath
+from sim.sched.fast_path.memos import fast_path_of
 from sim.sched.fast_path.steady import NO_STEADY, SKIP, SteadyItems
 from sim.sched.fast_path.waiting_queue import WaitingQueue
 from sim.sched.model_runner import OUTPUT_TOKEN_BASE
@@ -167,13 +166,11 @@ class Scheduler:
     ``EngineCore.flush``.
     """
 
-    def __init__(
-        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, *, fast_path: bool = True
-    ) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
-        # With the fast path on, the allocator behind its door (``fast_path/kv_cache_manager.py``).
-        door = FastPathKVCacheManager(kv_cache_manager, config) if fast_path else None
-        self.kv_cache_manager: KVCacheManager = kv_cache_manager if door is None else door  # type: ignore[assignment]
+        # With the fast path on, the allocator behind its door (``fast_path/kv_cache_manager.py``,
+        # built by ``engine_assembly.build_engine``).
+        self.kv_cache_manager = kv_cache_manager
         self.split = MambaAlignedSplit(
             block_size=config.block_size,
             max_num_scheduled_tokens=config.max_num_batched_tokens,
@@ -206,7 +203,7 @@ class Scheduler:
         self._num_arrived_since_schedule = 0
         self.num_evicted_blocks = 0
         self._params_by_output_len: dict[int, SamplingParams] = {}
-        self.fast_path: FastPath | NoFastPath = NoFastPath() if door is None else FastPath(self, door)
+        self.fast_path = fast_path_of(self)
         self.observer = SchedulerObserver()
         # The fork's prefix-hit pins (patches 0095-0097), entered at three
         # named points; NoPins when the manager pins nothing (upstream).

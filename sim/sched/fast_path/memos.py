@@ -348,3 +348,9 @@ class NoFastPath:
 
     def waiting_tokens_change(self) -> None:
         return None
+
+
+def fast_path_of(scheduler: Scheduler) -> FastPath | NoFastPath:
+    """``scheduler``'s fast path: on where its manager is the door."""
+    door = scheduler.kv_cache_manager
+    return FastPath(scheduler, door) if isinstance(door, FastPathKVCacheManager) else NoFastPath()
