@@ -29,7 +29,7 @@ from sim.paths import SCENARIOS_DIR
 from sim.scenario import load_scenario
 from sim.sched.engine_core import EngineCore
 from sim.sched.fast_path.memos import FastPath
-from sim.sched.fast_path.steady import SteadyDecode
+from sim.sched.fast_path.steady import SyncSteadyLane
 from sim.sched.model_runner import AcceptanceModel, ModelRunner, UniformStream, accepted_drafts
 from sim.sched.scheduler import _StepState
 from sim.vllm_bridge import RequestStatus, kv_cache_utils
@@ -202,7 +202,7 @@ def test_a_requests_limit_is_the_last_step_start_its_windows_and_the_clip_leave_
     scheduler = simulation.scheduler
     scheduler.fast_path.use_lane = False
     simulation.core = EngineCore(scheduler, simulation.model_runner)
-    lane = SteadyDecode(scheduler, scheduler.kv_cache_manager, simulation.model_runner)
+    lane = SyncSteadyLane(scheduler, scheduler.kv_cache_manager, simulation.model_runner)
     scheduler.add_request(simulation.workload.requests[0])
     limits = {}
     while scheduler.has_unfinished_requests() and len(limits) < len(expected):
@@ -368,12 +368,12 @@ def _steps_of(tmp_path, overrides: list[str], *, fast_path: bool) -> list[tuple]
 def test_a_lane_blind_to_the_allocation_window_runs_through_the_boundary(monkeypatch, tmp_path):
     """Failing control for the hand count: a lane that takes a step's
     allocation as settled whenever a window is known."""
-    monkeypatch.setattr(SteadyDecode, "limit", _limit_without_allocation_window)
+    monkeypatch.setattr(SyncSteadyLane, "limit", _limit_without_allocation_window)
     steady, _ = _lane_steps(one_request(tmp_path, 3120, 150))
     assert steady != [False] * 2 + [True] * 40 + [False] * 73 + [True] * 35
 
 
-def _limit_without_allocation_window(self: SteadyDecode, request) -> int | None:
+def _limit_without_allocation_window(self: SyncSteadyLane, request) -> int | None:
     caching = self.door.caching.bounds(request.request_id)
     if request.num_computed_tokens != request.num_tokens - 1 or caching is None:
         return None
@@ -682,7 +682,7 @@ def test_every_call_a_steady_step_skips_changes_nothing(name, overrides, layout,
 def test_the_check_catches_a_steady_step_across_a_boundary(monkeypatch, tmp_path):
     """Failing control: a lane blind to the allocation window runs steady
     steps across block boundaries, and the check catches the allocation."""
-    monkeypatch.setattr(SteadyDecode, "limit", _limit_without_allocation_window)
+    monkeypatch.setattr(SyncSteadyLane, "limit", _limit_without_allocation_window)
     simulation = checked_simulation(*CHECKED_CASES[0], "off", tmp_path)
     audited(simulation, lane=True)
     with pytest.raises(AssertionError, match="allocates|changed the allocator"):
@@ -743,7 +743,7 @@ def test_a_lane_that_never_stops_a_request_changes_the_frames(monkeypatch):
     length until an ordinary step stops it)."""
     scenario = load_scenario("saturated-decode", POOL_BOUND)
     step_by_step = frames_with_fast_path(scenario, "off", False)
-    monkeypatch.setattr(SteadyDecode, "unstoppable", lambda self, request: 10**9)
+    monkeypatch.setattr(SyncSteadyLane, "unstoppable", lambda self, request: 10**9)
     assert frames_with_fast_path(scenario, "off", True)["requests"] != step_by_step["requests"]
 
 
@@ -788,9 +788,9 @@ def test_the_conformance_driver_compares_the_lanes_steps(monkeypatch):
     """kvsim's side of ``kvsim conform`` steps through the engine core, so
     vLLM's own Scheduler is compared with steady steps too."""
     taken = []
-    sample_and_apply = SteadyDecode.sample_and_apply
+    sample_and_apply = SyncSteadyLane.sample_and_apply
     counted = lambda self, *a: taken.append(self.num_taken) or sample_and_apply(self, *a)  # noqa: E731
-    monkeypatch.setattr(SteadyDecode, "sample_and_apply", counted)
+    monkeypatch.setattr(SyncSteadyLane, "sample_and_apply", counted)
     scenario = load_scenario(str(SCENARIOS_DIR / "conformance" / "heavy-preemption.yaml"))
     result = run_conformance(scenario, "off", scenario_workload(scenario).requests)
     assert any(taken) and result.comparison.identical_share == 1.0

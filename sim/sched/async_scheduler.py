@@ -86,7 +86,7 @@ class AsyncScheduler(Scheduler):
         self._step_seqs.append((output.step_index, self.sched_step_seq))
         # The steady lane's decodes sample, and it keeps their counters.
         self.last_samples = dict.fromkeys(step.scheduled, True)
-        taken = step.steady.taken
+        taken = step.offer.taken
         for item in output.scheduled:
             if item.request_id in taken:
                 continue

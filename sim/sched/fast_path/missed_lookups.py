@@ -1,49 +1,13 @@
 """Waiters whose prefix-cache lookup found no hit, and pin passes known to
 pin nothing: the fast path's memos for the fork's waiter pins (pin point 3,
-``sim/fork/scheduler_pins.py``).
+``sim/fork/scheduler_pins.py``; rules 10-11, argued in ``docs/fast-path.md``).
 
 No twin in vLLM or the fork (both look every waiter up at the end of every
-schedule). A waiter with no hit is looked up again every step until the
-pin bound is reached, which a trace without shared prefixes never reaches:
-most of an async saturated decode's time. The memo skips a lookup known to
-find no hit again (rule 10 of ``fast_path.py``):
-
-- a lookup (``get_computed_blocks``) reads the request's block hashes and
-  token count and the pool's cached-hash map, nothing else that moves, and
-  it probes the map only with keys made of the request's own block hashes
-  (a hash and a group id; a block of several hash units is keyed by its
-  last unit's hash, which chains over the whole prefix);
-- the map grows only through ``BlockPool._insert_block_hash`` (full,
-  partial and moved hashes alike), which this counts (through the
-  bridge's ``watch_hash_insertions``); evictions, frees and
-  a prefix-cache reset only remove entries, and a lookup's hit only
-  shrinks with entries removed (each group's hit is monotone in the cached
-  hashes, and so is the coordinator's fixed point over them);
-- so a lookup that found no hit finds none while none of the request's own
-  hashes was inserted and it has the same tokens and block hashes (a
-  preempted request's stale output, drained in async mode, adds tokens to
-  a waiter).
-
-A whole pass (rule 11) pins nothing again when the last one pinned nothing
-and no hash at all was inserted (a waiter that found a hit of null blocks
-only is not remembered, and any insertion may extend it), the waiting
-queue holds the same requests in the same order, no waiter took tokens
-and the same waiters are pinned: each waiter then meets the pass as before
-(pinned, past the bound, or known to find no hit), so not even the
-per-waiter checks are made. With only the queue changed, the waiters of
-that pass are passed over and the others examined. The scheduler's queue
-counts the calls that may put an entry in it
-(``queues.WaitingQueue.insertions``): with none since (no call at all, or
-only removals: an admission pops the head), every waiter left met the idle
-pass and the entries are not compared at all, so with none forgotten since
-the pass would pass over all of them, and is skipped whole. With hashes
-inserted since, the waiters of that pass are still passed over if it met
-only remembered waiters, less those an insertion forgot (a remembered
-waiter meets a pass differently only once forgotten); admitted waiters are
-examined again (a preempted request returns to the queue as the same
-object).
-
-``FastPath.audit`` makes every skipped lookup anyway.
+schedule): a waiter with no hit is looked up again every step, most of an
+async saturated decode's time. A lookup reads only the request's own hashes
+and tokens and the pool's cached-hash map, which grows only through
+``BlockPool._insert_block_hash`` (counted through the bridge's
+``watch_hash_insertions``).
 """
 
 from __future__ import annotations
