@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from helpers import scenarios
+from helpers.allocator import K
 from helpers.fast_path import CHECKED_CASES, audited, checked_simulation, frames_with_fast_path, one_request
 from helpers.scheduler import tiny_scheduler, tiny_spec
 
@@ -450,6 +451,30 @@ def test_a_head_that_found_nothing_stays_refused_while_running_requests_only_tak
     assert not known()
 
 
+def test_a_release_bump_at_a_running_allocation_alone_is_caught():
+    """Rule 12 through the door's running ``allocate_slots`` alone (the
+    test above passes through ``cache_blocks`` too): r000's next decode is
+    a real call (the tiny model's 32-token blocks leave no window inside a
+    32-token margin), which may take blocks, never give any back, so the
+    release version stays and the head stays refused. Control: the same
+    call with the release version bumped there (the fault this test is
+    for, ``rule3-running-allocation-bumps-release`` in
+    ``scripts/hand_mutants.py``) voids the memo."""
+    scheduler, engine, step = _third_prompt_refused()
+    fast_path, door = scheduler.fast_path, scheduler.kv_cache_manager
+    engine.complete(step)
+    idle, release = fast_path._idle_waiting, door.release_version
+    request = scheduler.requests["r000"]
+    allocations = door.allocator_version
+    door.allocate_slots(request, 1 + K, num_lookahead_tokens=K)  # refused here: 2 blocks free
+    assert door.allocator_version == allocations + 1  # a real call, counted
+    assert door.release_version == release
+    assert fast_path.waiting_known_idle(504, True, False)
+    door.release_version += 1  # control: the bump the fault adds
+    fast_path._idle_waiting = idle
+    assert not fast_path.waiting_known_idle(504, True, False)
+
+
 def test_a_head_forgotten_then_remembered_again_by_a_pin_lookup_is_looked_up_again():
     """Rule 12 holds from the waiting loop's own lookup that found nothing:
     once one of the head's hashes is inserted, a pin lookup that finds no
@@ -794,3 +819,32 @@ def test_the_conformance_driver_compares_the_lanes_steps(monkeypatch):
     scenario = load_scenario(str(SCENARIOS_DIR / "conformance" / "heavy-preemption.yaml"))
     result = run_conformance(scenario, "off", scenario_workload(scenario).requests)
     assert any(taken) and result.comparison.identical_share == 1.0
+
+
+@pytest.mark.parametrize(
+    ("num_computed", "num_drafts", "enters"),
+    [
+        (99, 3, True),  # the last known token left, K drafts queued
+        (98, 3, False),  # two tokens left: a prefill chunk's tail, not a decode
+        (99, 2, False),  # fewer drafts than K
+        (100, 3, False),  # every known token computed (a decode's still counted)
+    ],
+)
+def test_only_a_decode_with_the_last_known_token_left_and_k_drafts_enters_the_lane(
+    num_computed, num_drafts, enters
+):
+    """The lane's entry test alone (``SteadyLane._decodes_next``), each
+    clause on its own: the computed tokens one short of the known tokens
+    (100, placeholders counted: 97 tokens and 3 placeholders), and K = 3
+    drafts queued. The rows after the first are its controls; elsewhere the
+    clauses are backed by later checks (the span's ``is_decoding``, the
+    async lane's prefill checks), so only this test pins each one."""
+    lane = SyncSteadyLane.__new__(SyncSteadyLane)
+    lane.num_spec = 3
+    request = SimpleNamespace(
+        num_tokens=97,
+        num_output_placeholders=3,
+        num_computed_tokens=num_computed,
+        spec_token_ids=[0] * num_drafts,
+    )
+    assert lane._decodes_next(request) is enters

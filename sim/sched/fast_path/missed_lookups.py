@@ -64,12 +64,9 @@ class MissedPinLookups:
         self._count_insertions(block_pool)
 
     def _count_insertions(self, block_pool: BlockPool) -> None:
-        """Count every hash inserted into the pool's cached-hash map and
-        forget the waiters it is one of the hashes of (the bridge's one
-        adapter, ``watch_hash_insertions``, says why it must instrument
-        vLLM). A call for a pair the map already holds is not counted: a
-        decode's caching makes one every step (the prompt's partial tail,
-        re-keyed)."""
+        """Count every (hash, block) pair the pool's cached-hash map lacked
+        and gains, and forget the waiters it is one of the hashes of (a
+        decode's caching re-inserts a held pair every step: not counted)."""
 
         def inserted(key: Any) -> None:
             self.num_hash_insertions += 1
@@ -79,10 +76,7 @@ class MissedPinLookups:
 
     def _forget_waiters_of(self, block_hash: bytes) -> None:
         """A key with ``block_hash`` was inserted: the waiters whose hashes
-        include it may hit now (every key a lookup probes is one of the
-        request's own block hashes with a group id, vLLM's
-        ``make_block_hash_with_group_id``; a block of several units is keyed
-        by its last unit's hash, ``BlockHashListWithBlockSize``)."""
+        include it may hit now (a lookup probes only its own hashes)."""
         for request_id in self._waiters_by_hash.pop(block_hash, ()):
             missed = self._missed.pop(request_id, None)
             if missed is not None:
@@ -98,10 +92,8 @@ class MissedPinLookups:
         return self.memo_of(request) is not None
 
     def memo_of(self, request: Request) -> object | None:
-        """What remembers that ``request``'s lookup finds no hit, while it
-        holds (None otherwise). A request forgotten and remembered again
-        has a new one: the same object means no hash of it was inserted
-        between the two reads."""
+        """What remembers that ``request``'s lookup finds no hit (None: not
+        known); remembered anew after being forgotten, it is a new object."""
         missed = self._missed.get(request.request_id)
         if (
             missed is not None
@@ -139,8 +131,7 @@ class MissedPinLookups:
 
     def knows_idle_pass(self, waiting: Iterable[object], pinned_ids: tuple[str, ...]) -> bool:
         """Whether a pin pass over ``waiting`` is known to pin nothing: it
-        would pass over every waiter (``idle_pass_entries``) or meet the
-        same queue as the idle pass."""
+        would pass over every waiter, or meet the idle pass's queue."""
         idle = self._passable_idle_pass(pinned_ids)
         if idle is None:
             return False  # it would pass over nobody
@@ -157,20 +148,14 @@ class MissedPinLookups:
         return True
 
     def _only_removed_from(self, waiting: Iterable[object]) -> bool:
-        """Whether ``waiting`` is the idle pass's queue object and no call
-        since may have put an entry in it (``queues.WaitingQueue.insertions``):
-        it holds some of that pass's entries, in their order."""
+        """Whether ``waiting`` is the idle pass's queue and nothing may have
+        been put in it since (``WaitingQueue.insertions``)."""
         idle_queue = self._idle_queue
         return idle_queue is not None and idle_queue[0] is waiting and idle_queue[1] == _insertions(waiting)
 
     def idle_pass_entries(self, pinned_ids: tuple[str, ...]) -> frozenset[int]:
-        """A pass starts: the ids of the entries of the last pass that meet
-        it as they met that one (none pins), if that pass pinned nothing and
-        the waiter tokens and pinned waiters are the same since: all of
-        them with the same hash insertions; with hashes inserted since, those
-        the insertions did not forget, if that pass met only remembered
-        waiters (a remembered waiter is changed by an insertion only by
-        being forgotten, rule 10); else none."""
+        """A pass starts: the ids of the idle pass's entries that meet it as
+        they met that one (``_passable_idle_pass``), less those changed since."""
         passed_over = self._passed_over(pinned_ids)
         # The waiters passed over carry that pass's cover into this one.
         self._pass_covered = self._idle_covered or not passed_over
@@ -211,13 +196,11 @@ class MissedPinLookups:
 
 
 def _insertions(waiting: Iterable[object]) -> int | None:
-    """The queue's count of calls that may put an entry in, where it keeps
-    one (the scheduler's ``WaitingQueue``)."""
+    """A ``WaitingQueue``'s insertions (None for another queue)."""
     return getattr(waiting, "insertions", None)
 
 
 def _queue_state(waiting: Iterable[object]) -> tuple[object, int] | None:
-    """The queue (held, so its identity is not reused while remembered) and
-    its insertions; None for a queue without the count."""
+    """The queue (held: its identity is not reused) and its insertions."""
     insertions = _insertions(waiting)
     return None if insertions is None else (waiting, insertions)
