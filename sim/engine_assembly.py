@@ -29,6 +29,7 @@ from sim.pipeline_clock import PipelineClock, SerialClock
 from sim.scenario import AllocatorSection, EngineMode, Scenario, SideCacheSwitch
 from sim.sched.async_scheduler import AsyncScheduler
 from sim.sched.engine_core import BatchQueueEngineCore, EngineCore
+from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import SchedulerOutput
 from sim.sched.scheduler import Scheduler, SchedulerConfig
@@ -80,10 +81,12 @@ def build_engine(
     plan = plan if plan is not None else plan_for(scenario, layout)
     config = scheduler_config(scenario, model, plan)
     manager = kv_cache_manager_for(scenario, plan, config)
+    # The scheduler's way to the allocator: the fast path's door when on.
+    door = FastPathKVCacheManager(manager, config) if scenario.simulation.fast_path else manager
     runner = model_runner(scenario.mtp.acceptance_rates, scenario.seed)
     times = step_time if step_time is not None else step_time_model(scenario, plan)
     parts = _ENGINES[mode or scenario.engine.mode](
-        _Wanted(scenario, config, manager, runner, times, steady_lane, decode_stagger, max_concurrent_batches)
+        _Wanted(scenario, config, door, runner, times, steady_lane, decode_stagger, max_concurrent_batches)
     )
     return EngineParts(plan, manager, runner, *parts)
 
@@ -94,7 +97,7 @@ class _Wanted:
 
     scenario: Scenario
     config: SchedulerConfig
-    kv_cache_manager: KVCacheManager
+    kv_cache_manager: KVCacheManager | FastPathKVCacheManager  # the scheduler's
     model_runner: ModelRunner
     step_time: StepTimeSource
     steady_lane: bool
@@ -107,8 +110,7 @@ _Parts = tuple[Scheduler, EngineCore | BatchQueueEngineCore, SerialClock | Pipel
 
 def _sync_engine(wanted: _Wanted) -> _Parts:
     """vLLM's ``EngineCore.step``: one step at a time."""
-    fast_path = wanted.scenario.simulation.fast_path
-    scheduler = Scheduler(wanted.config, wanted.kv_cache_manager, fast_path=fast_path)
+    scheduler = Scheduler(wanted.config, wanted.kv_cache_manager)
     core = EngineCore(scheduler, wanted.model_runner, steady_lane=wanted.steady_lane)
     return scheduler, core, SerialClock(wanted.step_time.step_time_s)
 
@@ -122,7 +124,6 @@ def _batch_queue_engine(wanted: _Wanted) -> _Parts:
         wanted.config,
         wanted.kv_cache_manager,
         decode_stagger=wanted.decode_stagger or pp,
-        fast_path=scenario.simulation.fast_path,
     )
     depth = wanted.max_concurrent_batches or scenario.max_concurrent_batches
     core = BatchQueueEngineCore(scheduler, wanted.model_runner, depth, steady_lane=wanted.steady_lane)

@@ -72,7 +72,7 @@ def _kvsim_as_served() -> Any:
     allocations on), without the engine's steady lane."""
     scenario, plan, _, _ = _setup()
     backend = kvsim_backend(scenario, "on")
-    backend.core.steady = None
+    backend.core.lane = None
     return backend
 
 

@@ -143,8 +143,8 @@ def test_control_a_budget_per_pipeline_cycle(monkeypatch):
     carried = {"tokens": 0}
     original_state, original_finish = scheduler_module._StepState, AsyncScheduler._finish_schedule
 
-    def cycle_budget(token_budget, steady=None):
-        return original_state(token_budget=token_budget - carried["tokens"], steady=steady)
+    def cycle_budget(token_budget, offer=None):
+        return original_state(token_budget=token_budget - carried["tokens"], offer=offer)
 
     def finish(self, step):
         output = original_finish(self, step)

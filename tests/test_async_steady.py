@@ -18,7 +18,7 @@ from helpers.scenarios import conformance_requests, conformance_shape
 from sim.conformance.async_engine import run_async_conformance
 from sim.scenario import load_scenario
 from sim.sched.fast_path import async_steady
-from sim.sched.fast_path.async_steady import AsyncSteadyDecode
+from sim.sched.fast_path.async_steady import AsyncSteadyLane
 from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
 from sim.sched.output import ModelRunnerOutput
 
@@ -68,7 +68,7 @@ def test_the_check_catches_an_async_lane_across_a_boundary(monkeypatch, tmp_path
     """Failing control: the lane keeps decoding past its windows (past the
     allocation window alone, the caching window's end hands it back inside
     the margin), and the audit catches a call it skipped."""
-    monkeypatch.setattr(AsyncSteadyDecode, "_limit", _limit_without_windows_ends)
+    monkeypatch.setattr(AsyncSteadyLane, "_limit", _limit_without_windows_ends)
     simulation = checked_simulation(*CHECKED_CASES[0][:1], [*CHECKED_CASES[0][1], ASYNC], "off", tmp_path)
     audited(simulation, lane=True)
     with pytest.raises(AssertionError, match="allocates|changed the allocator"):
@@ -105,14 +105,14 @@ def _conform(shape: str):
 def test_the_conformance_gate_runs_through_the_lane(monkeypatch):
     """Control for the gate: most of its decodes are the lane's."""
     taken: list[int] = []
-    schedule = AsyncSteadyDecode.schedule
+    schedule = AsyncSteadyLane.schedule
 
     def counted(self):
         output = schedule(self)
         taken.append(self.num_taken)
         return output
 
-    monkeypatch.setattr(AsyncSteadyDecode, "schedule", counted)
+    monkeypatch.setattr(AsyncSteadyLane, "schedule", counted)
     comparison = _conform("prefix-hits")
     assert comparison.first_difference is None
     assert sum(taken) > 300
@@ -121,13 +121,13 @@ def test_the_conformance_gate_runs_through_the_lane(monkeypatch):
 def test_a_lane_that_ignores_the_stagger_fails_the_conformance_gate(monkeypatch):
     """Failing control: the lane's decodes eligible every micro-batch
     (stagger 1), and the first steady decode after its entry differs."""
-    init = AsyncSteadyDecode.__init__
+    init = AsyncSteadyLane.__init__
 
     def unstaggered(self, *args):
         init(self, *args)
         self.decode_stagger = 1
 
-    monkeypatch.setattr(AsyncSteadyDecode, "__init__", unstaggered)
+    monkeypatch.setattr(AsyncSteadyLane, "__init__", unstaggered)
     comparison = _conform("prefix-hits")
     assert comparison.first_difference is not None
     assert "scheduled_tokens" in comparison.differing_fields(comparison.first_difference)
@@ -137,7 +137,7 @@ def test_a_lane_that_never_rolls_back_a_draft_fails_the_conformance_gate(monkeyp
     """Failing control: the lane applies each kept output as if every
     draft were accepted (its optimistic computed tokens never rolled back),
     and a later decode's computed tokens differ from vLLM's."""
-    update_from_output = AsyncSteadyDecode.update_from_output
+    update_from_output = AsyncSteadyLane.update_from_output
 
     def all_accepted(self, output, sampled):
         tokens_by_id = {
@@ -146,7 +146,7 @@ def test_a_lane_that_never_rolls_back_a_draft_fails_the_conformance_gate(monkeyp
         }
         return update_from_output(self, output, ModelRunnerOutput(sampled_token_ids=tokens_by_id))
 
-    monkeypatch.setattr(AsyncSteadyDecode, "update_from_output", all_accepted)
+    monkeypatch.setattr(AsyncSteadyLane, "update_from_output", all_accepted)
     comparison = _conform("prefix-hits")
     assert comparison.first_difference is not None
     assert "scheduled_tokens" in comparison.differing_fields(comparison.first_difference)

@@ -21,6 +21,7 @@ from sim.kv_cache_plan import plan_kv_cache
 from sim.model_specs import recoverssm_replay_shape
 from sim.paths import DEFAULT_MODEL, PROJECT_ROOT
 from sim.scenario import load_scenario
+from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
 
 TINY_MODEL = PROJECT_ROOT / "tests" / "data" / "tiny-flash-next.yaml"
 SHIPPED = DeploymentConfig(block_size=4096, prefix_match_unit=64, use_replayssm=True)
@@ -225,7 +226,7 @@ def test_the_unit_reaches_vllms_managers_and_the_hasher(flash_next):
         block_size=4096,
         num_speculative_tokens=3,
     )
-    scheduler = Scheduler(config, manager)
+    scheduler = Scheduler(config, FastPathKVCacheManager(manager, config))
     assert scheduler.split._scheduler.mamba_partial_cache_hit
     default = build_kv_cache_manager(plan_kv_cache(flash_next, DeploymentConfig(), side_cache_layout=True))
     assert default.block_pool.hash_block_size == 3200

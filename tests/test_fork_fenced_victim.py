@@ -48,7 +48,7 @@ def _scheduler(defer: bool) -> Scheduler:
         # No drafts (no EAGLE drop), as the fork's test.
         mtp_hashing=MTPHashing.for_hash_mode("eagle-drop", num_speculative_tokens=0),
     )
-    return Scheduler(scheduler_config, manager, fast_path=False)
+    return Scheduler(scheduler_config, manager)
 
 
 def _spec(index: int) -> WorkloadRequest:

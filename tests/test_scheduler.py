@@ -9,6 +9,7 @@ from helpers.allocator import K, tiny_plan
 from helpers.scheduler import MAX_LEN, CheckedEngine, FixedDraws, tiny_scheduler, tiny_spec
 
 from sim.kv_cache_manager import build_kv_cache_manager
+from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
 from sim.sched.model_runner import AcceptanceModel
 from sim.sched.scheduler import Scheduler, SchedulerConfig
 from sim.vllm_bridge import RequestStatus
@@ -175,7 +176,7 @@ def _threshold_scheduler(threshold: int, seqs: int = 8) -> Scheduler:
         num_speculative_tokens=K,
         long_prefill_token_threshold=threshold,
     )
-    return Scheduler(config, manager)
+    return Scheduler(config, FastPathKVCacheManager(manager, config))
 
 
 @pytest.mark.parametrize("num_requests, chunk", [(1, 96), (2, 32)])

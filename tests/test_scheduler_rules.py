@@ -25,6 +25,7 @@ from sim.config import DeploymentConfig, load_model
 from sim.fork.patches import ForkPatches
 from sim.kv_cache_manager import MTPHashing, build_kv_cache_manager
 from sim.kv_cache_plan import KVCachePlan, plan_kv_cache
+from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
 from sim.sched.output import ScheduledRequest, SchedulerOutput
 from sim.sched.scheduler import Scheduler, SchedulerConfig
 
@@ -196,7 +197,7 @@ def _pad_scheduler(*, budget: int = 40, threshold: int = 0, num_spec: int = K) -
         num_speculative_tokens=num_spec,
         long_prefill_token_threshold=threshold,
     )
-    return Scheduler(config, manager)
+    return Scheduler(config, FastPathKVCacheManager(manager, config))
 
 
 def _decode_then_admit(scheduler: Scheduler, *, with_prefill: bool = False):
@@ -313,7 +314,7 @@ def test_a_full_prefix_hit_is_padded_only_with_room_for_the_sampled_token(max_mo
         num_speculative_tokens=K,
         mtp_hashing=hashing,
     )
-    scheduler = Scheduler(config, manager)
+    scheduler = Scheduler(config, FastPathKVCacheManager(manager, config))
     engine = CheckedEngine(scheduler, rates=(0.0,))
     scheduler.add_request(tiny_spec(0, 481, output=1, family=7))
     engine.run()
@@ -443,7 +444,7 @@ def _threshold_scheduler(threshold: int, hashing: MTPHashing | None = None) -> S
         long_prefill_token_threshold=threshold,
         mtp_hashing=hashing,
     )
-    return Scheduler(config, manager)
+    return Scheduler(config, FastPathKVCacheManager(manager, config))
 
 
 def test_a_threshold_below_a_block_advances_prefills_sub_block():
@@ -591,7 +592,7 @@ def test_without_stats_logging_no_prefix_lookups_are_reported():
         block_size=32,
         num_speculative_tokens=K,
     )
-    scheduler = Scheduler(config, manager)
+    scheduler = Scheduler(config, FastPathKVCacheManager(manager, config))
     scheduler.add_request(tiny_spec(0, 40))
     output = scheduler.schedule()
     assert output.new_request_ids == ("r000",)
@@ -656,10 +657,12 @@ def test_a_hit_too_close_to_max_model_len_to_pad_runs_on_a_short_budget(max_mode
         )
         for budget in (512, 3)
     ]
-    first = Scheduler(configs[0], manager)
+    first = Scheduler(configs[0], FastPathKVCacheManager(manager, configs[0]))
     first.add_request(tiny_spec(0, 481, output=1, family=7))
     CheckedEngine(first, rates=(0.0,)).run()
-    second = Scheduler(configs[1], manager)  # the same pool, its cached prefix
+    second = Scheduler(
+        configs[1], FastPathKVCacheManager(manager, configs[1])
+    )  # the same pool, its cached prefix
     second.add_request(tiny_spec(1, 481, output=2, family=7))
     output = second.schedule()
     assert output.new_request_ids == (("r001",) if admitted else ())

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from helpers import scenarios
+from helpers.allocator import K
 from helpers.fast_path import CHECKED_CASES, audited, checked_simulation, frames_with_fast_path, one_request
 from helpers.scheduler import tiny_scheduler, tiny_spec
 
@@ -29,7 +30,7 @@ from sim.paths import SCENARIOS_DIR
 from sim.scenario import load_scenario
 from sim.sched.engine_core import EngineCore
 from sim.sched.fast_path.memos import FastPath
-from sim.sched.fast_path.steady import SteadyDecode
+from sim.sched.fast_path.steady import SyncSteadyLane
 from sim.sched.model_runner import AcceptanceModel, ModelRunner, UniformStream, accepted_drafts
 from sim.sched.scheduler import _StepState
 from sim.vllm_bridge import RequestStatus, kv_cache_utils
@@ -202,7 +203,7 @@ def test_a_requests_limit_is_the_last_step_start_its_windows_and_the_clip_leave_
     scheduler = simulation.scheduler
     scheduler.fast_path.use_lane = False
     simulation.core = EngineCore(scheduler, simulation.model_runner)
-    lane = SteadyDecode(scheduler, scheduler.kv_cache_manager, simulation.model_runner)
+    lane = SyncSteadyLane(scheduler, scheduler.kv_cache_manager, simulation.model_runner)
     scheduler.add_request(simulation.workload.requests[0])
     limits = {}
     while scheduler.has_unfinished_requests() and len(limits) < len(expected):
@@ -368,12 +369,12 @@ def _steps_of(tmp_path, overrides: list[str], *, fast_path: bool) -> list[tuple]
 def test_a_lane_blind_to_the_allocation_window_runs_through_the_boundary(monkeypatch, tmp_path):
     """Failing control for the hand count: a lane that takes a step's
     allocation as settled whenever a window is known."""
-    monkeypatch.setattr(SteadyDecode, "limit", _limit_without_allocation_window)
+    monkeypatch.setattr(SyncSteadyLane, "limit", _limit_without_allocation_window)
     steady, _ = _lane_steps(one_request(tmp_path, 3120, 150))
     assert steady != [False] * 2 + [True] * 40 + [False] * 73 + [True] * 35
 
 
-def _limit_without_allocation_window(self: SteadyDecode, request) -> int | None:
+def _limit_without_allocation_window(self: SyncSteadyLane, request) -> int | None:
     caching = self.door.caching.bounds(request.request_id)
     if request.num_computed_tokens != request.num_tokens - 1 or caching is None:
         return None
@@ -448,6 +449,30 @@ def test_a_head_that_found_nothing_stays_refused_while_running_requests_only_tak
     assert not known(replace(idle, head_missed=False))
     scheduler.finish_requests("r000", RequestStatus.FINISHED_ABORTED)
     assert not known()
+
+
+def test_a_release_bump_at_a_running_allocation_alone_is_caught():
+    """Rule 12 through the door's running ``allocate_slots`` alone (the
+    test above passes through ``cache_blocks`` too): r000's next decode is
+    a real call (the tiny model's 32-token blocks leave no window inside a
+    32-token margin), which may take blocks, never give any back, so the
+    release version stays and the head stays refused. Control: the same
+    call with the release version bumped there (the fault this test is
+    for, ``rule3-running-allocation-bumps-release`` in
+    ``scripts/hand_mutants.py``) voids the memo."""
+    scheduler, engine, step = _third_prompt_refused()
+    fast_path, door = scheduler.fast_path, scheduler.kv_cache_manager
+    engine.complete(step)
+    idle, release = fast_path._idle_waiting, door.release_version
+    request = scheduler.requests["r000"]
+    allocations = door.allocator_version
+    door.allocate_slots(request, 1 + K, num_lookahead_tokens=K)  # refused here: 2 blocks free
+    assert door.allocator_version == allocations + 1  # a real call, counted
+    assert door.release_version == release
+    assert fast_path.waiting_known_idle(504, True, False)
+    door.release_version += 1  # control: the bump the fault adds
+    fast_path._idle_waiting = idle
+    assert not fast_path.waiting_known_idle(504, True, False)
 
 
 def test_a_head_forgotten_then_remembered_again_by_a_pin_lookup_is_looked_up_again():
@@ -682,7 +707,7 @@ def test_every_call_a_steady_step_skips_changes_nothing(name, overrides, layout,
 def test_the_check_catches_a_steady_step_across_a_boundary(monkeypatch, tmp_path):
     """Failing control: a lane blind to the allocation window runs steady
     steps across block boundaries, and the check catches the allocation."""
-    monkeypatch.setattr(SteadyDecode, "limit", _limit_without_allocation_window)
+    monkeypatch.setattr(SyncSteadyLane, "limit", _limit_without_allocation_window)
     simulation = checked_simulation(*CHECKED_CASES[0], "off", tmp_path)
     audited(simulation, lane=True)
     with pytest.raises(AssertionError, match="allocates|changed the allocator"):
@@ -743,7 +768,7 @@ def test_a_lane_that_never_stops_a_request_changes_the_frames(monkeypatch):
     length until an ordinary step stops it)."""
     scenario = load_scenario("saturated-decode", POOL_BOUND)
     step_by_step = frames_with_fast_path(scenario, "off", False)
-    monkeypatch.setattr(SteadyDecode, "unstoppable", lambda self, request: 10**9)
+    monkeypatch.setattr(SyncSteadyLane, "unstoppable", lambda self, request: 10**9)
     assert frames_with_fast_path(scenario, "off", True)["requests"] != step_by_step["requests"]
 
 
@@ -788,9 +813,38 @@ def test_the_conformance_driver_compares_the_lanes_steps(monkeypatch):
     """kvsim's side of ``kvsim conform`` steps through the engine core, so
     vLLM's own Scheduler is compared with steady steps too."""
     taken = []
-    sample_and_apply = SteadyDecode.sample_and_apply
+    sample_and_apply = SyncSteadyLane.sample_and_apply
     counted = lambda self, *a: taken.append(self.num_taken) or sample_and_apply(self, *a)  # noqa: E731
-    monkeypatch.setattr(SteadyDecode, "sample_and_apply", counted)
+    monkeypatch.setattr(SyncSteadyLane, "sample_and_apply", counted)
     scenario = load_scenario(str(SCENARIOS_DIR / "conformance" / "heavy-preemption.yaml"))
     result = run_conformance(scenario, "off", scenario_workload(scenario).requests)
     assert any(taken) and result.comparison.identical_share == 1.0
+
+
+@pytest.mark.parametrize(
+    ("num_computed", "num_drafts", "enters"),
+    [
+        (99, 3, True),  # the last known token left, K drafts queued
+        (98, 3, False),  # two tokens left: a prefill chunk's tail, not a decode
+        (99, 2, False),  # fewer drafts than K
+        (100, 3, False),  # every known token computed (a decode's still counted)
+    ],
+)
+def test_only_a_decode_with_the_last_known_token_left_and_k_drafts_enters_the_lane(
+    num_computed, num_drafts, enters
+):
+    """The lane's entry test alone (``SteadyLane._decodes_next``), each
+    clause on its own: the computed tokens one short of the known tokens
+    (100, placeholders counted: 97 tokens and 3 placeholders), and K = 3
+    drafts queued. The rows after the first are its controls; elsewhere the
+    clauses are backed by later checks (the span's ``is_decoding``, the
+    async lane's prefill checks), so only this test pins each one."""
+    lane = SyncSteadyLane.__new__(SyncSteadyLane)
+    lane.num_spec = 3
+    request = SimpleNamespace(
+        num_tokens=97,
+        num_output_placeholders=3,
+        num_computed_tokens=num_computed,
+        spec_token_ids=[0] * num_drafts,
+    )
+    assert lane._decodes_next(request) is enters

@@ -22,7 +22,7 @@ from sim.pipeline_clock import PipelineClock, SerialClock
 from sim.sched.async_scheduler import AsyncScheduler
 from sim.sched.engine_core import BatchQueueEngineCore, EngineCall
 from sim.sched.engine_loop import IDLE, make_call, run_engine
-from sim.sched.fast_path.async_steady import AsyncSteadyDecode
+from sim.sched.fast_path.async_steady import AsyncSteadyLane
 from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import ScheduledRequest, SchedulerOutput, StepTally, reaches_max_tokens
@@ -383,7 +383,7 @@ def test_a_stopped_caller_gets_no_further_call(stop_after):
 
 # ------------------------------------------------- the AsyncScheduler twin
 def _async_scheduler(
-    *, fast_path: bool | None = None, num_blocks: int = 400, num_spec: int = K, defer_block_free: bool = True
+    *, fast_path: bool = True, num_blocks: int = 400, num_spec: int = K, defer_block_free: bool = True
 ) -> AsyncScheduler:
     """The tiny plan's scheduler (budget 64, 32-token blocks, ``num_spec``
     drafts), pp 2: depth 3."""
@@ -397,9 +397,8 @@ def _async_scheduler(
         max_concurrent_batches=3,
         defer_block_free=defer_block_free,
     )
-    if fast_path is None:
-        return AsyncScheduler(config, manager, decode_stagger=2)
-    return AsyncScheduler(config, manager, decode_stagger=2, fast_path=fast_path)
+    door = FastPathKVCacheManager(manager, config) if fast_path else manager
+    return AsyncScheduler(config, door, decode_stagger=2)
 
 
 def test_the_async_scheduler_takes_the_fast_path_switch_and_vllms_placeholders():
@@ -529,7 +528,7 @@ def test_short_outputs_take_vllms_steps(monkeypatch):
 
 
 # ---------------------------------------------------- the async steady lane
-def _lane(allocation, caching, max_model_len: int = 1000) -> AsyncSteadyDecode:
+def _lane(allocation, caching, max_model_len: int = 1000) -> AsyncSteadyLane:
     """An async lane (K = 3: a decode step of 4 tokens) over a scheduler
     whose fast path has the given settled windows for request ``r``."""
     windows = {"allocation": allocation, "caching": caching}
@@ -540,7 +539,7 @@ def _lane(allocation, caching, max_model_len: int = 1000) -> AsyncSteadyDecode:
     )
     scheduler = SimpleNamespace(config=SimpleNamespace(max_model_len=max_model_len))
     scheduler.clip_room = lambda request: Scheduler.clip_room(scheduler, request)  # the scheduler's own
-    lane = object.__new__(AsyncSteadyDecode)
+    lane = object.__new__(AsyncSteadyLane)
     lane.scheduler, lane.door, lane.num_spec, lane.step_tokens = scheduler, door, 3, 4
     return lane
 
@@ -617,11 +616,11 @@ def test_a_batch_queue_core_without_the_lane_reads_the_requests_own_state():
     scheduler = _async_scheduler()
     runner = ModelRunner(AcceptanceModel(conditional_rates=(0.8, 0.7, 0.6)), np.random.default_rng(0))
     core = BatchQueueEngineCore(scheduler, runner, 3, steady_lane=False)
-    assert core.steady is None
+    assert core.lane is None
     core.flush()
     request = SimpleNamespace(num_output_placeholders=4)
     assert core.num_output_placeholders(request) == 4
-    assert BatchQueueEngineCore(scheduler, runner, 3).steady is not None  # control: the lane by default
+    assert BatchQueueEngineCore(scheduler, runner, 3).lane is not None  # control: the lane by default
 
 
 def _batch_queue(num_blocks: int = 400, num_spec: int = K) -> tuple[BatchQueueEngineCore, list]:

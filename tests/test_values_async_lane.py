@@ -15,7 +15,7 @@ from helpers.scheduler import tiny_spec
 
 from sim.sched.engine_core import BatchQueueEngineCore
 from sim.sched.engine_loop import make_call
-from sim.sched.fast_path.async_steady import AsyncSteadyDecode, _KeptAsync
+from sim.sched.fast_path.async_steady import AsyncSteadyLane, _KeptAsync
 from sim.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepOutcome
 
 
@@ -38,7 +38,7 @@ def _drive(simulation) -> list[tuple]:
     calls = []
     while core.has_work() and len(calls) < 500:
         call = make_call(core)
-        taken = core.steady.num_taken if core.steady is not None else 0
+        taken = core.lane.num_taken if core.lane is not None else 0
         calls.append((call.scheduled, call.processed, call.outcome, taken))
     return calls
 
@@ -187,7 +187,7 @@ def _completed(kept: _KeptAsync, tokens: list[int], item: ScheduledRequest) -> t
     """``kept`` (request "r", K = 3) in a stand-in lane whose one step's
     output lands with ``tokens``: whether the lane applied them, and the
     step's outcome."""
-    lane = object.__new__(AsyncSteadyDecode)
+    lane = object.__new__(AsyncSteadyLane)
     lane.num_spec, lane.step_tokens, lane.door = 3, 4, SimpleNamespace(audit=False)
     lane._kept = {"r": kept}
     ordinary: list[str] = []  # requests handed back and applied the ordinary way
@@ -244,7 +244,7 @@ def test_a_step_tallies_the_lanes_decodes_on_top_of_the_ordinary_ones():
     ordinary way (a stand-in that tallies 3 generated, 3 drafted, 2
     accepted), then the kept "r" landing with two tokens (2 generated, 3
     drafted, 1 accepted): the step's outcome is their sums, 5, 6 and 3."""
-    lane = object.__new__(AsyncSteadyDecode)
+    lane = object.__new__(AsyncSteadyLane)
     lane.num_spec, lane.step_tokens, lane.door = 3, 4, SimpleNamespace(audit=False)
     lane._kept = {
         "r": _KeptAsync(
@@ -278,10 +278,10 @@ def test_with_two_decodes_in_flight_the_processed_tokens_lie_behind_the_newer_on
 
 
 # ------------------------------------------- entry and hand-over, by hand
-def _lane_with_limits(limits: dict[str, tuple[int, int, int] | None]) -> AsyncSteadyDecode:
+def _lane_with_limits(limits: dict[str, tuple[int, int, int] | None]) -> AsyncSteadyLane:
     """A stand-in lane (K = 3): ``_limit`` read off ``limits`` by request
     id, the stop room 12 tokens for every request."""
-    lane = object.__new__(AsyncSteadyDecode)
+    lane = object.__new__(AsyncSteadyLane)
     lane.num_spec, lane.step_tokens, lane._kept = 3, 4, {}
     lane.scheduler = SimpleNamespace(stop_room=lambda request: {"r": 12}[request.request_id])
     lane._limit = lambda request: limits[request.request_id]
@@ -357,7 +357,7 @@ def test_a_handed_over_request_takes_the_lanes_counters_and_ids():
     request = SimpleNamespace(append_output_token_ids=lambda ids: appended.append(list(ids)))
     kept = _KeptAsync(request=request, computed=106, in_flight=4, placeholders=4, eligible=12, num_tokens=103)
     kept.pending = [7, 8]
-    AsyncSteadyDecode._hand_over(kept)
+    AsyncSteadyLane._hand_over(kept)
     assert (
         request.num_computed_tokens,
         request.num_in_flight_tokens,
@@ -365,7 +365,7 @@ def test_a_handed_over_request_takes_the_lanes_counters_and_ids():
         request.next_decode_eligible_step,
     ) == (106, 4, 4, 12)
     assert appended == [[7, 8]] and kept.pending == []
-    AsyncSteadyDecode._hand_over(kept)
+    AsyncSteadyLane._hand_over(kept)
     assert appended == [[7, 8]]  # nothing pending: nothing appended again
 
 
@@ -374,7 +374,7 @@ def test_a_new_lane_reads_k_and_the_stagger_off_its_scheduler():
     or taken yet."""
     scheduler = SimpleNamespace(config=SimpleNamespace(num_speculative_tokens=3), decode_stagger=2)
     door = SimpleNamespace(audit=False)
-    lane = AsyncSteadyDecode(scheduler, door)
+    lane = AsyncSteadyLane(scheduler, door)
     assert lane.scheduler is scheduler and lane.door is door
     assert (lane.num_spec, lane.step_tokens, lane.decode_stagger) == (3, 4, 2)
     assert (lane._kept, lane.num_taken) == ({}, 0)

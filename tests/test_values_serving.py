@@ -359,7 +359,7 @@ def test_a_fresh_engine_serves_its_models_name_its_plan_and_zero_gauges(tmp_path
     )
     off = plan_kv_cache(sc.load_model(), sc.deployment, side_cache_layout=False)
     assert off.kv_cache_tokens != plan.kv_cache_tokens  # the layout matters here (the control)
-    assert engine.sim.core.steady is None and engine.speed == 4.0 and engine.now_s() == 0.0
+    assert engine.sim.core.lane is None and engine.speed == 4.0 and engine.now_s() == 0.0
     clock.now = 101.0
     assert engine.now_s() == 4.0
 

@@ -48,9 +48,8 @@ class AsyncScheduler(Scheduler):
         kv_cache_manager: KVCacheManager,
         *,
         decode_stagger: int,
-        fast_path: bool = True,
     ) -> None:
-        super().__init__(config, kv_cache_manager, fast_path=fast_path)
+        super().__init__(config, kv_cache_manager)
         self.decode_stagger = decode_stagger
         self._placeholder_drafts = [-1] * config.num_speculative_tokens
         # The fence sequence number of each step in flight (non-empty steps count).
@@ -87,7 +86,7 @@ class AsyncScheduler(Scheduler):
         self._step_seqs.append((output.step_index, self.sched_step_seq))
         # The steady lane's decodes sample, and it keeps their counters.
         self.last_samples = dict.fromkeys(step.scheduled, True)
-        taken = step.steady.taken
+        taken = step.offer.taken
         for item in output.scheduled:
             if item.request_id in taken:
                 continue

@@ -75,7 +75,7 @@ class EngineCore:
     def __init__(self, scheduler: Scheduler, model_runner: ModelRunner, *, steady_lane: bool = True) -> None:
         self.scheduler = scheduler
         self.model_runner = model_runner
-        self.steady = scheduler.fast_path.make_lane(model_runner) if steady_lane else None
+        self.lane = scheduler.fast_path.make_lane(model_runner) if steady_lane else None
         self._in_flight: ScheduledStep | None = None
 
     def has_work(self) -> bool:
@@ -101,9 +101,9 @@ class EngineCore:
         call.sampled, call.outcome = self._complete(step)
 
     def schedule(self) -> ScheduledStep:
-        if self.steady is not None:
-            output = self.steady.schedule()
-            return ScheduledStep(output, {}, num_steady=self.steady.num_taken)
+        if self.lane is not None:
+            output = self.lane.schedule()
+            return ScheduledStep(output, {}, num_steady=self.lane.num_taken)
         output = self.scheduler.schedule()
         counts = {} if output.is_empty else self.scheduler.token_counts()
         return ScheduledStep(output, counts)
@@ -113,8 +113,8 @@ class EngineCore:
         return self._complete(step)[1]
 
     def _complete(self, step: ScheduledStep) -> tuple[ModelRunnerOutput | None, StepOutcome]:
-        if self.steady is not None:  # it scheduled every step, so it completes them
-            return None, self.steady.sample_and_apply(step.output)
+        if self.lane is not None:  # it scheduled every step, so it completes them
+            return None, self.lane.sample_and_apply(step.output)
         sampled = self.model_runner.execute(step.output, step.token_counts)
         return sampled, self.scheduler.update_from_output(step.output, sampled)
 
@@ -129,8 +129,8 @@ class EngineCore:
     def flush(self) -> None:
         """Hand the steady requests their tokens (call this before reading
         the requests between steps)."""
-        if self.steady is not None:
-            self.steady.flush()
+        if self.lane is not None:
+            self.lane.flush()
 
 
 class BatchQueueEngineCore:
@@ -155,7 +155,7 @@ class BatchQueueEngineCore:
         self.max_concurrent_batches = max_concurrent_batches
         self.batch_queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
         # The async steady lane (``async_steady.py``; rule 5 as in sync mode).
-        self.steady = scheduler.fast_path.make_async_lane() if steady_lane else None
+        self.lane = scheduler.fast_path.make_async_lane() if steady_lane else None
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests() or bool(self.batch_queue)
@@ -167,8 +167,8 @@ class BatchQueueEngineCore:
         scheduler = self.scheduler
         if not scheduler.has_requests():
             return EngineCall(None, waits=bool(self.batch_queue))
-        steady = self.steady
-        scheduled = scheduler.schedule() if steady is None else steady.schedule()
+        lane = self.lane
+        scheduled = scheduler.schedule() if lane is None else lane.schedule()
         self.batch_queue.appendleft((scheduled, self._execute(scheduled)))
         samples = any(scheduler.last_samples.values())
         if len(self.batch_queue) < self.max_concurrent_batches and (
@@ -181,10 +181,10 @@ class BatchQueueEngineCore:
         """The oldest step's output landed: apply it."""
         output, sampled = self.batch_queue.pop()
         call.processed, call.sampled = output, sampled
-        if self.steady is None:
+        if self.lane is None:
             call.outcome = self.scheduler.update_from_output(output, sampled)
         else:
-            call.outcome = self.steady.update_from_output(output, sampled)
+            call.outcome = self.lane.update_from_output(output, sampled)
 
     def only_empty_in_flight(self) -> bool:
         return all(output.is_empty for output, _ in self.batch_queue)
@@ -197,14 +197,14 @@ class BatchQueueEngineCore:
     def flush(self) -> None:
         """Hand the steady requests their state (call this before reading
         the requests between calls)."""
-        if self.steady is not None:
-            self.steady.flush()
+        if self.lane is not None:
+            self.lane.flush()
 
     def num_output_placeholders(self, request: Request) -> int:
         """``request``'s output placeholders, the steady lane's if it keeps them."""
-        if self.steady is None:
+        if self.lane is None:
             return request.num_output_placeholders
-        return self.steady.num_output_placeholders(request)
+        return self.lane.num_output_placeholders(request)
 
     def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """What the workers will sample: a request samples unless its chunk

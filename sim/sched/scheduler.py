@@ -25,9 +25,8 @@ from typing import Protocol
 
 from sim.fork.scheduler_pins import NoPins, SchedulerPins, scheduler_pins
 from sim.kv_cache_manager import KVCacheManager, MTPHashing
-from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
-from sim.sched.fast_path.memos import FastPath, NoFastPath
-from sim.sched.fast_path.steady import NO_STEADY, SKIP, SteadyItems
+from sim.sched.fast_path.memos import fast_path_of
+from sim.sched.fast_path.steady import NO_OFFER, SKIP, LaneOffer
 from sim.sched.fast_path.waiting_queue import WaitingQueue
 from sim.sched.model_runner import OUTPUT_TOKEN_BASE
 from sim.sched.output import (
@@ -142,7 +141,7 @@ class _StepState:
     prefill_scheduled: bool = False
     padded_ids: set[str] = field(default_factory=set)
     # The steady lane's share of the step (``fast_path/steady.py``).
-    steady: SteadyItems = NO_STEADY
+    offer: LaneOffer = NO_OFFER
 
 
 class Scheduler:
@@ -167,13 +166,11 @@ class Scheduler:
     ``EngineCore.flush``.
     """
 
-    def __init__(
-        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, *, fast_path: bool = True
-    ) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
-        # With the fast path on, the allocator behind its door (``fast_path/kv_cache_manager.py``).
-        door = FastPathKVCacheManager(kv_cache_manager, config) if fast_path else None
-        self.kv_cache_manager: KVCacheManager = kv_cache_manager if door is None else door  # type: ignore[assignment]
+        # With the fast path on, the allocator behind its door (``fast_path/kv_cache_manager.py``,
+        # built by ``engine_assembly.build_engine``).
+        self.kv_cache_manager = kv_cache_manager
         self.split = MambaAlignedSplit(
             block_size=config.block_size,
             max_num_scheduled_tokens=config.max_num_batched_tokens,
@@ -206,7 +203,7 @@ class Scheduler:
         self._num_arrived_since_schedule = 0
         self.num_evicted_blocks = 0
         self._params_by_output_len: dict[int, SamplingParams] = {}
-        self.fast_path: FastPath | NoFastPath = NoFastPath() if door is None else FastPath(self, door)
+        self.fast_path = fast_path_of(self)
         self.observer = SchedulerObserver()
         # The fork's prefix-hit pins (patches 0095-0097), entered at three
         # named points; NoPins when the manager pins nothing (upstream).
@@ -327,14 +324,14 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     # ---------------------------------------------------------------- schedule
-    def schedule(self, steady: SteadyItems = NO_STEADY) -> SchedulerOutput:
-        """``steady``: the steady lane's decodes for this step, which the
+    def schedule(self, offer: LaneOffer = NO_OFFER) -> SchedulerOutput:
+        """``offer``: the steady lane's decodes for this step, which the
         running loop schedules as they are where it would have scheduled
         them unchanged (the fast path's lane)."""
         self.observer.step_starts(self.step_index + 1)
         self._num_arrived_since_schedule = 0
         self.kv_cache_manager.new_step_starts()
-        step = _StepState(token_budget=self.config.max_num_batched_tokens, steady=steady)
+        step = _StepState(token_budget=self.config.max_num_batched_tokens, offer=offer)
         self._schedule_running(step)
         if not step.preempted_ids and not self.fast_path.skips_waiting(step):
             self._schedule_waiting(step)
@@ -376,8 +373,8 @@ class Scheduler:
         index = 0
         skips = self._skips_running
         while index < len(self.running) and step.token_budget > 0:
-            if step.steady.items:
-                index = self._take_steady(index, step)
+            if step.offer.items:
+                index = self._take_offer(index, step)
                 if index == len(self.running) or step.token_budget <= 0:
                     break
             request = self.running[index]
@@ -399,7 +396,7 @@ class Scheduler:
             self._record_scheduled(request, num_new, request.num_computed_tokens, step)
             index += 1
 
-    def _take_steady(self, index: int, step: _StepState) -> int:
+    def _take_offer(self, index: int, step: _StepState) -> int:
         """Schedule the lane's decodes for the running requests from
         ``index`` on, each as it is, while the running loop would: the
         budget holds it whole and no long-prefill threshold clips it (its
@@ -410,8 +407,8 @@ class Scheduler:
         the ordinary path could reach is always handed back first). Returns
         the index of the first request not taken. (A run at a time: it runs
         for every request of every step.)"""
-        steady = step.steady
-        running, items, scheduled, taken = self.running, steady.items, step.scheduled, steady.taken
+        offer = step.offer
+        running, items, scheduled, taken = self.running, offer.items, step.scheduled, offer.taken
         # The running loop preempts nobody here, so the threshold holds throughout.
         threshold = self.config.long_prefill_token_threshold and self._long_prefill_threshold()
         num_running = len(running)  # the loop takes requests, it never removes one
@@ -425,7 +422,7 @@ class Scheduler:
                 continue
             num_new = item.num_scheduled_tokens
             if step.token_budget < num_new or 0 < threshold < num_new:
-                steady.hand_over(running[index])
+                offer.hand_over(running[index])
                 break
             scheduled[request_id] = item
             taken.add(request_id)
@@ -446,8 +443,8 @@ class Scheduler:
             if not self._blocks_can_be_freed(victim):
                 return False
             self.running.pop()
-            if victim.request_id in step.steady.items:
-                step.steady.hand_over(victim)  # not reached yet this step: its tokens back first
+            if victim.request_id in step.offer.items:
+                step.offer.hand_over(victim)  # not reached yet this step: its tokens back first
             self._preempt(victim)
             step.preempted_ids.append(victim.request_id)
             if victim is request:
@@ -563,7 +560,7 @@ class Scheduler:
         if step.scheduled:
             self.sched_step_seq += 1
         self.last_sched_seq.update(dict.fromkeys(step.scheduled, self.sched_step_seq))
-        taken = step.steady.taken
+        taken = step.offer.taken
         for request_id, item in step.scheduled.items() if len(taken) < len(step.scheduled) else ():
             if request_id in taken:
                 continue  # the lane keeps its requests' computed tokens

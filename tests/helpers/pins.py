@@ -214,7 +214,7 @@ def grace_scheduler(num_blocks: int, fork: ForkPatches = AS_SHIPPED, *, eagle: b
         max_concurrent_batches=1,
         mtp_hashing=MTPHashing.for_hash_mode("eagle-drop", num_speculative_tokens=0),
     )
-    scheduler = Scheduler(scheduler_config, manager, fast_path=False)
+    scheduler = Scheduler(scheduler_config, manager)
     scheduler.split = _AttentionOnlySplit()  # type: ignore[assignment]
     return scheduler
 

@@ -12,6 +12,7 @@ from sim.fork.patches import AS_SHIPPED, ForkPatches
 from sim.kv_cache_manager import build_kv_cache_manager
 from sim.sched.engine_core import EngineCore, ScheduledStep
 from sim.sched.engine_loop import make_call
+from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
 from sim.sched.model_runner import AcceptanceModel, ModelRunner, accepted_drafts
 from sim.sched.output import SchedulerOutput, StepOutcome
 from sim.sched.scheduler import Scheduler, SchedulerConfig
@@ -52,7 +53,7 @@ def tiny_scheduler(
         defer_block_free=defer,
         max_concurrent_batches=batches,
     )
-    return Scheduler(config, manager)
+    return Scheduler(config, FastPathKVCacheManager(manager, config))
 
 
 class FixedDraws:

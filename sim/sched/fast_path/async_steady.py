@@ -1,38 +1,11 @@
-"""The steady lane in async mode: steady decodes kept aside under
-``AsyncScheduler`` and the batch queue.
+"""The steady lane in async mode, under ``AsyncScheduler`` and the batch
+queue (fast-path rules 5-9; the argument in ``docs/fast-path.md``).
 
-No twin in vLLM (its engine runs every request through every step the same
-way). The sync lane (``steady.py``) assumes each step's output is applied
-before the next schedule; here up to pp + 1 micro-batches are in flight,
-so a kept request carries what ``AsyncScheduler`` keeps on its ``Request``
-between a schedule and its output:
-
-- its computed tokens, counted optimistically (the in-flight drafts taken
-  as accepted), its tokens in flight and its output placeholders;
-- its decode stagger: the schedule call from which it may decode again
-  (``next_decode_eligible_step``); before it, the lane offers the scheduler
-  a ``SKIP`` for it, which the running loop passes over as it would;
-- the sampled ids it has not taken yet (the workers' ids, which start at
-  the optimistic position: not consecutive when drafts are rejected).
-
-The workers still sample every item (``BatchQueueEngineCore._execute``),
-so the acceptance draws are the runner's own, in the schedule's order
-(fast-path rule 7). When an output lands, the lane applies a kept decode's
-tokens as ``AsyncScheduler.apply_sampled`` would (rejected drafts roll back
-the computed tokens and the placeholders; the in-flight tokens drain; the
-returned tokens resolve placeholders), skipping its ``cache_blocks`` call,
-which lies in its settled window. Anything else hands the request back
-first (its ``Request`` takes the counters and ids) and goes the ordinary
-way: a step whose tokens may stop it, a cache position outside its window,
-an item of another shape, a schedule past its allocation window or the
-``max_model_len`` clip, or one the running loop would skip as sure to
-reach ``max_tokens``.
-
-Checked like the sync lane: the audit makes every skipped call
-(``tests/test_fast_path.py``, ``tests/test_steady.py``), every gate
-scenario gives the same frames with the fast path off, and the async
-conformance driver compares the lane's steps with vLLM's own
-``step_with_batch_queue`` (``tests/test_async_conformance.py``).
+No twin in vLLM. A kept request carries what ``AsyncScheduler`` keeps on
+its ``Request`` between a schedule and its output (optimistic computed
+tokens, tokens in flight, placeholders, the decode stagger, sampled ids
+not appended); anything the lane cannot apply hands the request back
+first and goes the ordinary way.
 """
 
 from __future__ import annotations
@@ -40,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from sim.sched.fast_path.steady import SKIP, SteadyItems, SteadyLane, _each
+from sim.sched.fast_path.steady import SKIP, LaneOffer, SteadyLane
 from sim.sched.output import (
     ModelRunnerOutput,
     ScheduledRequest,
@@ -63,37 +36,35 @@ _new_item = tuple.__new__
 
 @dataclass(slots=True)
 class _KeptAsync:
-    """A request in the async lane: what ``AsyncScheduler`` would hold on it."""
+    """A request in the async lane: what ``AsyncScheduler`` would hold on
+    it (``eligible``: the first schedule call at which it may decode again;
+    ``pending``: sampled ids not yet appended), and, fixed at entry (rule 6),
+    the most computed tokens at a steady schedule, its settled caching
+    window, its token count at which a length limit stops it and its prompt
+    plus ``max_tokens`` (the running loop's skip)."""
 
     request: Request
     computed: int
     in_flight: int
     placeholders: int
-    # The first schedule call (``step_index``) at which it may decode again.
     eligible: int
     num_tokens: int
-    # Sampled ids not yet appended to its ``Request``.
     pending: list[int] = field(default_factory=list)
-    # The most computed tokens at a steady schedule (allocation window, clip).
     limit: int = 0
-    # Its settled caching window (the processed positions it may cache at).
     cache_low: int = 0
     cache_high: int = 0
-    # Its token count at which a length limit stops it.
     stop_at: int = 0
-    # Its prompt plus ``max_tokens`` (the running loop's skip).
     max_tokens_end: int = 0
 
 
-class AsyncSteadyDecode(SteadyLane[_KeptAsync]):
+class AsyncSteadyLane(SteadyLane[_KeptAsync]):
     """The steady lane for ``BatchQueueEngineCore`` (one per engine core)."""
 
     scheduler: AsyncScheduler
 
     def __init__(self, scheduler: AsyncScheduler, door: FastPathKVCacheManager) -> None:
         super().__init__(scheduler, door)
-        # The scheduler's decode stagger (pp): a taken decode's next is that
-        # many schedule calls later.
+        # A taken decode's next is that many schedule calls later (pp).
         self.decode_stagger = scheduler.decode_stagger
         # The decodes the scheduler took in the last schedule.
         self.num_taken = 0
@@ -123,30 +94,28 @@ class AsyncSteadyDecode(SteadyLane[_KeptAsync]):
         if not items:
             self.num_taken = 0
             return scheduler.schedule()
-        steady = SteadyItems(items=items, hand_over=self._leave)  # type: ignore[arg-type]
-        output = scheduler.schedule(steady)
-        if self.door.audit and steady.taken:
-            self._audit_allocations(steady.taken)
+        offer = LaneOffer(items=items, hand_over=self._leave)  # type: ignore[arg-type]
+        output = scheduler.schedule(offer)
+        if self.door.audit and offer.taken:
+            self._audit_each(self._audit_taken, [kept_by_id[i] for i in offer.taken], "steady allocation")
+            self.door.audited.lane_steps += 1
         # ``AsyncScheduler._finish_schedule``'s share, for the taken decodes.
         eligible = output.step_index + self.decode_stagger
-        for request_id in steady.taken:
+        for request_id in offer.taken:
             kept = kept_by_id[request_id]
             kept.computed += step_tokens
             kept.in_flight += step_tokens
             kept.placeholders += step_tokens
             kept.eligible = eligible
-        self.num_taken = len(steady.taken)
+        self.num_taken = len(offer.taken)
         return output
 
     def update_from_output(self, output: SchedulerOutput, sampled: ModelRunnerOutput) -> StepOutcome:
-        """The oldest step's output landed: the fences pass first (rule 8),
-        then each request's tokens: a kept decode's in the lane, as
-        ``AsyncScheduler.apply_sampled`` would apply them, when they cannot
-        stop it and its caching is settled (rejected drafts roll back the
-        computed tokens and the placeholders, the in-flight tokens drain,
-        the returned tokens resolve placeholders); else it leaves the lane
-        and its tokens go the ordinary way. The lane's decodes are tallied
-        once. (Written as one loop: it runs for every decode of every step.)"""
+        """The oldest step's output landed: the fences pass first (rule 8);
+        a kept decode's tokens are applied in the lane as
+        ``AsyncScheduler.apply_sampled`` would, where they cannot stop it and
+        its caching is settled, else it leaves the lane first. (One loop: it
+        runs for every decode of every step.)"""
         scheduler = self.scheduler
         scheduler.output_arrives(output)
         tally = StepTally()
@@ -207,9 +176,8 @@ class AsyncSteadyDecode(SteadyLane[_KeptAsync]):
             kept.pending = []
 
     def _enter(self, request: Request) -> _KeptAsync | None:
-        """Keep ``request`` if it decodes with all its known tokens but the
-        last computed (placeholders counted as known), K drafts queued, no
-        stale output, and its next step's calls lie in settled windows."""
+        """Keep ``request`` if it decodes next, has no stale output, and its
+        next step's calls lie in settled windows."""
         computed, placeholders = request.num_computed_tokens, request.num_output_placeholders
         if (
             request.is_prefill_chunk
@@ -239,9 +207,8 @@ class AsyncSteadyDecode(SteadyLane[_KeptAsync]):
 
     def _limit(self, request: Request) -> tuple[int, int, int] | None:
         """The most computed tokens at a steady schedule and the caching
-        window (fixed at entry: fast-path rule 6), or None. A schedule's
-        ``allocate_slots`` spans from the processed tokens (they only grow)
-        to ``1 + 2K`` past the computed ones; the clip leaves it ``1 + K``."""
+        window (rule 6), or None: a schedule's ``allocate_slots`` spans from
+        the processed tokens to ``1 + 2K`` past the computed ones."""
         computed, scheduler = request.num_computed_tokens, self.scheduler
         span = self.door.decode_span(request, self.step_tokens + self.num_spec)
         door, request_id = self.door, request.request_id
@@ -259,13 +226,6 @@ class AsyncSteadyDecode(SteadyLane[_KeptAsync]):
         return (limit, caching[0], caching[1]) if computed <= limit else None
 
     # -------------------------------------------------------------- audit
-    def _audit_allocations(self, taken: set[str]) -> None:
-        """Make the allocation each taken decode skipped (``audit``), with
-        its ``Request`` as the running loop would have seen it."""
-        kept = [self._kept[request_id] for request_id in taken]
-        self.door.check_unchanged(lambda: _each(self._audit_taken, kept), "steady allocation")
-        self.door.audited.lane_steps += 1
-
     def _audit_taken(self, kept: _KeptAsync) -> None:
         self._hand_over(kept)
         self._audit_allocation(kept.request)

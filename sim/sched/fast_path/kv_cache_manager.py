@@ -1,25 +1,13 @@
-"""The fast path's door to the allocator: the ``KVCacheManager`` the
-scheduler holds when ``simulation.fast_path`` is on.
+"""The fast path's door: the ``KVCacheManager`` the scheduler holds when
+``simulation.fast_path`` is on (``engine_assembly.build_engine`` builds it).
 
 No twin in vLLM (its scheduler makes every call). It wraps the manager
-(vLLM's, or the fork's pinning one) and decides every call that may change
-the allocator: ``allocate_slots``, ``cache_blocks``, ``get_computed_blocks``,
-``free``, ``pop_blocks_for_free``, ``free_blocks``,
-``take_kv_cache_block_copies`` and the fork's pin calls. Everything else
-passes through unchanged. So the scheduler calls
-``self.kv_cache_manager.allocate_slots(...)`` as vLLM's does, and:
-
-- a settled call (rules 1-2, ``settled.py``) is skipped here, and a real
-  one records its window;
-- every call that may change the allocator bumps the versions here, the
-  only door (rule 3 is structural): ``allocator_version`` counts them all,
-  ``release_version`` those that may do more than take blocks (rule 12: a
-  running request's allocation and caching only take blocks);
-- a lookup known to find nothing (rule 12) and a waiter's pin lookup known
-  to find no hit (rule 10, ``missed_lookups.py``) are answered here.
-
-``audit = True`` makes every skipped call anyway and asserts it changed
-nothing (``allocator_snapshot``), counted in ``audited``.
+(vLLM's, or the fork's pinning one), decides every call that may change the
+allocator (its methods below) and passes the reads in ``PASSED_THROUGH`` on:
+a settled call is skipped (rules 1-2), every call that may change the
+allocator bumps the versions here (rule 3), and a lookup known to find
+nothing or no hit is answered here (rules 10, 12). The rules:
+``__init__.py``.
 """
 
 from __future__ import annotations
@@ -62,29 +50,24 @@ class FastPathKVCacheManager:
 
     def __init__(self, wrapped: KVCacheManager, config: SchedulerConfig) -> None:
         self.wrapped = wrapped
-        # Read every step (the gauges); fixed at construction.
+        # Read on every step and skipped call; fixed at construction.
         self.block_pool = wrapped.block_pool
         self.empty_kv_cache_blocks = wrapped.empty_kv_cache_blocks
         self.allocations = settled_steps(wrapped, config)
         self.caching = settled_steps(wrapped, config)
+        # Every call that may change the allocator; less those that only
+        # take blocks for running requests (rule 12).
         self.allocator_version = 0
         self.release_version = 0
-        # Waiters whose pin lookup found no hit (rule 10).
-        self.missed_pin_lookups = MissedPinLookups(wrapped.block_pool)
-        # The waiting loop's last lookup: the request, and whether it found
-        # nothing in any group (rule 12); the last request whose lookup did,
-        # with rule 10's memo of it then.
+        self.missed_pin_lookups = MissedPinLookups(wrapped.block_pool)  # rule 10
+        # The waiting loop's last lookup (the request, whether it found
+        # nothing in any group), and the last that did, with rule 10's memo
+        # of it then (rule 12).
         self.last_lookup: tuple[object, bool] | None = None
         self._found_nothing: tuple[object, object] | None = None
         self.audit = False
         self.audited = AuditCounts()
 
-    def __getattr__(self, name: str) -> Any:
-        """Any other attribute is the wrapped manager's (set one on
-        ``wrapped``: set here, it would shadow the manager's)."""
-        return getattr(self.wrapped, name)
-
-    # ------------------------------------------------------------ versions
     def _changes(self) -> None:
         """A call may change the allocator beyond taking blocks."""
         self.allocator_version += 1
@@ -98,19 +81,18 @@ class FastPathKVCacheManager:
     # ------------------------------------------------------ settled calls
     def allocate_slots(self, request: Request, num_new_tokens: int, **kwargs: Any) -> KVCacheBlocks | None:
         """A running request's allocation: skipped when settled (rule 1),
-        else it may take blocks (rule 12). An admission changes the
-        allocator when it succeeds (a refused one allocates nothing)."""
+        else it only takes blocks (rule 12); an admission that succeeds
+        changes the allocator."""
         allocate = self.wrapped.allocate_slots
         if request.status != RequestStatus.RUNNING:
             blocks = allocate(request, num_new_tokens, **kwargs)
             if blocks is not None:
                 self._changes()
             return blocks
-        num_lookahead_tokens = kwargs.get("num_lookahead_tokens", 0)
-        span = self.decode_span(request, num_new_tokens + num_lookahead_tokens)
+        span = self.decode_span(request, num_new_tokens + kwargs.get("num_lookahead_tokens", 0))
         if span is not None and self.allocations.is_settled(request.request_id, *span):
             if self.audit:
-                self._audit_allocation(request, num_new_tokens, num_lookahead_tokens)
+                self._audit_allocation(request, num_new_tokens, kwargs.get("num_lookahead_tokens", 0))
             return self.empty_kv_cache_blocks
         self.allocator_version += 1
         blocks = allocate(request, num_new_tokens, **kwargs)
@@ -119,7 +101,7 @@ class FastPathKVCacheManager:
         return blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Skipped when settled (rule 1); else it may take blocks (rule 12)."""
+        """Skipped when settled (rule 1); else it only takes blocks (rule 12)."""
         computed = num_computed_tokens
         if self.caching.is_settled(request.request_id, computed, computed):
             if self.audit:
@@ -132,12 +114,9 @@ class FastPathKVCacheManager:
 
     @staticmethod
     def decode_span(request: Request, num_tokens: int) -> tuple[int, int] | None:
-        """The positions a decoding request's next ``num_tokens`` slots
-        span (None: not decoding). Decoding: only the last known token and
-        drafts are left to compute, so the prefill end lies behind the span
-        too. The span starts at the tokens processed, behind the tokens
-        still in flight (async scheduling: ``allocate_slots`` frees skipped
-        blocks on that basis; 0 in flight in sync mode)."""
+        """The positions a decoding request's next ``num_tokens`` slots span
+        (None: not decoding), from its processed tokens, behind those in
+        flight (rule 9: async ``allocate_slots`` frees skipped blocks there)."""
         computed = request.num_computed_tokens
         if not is_decoding(computed, request.num_tokens):
             return None
@@ -170,10 +149,9 @@ class FastPathKVCacheManager:
 
     # ------------------------------------------------------------ lookups
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
-        """The waiting loop's lookup, or vLLM's answer for one known to find
-        nothing (rule 12: its last one did, and none of its hashes was
-        inserted since: its empty blocks, no tokens, no boundary). A lookup
-        that found no tokens is remembered by rule 10 too."""
+        """The waiting loop's lookup, or vLLM's empty answer for one known
+        to find nothing (rule 12); a lookup with no hit is remembered by
+        rule 10 too."""
         if self.finds_nothing(request):
             self.last_lookup = (request, True)
             if self.audit:
@@ -190,9 +168,8 @@ class FastPathKVCacheManager:
 
     def finds_nothing(self, request: Request) -> bool:
         """Whether ``request``'s last waiting-loop lookup found nothing and
-        none of its hashes was inserted since: rule 10's memo of it is the
-        one it had then (a pin lookup that finds no hit remembers a
-        forgotten request anew, though a group's blocks may hit now)."""
+        none of its hashes was inserted since (rule 10's memo of it is the
+        one it had then)."""
         found = self._found_nothing
         if found is None or found[0] is not request:
             return False
@@ -233,6 +210,7 @@ class FastPathKVCacheManager:
         return result
 
     def _audit_allocation(self, request: Request, num_new: int, num_lookahead: int) -> None:
+        """Make a skipped allocation: it must allocate nothing."""
         allocate = self.wrapped.allocate_slots
         blocks = self.check_unchanged(
             lambda: allocate(request, num_new, num_lookahead_tokens=num_lookahead), "allocation"
@@ -249,43 +227,31 @@ class FastPathKVCacheManager:
         self.audited.lookups += 1
 
     def _audit_pin_lookup(self, request: Request) -> None:
-        """Make the skipped pin call: it must look up and find no hit, which
-        returns before touching anything (no snapshot: there are many)."""
-        wrapped = self.wrapped
-        pinned = wrapped.pin_waiting_hit(request)  # type: ignore[attr-defined]  # a PinningKVCacheManager's
-        assert pinned == 0 and wrapped.pin_lookup_found_no_hit, (  # type: ignore[attr-defined]
+        """Make a skipped pin call: it must find no hit, which returns
+        before touching anything (no snapshot: there are many)."""
+        pinned = self.wrapped.pin_waiting_hit(request)  # type: ignore[attr-defined]
+        assert pinned == 0 and self.wrapped.pin_lookup_found_no_hit, (  # type: ignore[attr-defined]
             f"{request.request_id}: a skipped pin lookup hits"
         )
         self.audited.pin_lookups += 1
 
 
-def _passed_through(name: str) -> property:
-    """A read of the wrapped manager's ``name``, made without ``__getattr__``
-    (which runs only after a failed lookup): for what the scheduler reads
-    every step."""
-    return property(lambda door: getattr(door.wrapped, name))
-
-
-# Read every step (the step's end, the gauges, the pin pass, the head guard).
-_EVERY_STEP = (
-    "new_step_starts",
-    "take_events",
-    "take_new_block_ids",
-    "take_new_ring_block_ids",
-    "make_prefix_cache_stats",
-    "num_free_blocks",
-    "usage",
-    "num_retained_checkpoints",
-    "enable_waiter_pins",
-    "pinned_waiter_ids",
-    "guards_head_yields",
-    "last_alloc_shortfall",
-    "num_grace_pins",
-    "num_pinned_waiters",
-    "max_pinned_waiters",
-)
-for _name in _EVERY_STEP:
-    setattr(FastPathKVCacheManager, _name, _passed_through(_name))
+# What passes through the door unseen (each read on the wrapped manager, so
+# a method replaced there, as ``kvsim bench`` times them, is the one called):
+# reads, and calls that change nothing a memo reads (``new_step_starts``
+# clears a per-step set). Named, not ``__getattr__``: a new call into the
+# allocator fails here until it is a method of the door (it may change the
+# allocator: rule 3) or added to this list.
+PASSED_THROUGH = (
+    "coordinator managers ring_managers ring_slot_pools enable_caching get_block_ids new_step_starts"
+    " take_events take_new_block_ids take_new_ring_block_ids make_prefix_cache_stats"
+    " record_prefix_cache_stats num_free_blocks usage num_retained_checkpoints"
+    # The fork's pins (0095-0097).
+    " enable_waiter_pins pinned_waiter_ids guards_head_yields last_alloc_shortfall num_grace_pins"
+    " num_pinned_waiters max_pinned_waiters num_yieldable_blocks"
+).split()
+for _name in PASSED_THROUGH:
+    setattr(FastPathKVCacheManager, _name, property(lambda door, name=_name: getattr(door.wrapped, name)))
 
 
 def unwrapped(manager: KVCacheManager | FastPathKVCacheManager) -> KVCacheManager:
@@ -295,15 +261,12 @@ def unwrapped(manager: KVCacheManager | FastPathKVCacheManager) -> KVCacheManage
 
 def settled_steps(manager: KVCacheManager, config: SchedulerConfig) -> SettledSteps:
     """Windows over every block size a call divides by (the groups', the
-    scheduler's; the hash unit only inside the prompt), widened by a margin
-    past the lookahead and re-prefill offsets a call adds (rule 2). The
-    rings' block size is left out: a ring is claimed once per request and
-    never reads a position."""
+    scheduler's; the hash unit only inside the prompt), widened by the
+    margin (rule 2). A ring is claimed once per request and reads no
+    position: its block size is left out."""
     rings = manager.ring_managers
     sizes = {m.block_size for m in manager.managers if m not in rings}
     sizes.add(config.block_size)
-    # The hash unit (the fork's 64-token prefix-match unit) counts only
-    # inside the prompt (``settled.py``).
     unit = manager.block_pool.hash_block_size
     return SettledSteps(
         tuple(sizes), margin_tokens(config.num_speculative_tokens), None if unit in sizes else unit

@@ -1,22 +1,20 @@
 """The fast path's memos of the scheduler's own loops, and its lanes.
 
 ``FastPath`` (held as ``Scheduler.fast_path``; ``NoFastPath`` when the
-fast path is off) remembers waiting loops known to admit nobody, refused
+fast path is off) remembers waiting loops known to admit nobody and refused
 admissions (rules 4, 9, 12) and pin passes known to pin nothing (rule 11),
-and makes the steady lanes (rules 5-9). Its rules are the package's
-docstring (``sim/sched/fast_path/__init__.py``); the calls into the
-allocator are decided behind the door (``kv_cache_manager.py``).
+and makes the steady lanes. The rules: ``__init__.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Container
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from sim.sched.fast_path.async_steady import AsyncSteadyDecode
+from sim.sched.fast_path.async_steady import AsyncSteadyLane
 from sim.sched.fast_path.kv_cache_manager import AuditCounts, FastPathKVCacheManager
-from sim.sched.fast_path.steady import SteadyDecode
+from sim.sched.fast_path.steady import SyncSteadyLane
 
 if TYPE_CHECKING:
     from sim.sched.model_runner import ModelRunner
@@ -29,8 +27,8 @@ T = TypeVar("T")
 @dataclass(frozen=True, slots=True)
 class _Refusal:
     """A refused admission (rule 12): the request, its tokens, whether any
-    request was running (vLLM's watermark), and the release version and
-    the pool's free blocks then."""
+    request was running (vLLM's watermark), the release version and free
+    blocks then."""
 
     request: object
     num_new: int
@@ -41,10 +39,9 @@ class _Refusal:
 
 @dataclass(frozen=True, slots=True)
 class _IdleWaiting:
-    """Waiting loops that admitted nobody with the same head and allocator
-    version: their inputs (the latest last), the head and the version; for
-    rule 12, the release version, the pool's free blocks and whether the
-    last loop's lookup of the head found nothing in any group."""
+    """Waiting loops that admitted nobody with one head and allocator
+    version: their inputs (the latest last); for rule 12, the release
+    version, free blocks and whether the head's lookup found nothing."""
 
     head: object
     inputs: tuple[tuple, ...]
@@ -53,35 +50,29 @@ class _IdleWaiting:
     num_free_blocks: int
     head_missed: bool
 
-    # Inputs kept per head and version. Async scheduling's decode stagger
-    # alternates two budgets (each half of the running set leaves its own),
-    # so one would be forgotten at every other micro-batch.
+    # Async scheduling's decode stagger alternates two budgets (rule 4).
     MAX_INPUTS = 4
 
 
 class FastPath:
-    """The scheduler-level fast path of one scheduler (rules 4-12 above):
-    the waiting-loop memo, the pin-pass memo and the lanes. The calls into
-    the allocator are decided behind its door (``door``)."""
+    """The scheduler-level fast path of one scheduler: the waiting-loop
+    memo, the pin-pass memo and the lanes, beside its door (``door``)."""
 
     enabled = True
 
     def __init__(self, scheduler: Scheduler, door: FastPathKVCacheManager) -> None:
         self.scheduler = scheduler
         self.door = door
-        # Waiting requests whose stale output drained (rule 9): each voids
-        # the remembered loops as an allocator change does.
+        # Waiters whose stale output drained (rule 9): each voids the memo.
         self._waiters_changed = 0
         self._idle_waiting: _IdleWaiting | None = None
         self._refusal: _Refusal | None = None
         self._pin_pass_version = 0
-        # The steady lane on (off: only the scheduler's own skips, which the
-        # lane would otherwise take most of; an audit of those turns it off).
+        # Off: only the scheduler's own skips (audited without the lane taking most).
         self.use_lane = True
 
     @property
     def audit(self) -> bool:
-        """Make every skipped call anyway and assert it changed nothing."""
         return self.door.audit
 
     @audit.setter
@@ -101,18 +92,16 @@ class FastPath:
     def release_version(self) -> int:
         return self.door.release_version + self._waiters_changed
 
-    def make_lane(self, model_runner: ModelRunner) -> SteadyDecode | None:
-        """The steady lane for an engine core (``EngineCore`` makes one)."""
-        return SteadyDecode(self.scheduler, self.door, model_runner) if self.use_lane else None
+    def make_lane(self, model_runner: ModelRunner) -> SyncSteadyLane | None:
+        """The steady lane for an ``EngineCore``."""
+        return SyncSteadyLane(self.scheduler, self.door, model_runner) if self.use_lane else None
 
-    def make_async_lane(self) -> AsyncSteadyDecode | None:
-        """The steady lane for a batch-queue engine core (async mode)."""
-        scheduler = self.scheduler
-        return AsyncSteadyDecode(scheduler, self.door) if self.use_lane else None  # type: ignore[arg-type]
+    def make_async_lane(self) -> AsyncSteadyLane | None:
+        """The steady lane for a ``BatchQueueEngineCore`` (async mode)."""
+        return AsyncSteadyLane(self.scheduler, self.door) if self.use_lane else None  # type: ignore[arg-type]
 
     def waiting_request_changes(self) -> None:
-        """A waiting request the waiting loop skipped may be admitted now
-        (its stale output drained, rule 9): every remembered loop is void."""
+        """A waiter's stale output drained (rule 9): every remembered loop is void."""
         self._waiters_changed += 1
 
     # ------------------------------------------------ known-idle waiting
@@ -124,8 +113,8 @@ class FastPath:
         return known
 
     def waiting_loop(self, step: _StepState, admit: Callable[[_StepState], bool]) -> None:
-        """Run the waiting loop (``admit``: it admits, and says whether it
-        admitted anyone), remembering one that admitted nobody."""
+        """Run the waiting loop (``admit`` says whether it admitted anyone),
+        remembering one that admitted nobody."""
         inputs = self.waiting_starts(step)
         self.waiting_ends(inputs, admit(step))
 
@@ -135,10 +124,8 @@ class FastPath:
 
     def waiting_ends(self, inputs: tuple, admitted: bool) -> None:
         """A loop that admitted nobody changed nothing (a failed admission
-        allocates nothing): with the same inputs, head and allocator state,
-        it admits nobody again. Idle loops with other inputs are kept while
-        the head and the allocator's version stay: the state each read is
-        the same."""
+        allocates nothing); idle loops of other inputs are kept while the
+        head and the allocator version stay (rule 4)."""
         waiting, idle = self.scheduler.waiting, self._idle_waiting
         self._idle_waiting = None
         if admitted or not waiting:
@@ -158,9 +145,8 @@ class FastPath:
         )
 
     def waiting_known_idle(self, token_budget: int, running_scheduled: bool, prefill_scheduled: bool) -> bool:
-        """Whether a waiting loop with these inputs is one remembered to
-        have admitted nobody, with the same head, and the allocator's state
-        the same (rule 3) or changed only as rule 12 allows."""
+        """Whether a waiting loop with these inputs is remembered idle, with
+        the same head and the allocator as it was (rule 3, or rule 12)."""
         idle, waiting = self._idle_waiting, self.scheduler.waiting
         return (
             idle is not None
@@ -171,15 +157,10 @@ class FastPath:
         )
 
     def _allocator_as_when(self, idle: _IdleWaiting) -> bool:
-        """Whether the allocator refuses ``idle``'s head as it did then: no
-        call since that may change it (rule 3), or only those rule 12 allows."""
         return idle.allocator_version == self.allocator_version or self._head_still_refused(idle)
 
     def _head_still_refused(self, idle: _IdleWaiting) -> bool:
-        """Rule 12: the idle loops' head found nothing in any group, none of
-        its hashes was inserted since (rule 10 remembers it), only running
-        requests' allocations and caching changed the allocator since, and
-        the pool has no more free blocks than then."""
+        """Rule 12 for the idle loops' head."""
         return (
             idle.head_missed
             and self._only_took_blocks_since(idle.release_version, idle.num_free_blocks)
@@ -187,9 +168,8 @@ class FastPath:
         )
 
     def _only_took_blocks_since(self, release_version: int, num_free_blocks: int) -> bool:
-        """Rule 12: since a state with these counts, only running requests'
-        allocations and caching changed the allocator, and the pool has no
-        more free blocks than then."""
+        """Rule 12: only running requests' allocations and caching since,
+        and no more free blocks than then."""
         return release_version == self.release_version and self._num_free_blocks() <= num_free_blocks
 
     def _num_free_blocks(self) -> int:
@@ -198,20 +178,20 @@ class FastPath:
 
     def admission(self, request: Request, num_new: int, attempt: Callable[[], T]) -> T | None:
         """The head's admission (``attempt``: the allocation, then the
-        fork's head guard), or None where it is known refused (rule 12); a
-        refused one is remembered."""
+        fork's head guard), or None where it is known refused (rule 12)."""
         if self.skips_refused_admission(request, num_new, attempt):
             return None
         allocated = attempt()
         if allocated is None:
-            self.admission_refused(request, num_new)
+            self._refusal = _Refusal(
+                request, num_new, bool(self.scheduler.running), self.release_version, self._num_free_blocks()
+            )
         return allocated
 
     def skips_refused_admission(self, request: Request, num_new: int, attempt: Callable[[], object]) -> bool:
-        """Whether admitting ``request`` with ``num_new`` tokens (``attempt``:
-        the allocation, then the fork's head guard) is known to be refused
-        (rule 12): it was with the same tokens and scheduled requests, it
-        finds nothing, and since then running requests only took blocks."""
+        """Whether ``request``'s admission with ``num_new`` tokens was refused
+        with the same scheduled requests, it finds nothing, and running
+        requests only took blocks since (rule 12)."""
         refusal = self._refusal
         if (
             refusal is None
@@ -229,12 +209,6 @@ class FastPath:
             self.audited.refused_admissions += 1
         return True
 
-    def admission_refused(self, request: Request, num_new: int) -> None:
-        """Admitting ``request`` with ``num_new`` tokens was refused."""
-        self._refusal = _Refusal(
-            request, num_new, bool(self.scheduler.running), self.release_version, self._num_free_blocks()
-        )
-
     def _waiting_inputs(self, token_budget: int, running_scheduled: bool, prefill_scheduled: bool) -> tuple:
         """What the waiting loop reads besides its head and the allocator (rule 4)."""
         scheduler = self.scheduler
@@ -248,8 +222,7 @@ class FastPath:
 
     # ------------------------------------------------------ idle pin passes
     def skips_pin_pass(self, pinned_ids: tuple[str, ...]) -> bool:
-        """Whether the pin pass is known to pin nothing (rule 11);
-        ``pinned_ids``: the pinned waiters now."""
+        """Whether the pin pass is known to pin nothing (rule 11)."""
         self._pin_pass_version = self.allocator_version
         if not self.door.missed_pin_lookups.knows_idle_pass(self.scheduler.waiting, pinned_ids):
             return False
@@ -258,9 +231,7 @@ class FastPath:
         return True
 
     def unchanged_waiters(self, pinned_ids: tuple[str, ...]) -> Container[int]:
-        """The waiters (by ``id``) a pin pass may pass over (rule 11): those
-        of the last pass, which pinned nothing, while the hash insertions,
-        the waiters' tokens and the pinned waiters are the same."""
+        """The waiters (by ``id``) a pin pass may pass over (rule 11)."""
         return self.door.missed_pin_lookups.idle_pass_entries(pinned_ids)
 
     def unchanged_waiter_passed_over(self, request: Request) -> None:
@@ -282,8 +253,7 @@ class FastPath:
 
     # -------------------------------------------------------------- audit
     def _audit_unchanged_waiter(self, request: Request) -> None:
-        """Make a passed-over waiter's pin call: it must pin nothing (it is
-        pinned already, or finds no hit)."""
+        """Make a passed-over waiter's pin call: it must pin nothing."""
         pinned = self.door.wrapped.pin_waiting_hit(request)  # type: ignore[attr-defined]
         assert pinned == 0, f"{request.request_id}: a waiter passed over pins"
         self.audited.unchanged_waiters += 1
@@ -307,44 +277,39 @@ class FastPath:
         self.audited.waiting_loops += 1
 
 
+def _nothing(*args: Any) -> None:
+    return None
+
+
 class NoFastPath:
     """The fast path off: every call is made, nothing is remembered."""
 
-    enabled = False
-    audit = False
+    enabled = audit = False
+    make_lane = make_async_lane = waiting_request_changes = waiter_admitted = staticmethod(_nothing)
+    unchanged_waiter_passed_over = pin_pass_ends = waiting_tokens_change = staticmethod(_nothing)
 
-    def make_lane(self, model_runner: ModelRunner) -> SteadyDecode | None:
-        return None
-
-    def make_async_lane(self) -> AsyncSteadyDecode | None:
-        return None
-
-    def admission(self, request: Request, num_new: int, attempt: Callable[[], T]) -> T | None:
+    @staticmethod
+    def admission(request: Request, num_new: int, attempt: Callable[[], T]) -> T | None:
         return attempt()
 
-    def waiting_request_changes(self) -> None:
-        return None
-
-    def skips_waiting(self, step: _StepState) -> bool:
+    @staticmethod
+    def skips_waiting(step: _StepState) -> bool:
         return False
 
-    def waiting_loop(self, step: _StepState, admit: Callable[[_StepState], bool]) -> None:
+    @staticmethod
+    def waiting_loop(step: _StepState, admit: Callable[[_StepState], bool]) -> None:
         admit(step)
 
-    def skips_pin_pass(self, pinned_ids: tuple[str, ...]) -> bool:
+    @staticmethod
+    def skips_pin_pass(pinned_ids: tuple[str, ...]) -> bool:
         return False
 
-    def unchanged_waiters(self, pinned_ids: tuple[str, ...]) -> Container[int]:
+    @staticmethod
+    def unchanged_waiters(pinned_ids: tuple[str, ...]) -> Container[int]:
         return frozenset()
 
-    def unchanged_waiter_passed_over(self, request: Request) -> None:
-        return None
 
-    def waiter_admitted(self, request: Request) -> None:
-        return None
-
-    def pin_pass_ends(self, pinned_ids: tuple[str, ...]) -> None:
-        return None
-
-    def waiting_tokens_change(self) -> None:
-        return None
+def fast_path_of(scheduler: Scheduler) -> FastPath | NoFastPath:
+    """``scheduler``'s fast path: on where its manager is the door."""
+    door = scheduler.kv_cache_manager
+    return FastPath(scheduler, door) if isinstance(door, FastPathKVCacheManager) else NoFastPath()

@@ -1,49 +1,13 @@
 """Waiters whose prefix-cache lookup found no hit, and pin passes known to
 pin nothing: the fast path's memos for the fork's waiter pins (pin point 3,
-``sim/fork/scheduler_pins.py``).
+``sim/fork/scheduler_pins.py``; rules 10-11, argued in ``docs/fast-path.md``).
 
 No twin in vLLM or the fork (both look every waiter up at the end of every
-schedule). A waiter with no hit is looked up again every step until the
-pin bound is reached, which a trace without shared prefixes never reaches:
-most of an async saturated decode's time. The memo skips a lookup known to
-find no hit again (rule 10 of ``fast_path.py``):
-
-- a lookup (``get_computed_blocks``) reads the request's block hashes and
-  token count and the pool's cached-hash map, nothing else that moves, and
-  it probes the map only with keys made of the request's own block hashes
-  (a hash and a group id; a block of several hash units is keyed by its
-  last unit's hash, which chains over the whole prefix);
-- the map grows only through ``BlockPool._insert_block_hash`` (full,
-  partial and moved hashes alike), which this counts (through the
-  bridge's ``watch_hash_insertions``); evictions, frees and
-  a prefix-cache reset only remove entries, and a lookup's hit only
-  shrinks with entries removed (each group's hit is monotone in the cached
-  hashes, and so is the coordinator's fixed point over them);
-- so a lookup that found no hit finds none while none of the request's own
-  hashes was inserted and it has the same tokens and block hashes (a
-  preempted request's stale output, drained in async mode, adds tokens to
-  a waiter).
-
-A whole pass (rule 11) pins nothing again when the last one pinned nothing
-and no hash at all was inserted (a waiter that found a hit of null blocks
-only is not remembered, and any insertion may extend it), the waiting
-queue holds the same requests in the same order, no waiter took tokens
-and the same waiters are pinned: each waiter then meets the pass as before
-(pinned, past the bound, or known to find no hit), so not even the
-per-waiter checks are made. With only the queue changed, the waiters of
-that pass are passed over and the others examined. The scheduler's queue
-counts the calls that may put an entry in it
-(``queues.WaitingQueue.insertions``): with none since (no call at all, or
-only removals: an admission pops the head), every waiter left met the idle
-pass and the entries are not compared at all, so with none forgotten since
-the pass would pass over all of them, and is skipped whole. With hashes
-inserted since, the waiters of that pass are still passed over if it met
-only remembered waiters, less those an insertion forgot (a remembered
-waiter meets a pass differently only once forgotten); admitted waiters are
-examined again (a preempted request returns to the queue as the same
-object).
-
-``FastPath.audit`` makes every skipped lookup anyway.
+schedule): a waiter with no hit is looked up again every step, most of an
+async saturated decode's time. A lookup reads only the request's own hashes
+and tokens and the pool's cached-hash map, which grows only through
+``BlockPool._insert_block_hash`` (counted through the bridge's
+``watch_hash_insertions``).
 """
 
 from __future__ import annotations
@@ -100,12 +64,9 @@ class MissedPinLookups:
         self._count_insertions(block_pool)
 
     def _count_insertions(self, block_pool: BlockPool) -> None:
-        """Count every hash inserted into the pool's cached-hash map and
-        forget the waiters it is one of the hashes of (the bridge's one
-        adapter, ``watch_hash_insertions``, says why it must instrument
-        vLLM). A call for a pair the map already holds is not counted: a
-        decode's caching makes one every step (the prompt's partial tail,
-        re-keyed)."""
+        """Count every (hash, block) pair the pool's cached-hash map lacked
+        and gains, and forget the waiters it is one of the hashes of (a
+        decode's caching re-inserts a held pair every step: not counted)."""
 
         def inserted(key: Any) -> None:
             self.num_hash_insertions += 1
@@ -115,10 +76,7 @@ class MissedPinLookups:
 
     def _forget_waiters_of(self, block_hash: bytes) -> None:
         """A key with ``block_hash`` was inserted: the waiters whose hashes
-        include it may hit now (every key a lookup probes is one of the
-        request's own block hashes with a group id, vLLM's
-        ``make_block_hash_with_group_id``; a block of several units is keyed
-        by its last unit's hash, ``BlockHashListWithBlockSize``)."""
+        include it may hit now (a lookup probes only its own hashes)."""
         for request_id in self._waiters_by_hash.pop(block_hash, ()):
             missed = self._missed.pop(request_id, None)
             if missed is not None:
@@ -134,10 +92,8 @@ class MissedPinLookups:
         return self.memo_of(request) is not None
 
     def memo_of(self, request: Request) -> object | None:
-        """What remembers that ``request``'s lookup finds no hit, while it
-        holds (None otherwise). A request forgotten and remembered again
-        has a new one: the same object means no hash of it was inserted
-        between the two reads."""
+        """What remembers that ``request``'s lookup finds no hit (None: not
+        known); remembered anew after being forgotten, it is a new object."""
         missed = self._missed.get(request.request_id)
         if (
             missed is not None
@@ -175,8 +131,7 @@ class MissedPinLookups:
 
     def knows_idle_pass(self, waiting: Iterable[object], pinned_ids: tuple[str, ...]) -> bool:
         """Whether a pin pass over ``waiting`` is known to pin nothing: it
-        would pass over every waiter (``idle_pass_entries``) or meet the
-        same queue as the idle pass."""
+        would pass over every waiter, or meet the idle pass's queue."""
         idle = self._passable_idle_pass(pinned_ids)
         if idle is None:
             return False  # it would pass over nobody
@@ -193,20 +148,14 @@ class MissedPinLookups:
         return True
 
     def _only_removed_from(self, waiting: Iterable[object]) -> bool:
-        """Whether ``waiting`` is the idle pass's queue object and no call
-        since may have put an entry in it (``queues.WaitingQueue.insertions``):
-        it holds some of that pass's entries, in their order."""
+        """Whether ``waiting`` is the idle pass's queue and nothing may have
+        been put in it since (``WaitingQueue.insertions``)."""
         idle_queue = self._idle_queue
         return idle_queue is not None and idle_queue[0] is waiting and idle_queue[1] == _insertions(waiting)
 
     def idle_pass_entries(self, pinned_ids: tuple[str, ...]) -> frozenset[int]:
-        """A pass starts: the ids of the entries of the last pass that meet
-        it as they met that one (none pins), if that pass pinned nothing and
-        the waiter tokens and pinned waiters are the same since: all of
-        them with the same hash insertions; with hashes inserted since, those
-        the insertions did not forget, if that pass met only remembered
-        waiters (a remembered waiter is changed by an insertion only by
-        being forgotten, rule 10); else none."""
+        """A pass starts: the ids of the idle pass's entries that meet it as
+        they met that one (``_passable_idle_pass``), less those changed since."""
         passed_over = self._passed_over(pinned_ids)
         # The waiters passed over carry that pass's cover into this one.
         self._pass_covered = self._idle_covered or not passed_over
@@ -247,13 +196,11 @@ class MissedPinLookups:
 
 
 def _insertions(waiting: Iterable[object]) -> int | None:
-    """The queue's count of calls that may put an entry in, where it keeps
-    one (the scheduler's ``WaitingQueue``)."""
+    """A ``WaitingQueue``'s insertions (None for another queue)."""
     return getattr(waiting, "insertions", None)
 
 
 def _queue_state(waiting: Iterable[object]) -> tuple[object, int] | None:
-    """The queue (held, so its identity is not reused while remembered) and
-    its insertions; None for a queue without the count."""
+    """The queue (held: its identity is not reused) and its insertions."""
     insertions = _insertions(waiting)
     return None if insertions is None else (waiting, insertions)

@@ -1,33 +1,11 @@
-"""Settled decode steps: the calls into vLLM's allocator kvsim may skip.
+"""Settled decode steps: the calls into vLLM's allocator kvsim may skip
+(fast-path rules 1-2; argued in ``docs/fast-path.md``).
 
-No twin in vLLM (its scheduler makes every call); this is kvsim's fast path.
-Between block boundaries a decoding request's ``allocate_slots`` and
-``cache_blocks`` calls change nothing, and they are most of a saturated
-simulation's time. Both read the request's token positions only through
-block arithmetic (ceil and floor divisions by a group's or the hash block
-size, a remainder, a few tokens of lookahead or re-prefill either side). So
-while every position a call can read lies strictly inside one block of
-every size, two calls see the same quantities and take the same branches;
-the first such call does the block's work (allocates, frees the old Mamba
-state, caches the full blocks) and leaves tables that the next calls find
-complete. Those next calls are skipped.
-
-The hash unit (the prefix-match unit, finer than every block) is such a
-size only inside the prompt: past its last token a call reads the unit
-only through the count of the request's block hashes, floored to a block
-(the unit divides the block), and through boundaries of the prompt itself
-(its partial tail, the Mamba prefill checkpoint), which lie behind the
-call. So a call whose span, widened by the margin, lies wholly past the
-prompt is windowed by the blocks alone, and its window starts past the
-prompt and the margin; without this, on the rig's 64-token unit, no window
-would fit a decode (``_settled_steps`` in ``fast_path.py``).
-
-``margin_tokens`` widens the window a call is taken to read on both sides,
-so an offset the argument above missed (a lookahead, the re-prefill
-rollback) cannot reach a boundary unnoticed. The skip is checked, not only
-argued: ``tests/test_fast_path.py`` makes every skipped call anyway and
-asserts it changed nothing, and compares the frames of every gate scenario
-with and without the fast path.
+No twin in vLLM (its scheduler makes every call). A decode's
+``allocate_slots`` and ``cache_blocks`` read its positions only through
+block arithmetic, so while every position a call can read, widened by the
+margin, lies strictly inside one block of every size, the first call in
+that block does its work and the next change nothing.
 """
 
 from __future__ import annotations

@@ -1,39 +1,14 @@
-"""Steady decodes: the engine's fast lane for requests whose steps are alike.
+"""The steady lane: the engine's fast lane for steady requests, whose decode
+steps change nothing but token counts (fast-path rules 5-8; the argument in
+``docs/fast-path.md``).
 
 No twin in vLLM (its engine runs every request through every step the same
-way); this is kvsim's second fast path, on top of the settled allocator
-calls (``settled.py``). In a long or pool-bound decode most requests' steps
-change nothing but token counts: the request decodes ``1 + K`` tokens
-inside blocks whose allocator calls are settled, and the step cannot stop
-it. Such a request is *steady*. The lane offers the scheduler its decode
-(the ``ScheduledRequest`` the running loop would build) and the scheduler
-takes it as it is where its running loop would schedule it unchanged
-(``Scheduler.schedule(steady=...)``); the other requests, the waiting loop
-and preemptions go the ordinary way. When the step's output arrives the
-lane draws the same acceptances from the runner's stream, in the step's
-order, and keeps each steady request's new tokens aside; a request takes
-them (one append: the sampled ids are consecutive positions) when it
-leaves the lane, is preempted, may stop, or the run ends.
-
-A request is steady at a step's start when:
-
-- the fast path is on and it decodes: it computed all its tokens but the
-  last, with K drafts queued;
-- even if it accepts every draft, the step's positions stay inside its
-  settled allocation and caching windows (the calls the ordinary path would
-  make are settled, so they are skipped anyway), and the ``max_model_len``
-  clip leaves it ``1 + K`` tokens.
-
-The scheduler checks the rest where it schedules: the token budget left
-holds the ``1 + K`` tokens and no long-prefill threshold clips them. A
-request the step's tokens may stop (its length limits within reach) takes
-them the scheduler's way (``Scheduler.take_sampled``).
-
-The argument is checked: every gate scenario gives identical frames with
-the fast path off (``tests/test_fast_path.py``), the conformance driver
-steps kvsim through this lane against vLLM's own ``Scheduler``, and
-``tests/test_steady.py`` makes every call the lane skips and compares the
-whole allocator state, each with a failing control.
+way). A request is steady when it decodes with K drafts queued and its
+next step's calls lie in its settled windows with ``1 + K`` tokens left by
+the ``max_model_len`` clip. The lane offers the scheduler its decode
+(``LaneOffer``); when the output arrives it draws the runner's acceptances
+in the step's order and keeps the tokens aside until the request leaves
+the lane (``hand over``).
 """
 
 from __future__ import annotations
@@ -52,24 +27,23 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class SteadyItems:
-    """The steady lane's offer for a step: a decode for each of its
-    requests, made without the allocator; the scheduler fills ``taken`` with
-    those its running loop schedules as they are, and calls ``hand_over`` on
-    any other of them before it treats that request the ordinary way (the
-    lane keeps their tokens aside)."""
+class LaneOffer:
+    """The lane's decodes for a step, made without the allocator: the
+    scheduler fills ``taken`` with those its running loop schedules as they
+    are, and calls ``hand_over`` on any other before it treats that request
+    the ordinary way."""
 
     items: dict[str, ScheduledRequest]
     hand_over: Callable[[Request], None]
     taken: set[str] = field(default_factory=set)
 
 
-# The async lane's offer for a kept request its decode stagger holds back
-# this step: the running loop passes over it, as it would (``async_steady.py``).
+# The async lane's offer for a kept request its decode stagger holds back:
+# the running loop passes over it, as it would.
 SKIP = object()
 
-# A step with no steady decodes (never mutated: with no items nothing is taken).
-NO_STEADY = SteadyItems(items={}, hand_over=lambda request: None)
+# A step with nothing offered (never mutated: with no items nothing is taken).
+NO_OFFER = LaneOffer(items={}, hand_over=lambda request: None)
 
 
 K = TypeVar("K")
@@ -77,24 +51,22 @@ K = TypeVar("K")
 
 @dataclass(slots=True)
 class _Kept:
-    """A request in the lane."""
+    """A request in the lane: its computed tokens and tokens as the
+    scheduler would have them, its tokens when its ``Request`` last took
+    them, and (rule 6) the most computed tokens at a steady step's start
+    and at which the step cannot stop it."""
 
     request: Request
-    # Its computed tokens and tokens as the scheduler would have them.
     computed: int
     num_tokens: int
-    # Its tokens when its ``Request`` last took them.
     handed_over: int
-    # The most computed tokens it may have at a steady step's start.
     limit: int
-    # The most computed tokens at a step's start with which the step cannot stop it.
     unstoppable: int
 
 
 class SteadyLane(Generic[K]):
-    """What both lanes share (this one, ``async_steady.py``'s): the
-    requests kept aside, by id, each leaving the lane by taking back what
-    it kept (``_hand_over``, the lane's own), and the audit of a taken
+    """What both lanes share: the requests kept aside, by id, each leaving
+    by taking back what it kept (``_hand_over``), and the audit of a taken
     decode's skipped allocation."""
 
     def __init__(self, scheduler: Scheduler, door: FastPathKVCacheManager) -> None:
@@ -110,23 +82,20 @@ class SteadyLane(Generic[K]):
             self._leave(kept.request)  # type: ignore[attr-defined]
 
     def _leave(self, request: Request) -> None:
-        """``request`` (in the lane) takes its state and leaves it."""
         self._hand_over(self._kept.pop(request.request_id))
 
     def _hand_over(self, kept: K) -> None:
         raise NotImplementedError
 
     def _decodes_next(self, request: Request) -> bool:
-        """A lane's entry: exactly the last known token left to compute
-        (placeholders count as known, async mode), the K drafts queued. (Not
-        ``output.is_decoding``, which also holds with a decode's tokens
-        still counted as computed.)"""
+        """Exactly the last known token left to compute (placeholders count
+        as known), K drafts queued. (Not ``output.is_decoding``, which also
+        holds with a decode's tokens still counted as computed.)"""
         known = request.num_tokens + request.num_output_placeholders
         return request.num_computed_tokens == known - 1 and len(request.spec_token_ids) == self.num_spec
 
     def _audit_allocation(self, request: Request) -> None:
-        """Make the allocation a taken decode skipped (``audit``), its
-        ``Request`` as the running loop sees it: it must allocate nothing."""
+        """Make a taken decode's skipped allocation: it must allocate nothing."""
         blocks = self.door.wrapped.allocate_slots(
             request, self.step_tokens, num_lookahead_tokens=self.num_spec
         )
@@ -134,8 +103,13 @@ class SteadyLane(Generic[K]):
             f"{request.request_id}: a steady decode allocates"
         )
 
+    def _audit_each(self, call: Callable[[K], None], kept: list[K], what: str) -> None:
+        self.door.check_unchanged(lambda: [call(one) for one in kept], what)
 
-class SteadyDecode(SteadyLane[_Kept]):
+
+class SyncSteadyLane(SteadyLane[_Kept]):
+    """The steady lane for ``EngineCore`` (sync mode)."""
+
     def __init__(self, scheduler: Scheduler, door: FastPathKVCacheManager, model_runner: ModelRunner) -> None:
         super().__init__(scheduler, door)
         self.model_runner = model_runner
@@ -144,10 +118,8 @@ class SteadyDecode(SteadyLane[_Kept]):
 
     @property
     def num_taken(self) -> int:
-        """Steady decodes in the step in flight."""
         return len(self._taken)
 
-    # ---------------------------------------------------------------- a step
     def schedule(self) -> SchedulerOutput:
         """The scheduler's step, offered the steady requests' decodes."""
         items: dict[str, ScheduledRequest] = {}
@@ -164,22 +136,22 @@ class SteadyDecode(SteadyLane[_Kept]):
         if not items:
             self._taken = set()
             return self.scheduler.schedule()
-        steady = SteadyItems(items=items, hand_over=self._leave)
-        output = self.scheduler.schedule(steady)
-        # Scheduled tokens count as computed until the step's output says
-        # which drafts were rejected (as in ``Scheduler.schedule``).
-        for request_id in steady.taken:
+        offer = LaneOffer(items=items, hand_over=self._leave)
+        output = self.scheduler.schedule(offer)
+        # Scheduled tokens count as computed until the output says which
+        # drafts were rejected (as in ``Scheduler.schedule``).
+        for request_id in offer.taken:
             kept_by_id[request_id].computed += step_tokens
-        self._taken = steady.taken
-        if self.door.audit and steady.taken:
-            self._audit_allocations()
+        self._taken = offer.taken
+        if self.door.audit and offer.taken:
+            self._audit_each(self._audit_taken, [kept_by_id[i] for i in offer.taken], "steady allocation")
+            self.door.audited.lane_steps += 1
         return output
 
     def sample_and_apply(self, output: SchedulerOutput) -> StepOutcome:
-        """The workers ran the step: its requests' outputs in the step's
-        order, the steady ones kept aside, the others the scheduler's way.
-        (One loop with the common case inline: it runs for every request of
-        every step.)"""
+        """The step's outputs in its order, the kept requests' aside, the
+        others the scheduler's way. (One loop with the common case inline:
+        it runs for every request of every step.)"""
         scheduler = self.scheduler
         scheduler.output_arrives(output)
         tally = StepTally()
@@ -209,7 +181,9 @@ class SteadyDecode(SteadyLane[_Kept]):
             tally.num_draft_tokens += num_kept * num_spec
             tally.num_accepted_tokens += num_accepted_kept
         if self.door.audit and self.scheduler.config.caches_after_sampling:
-            self._audit_caching(taken)
+            # One that took its tokens the scheduler's way has left the lane.
+            kept_now = [kept_by_id[i] for i in taken if i in kept_by_id]
+            self._audit_each(self._audit_cache, kept_now, "steady caching")
         return tally.outcome()
 
     def _take_at_once(self, request: Request, num_accepted: int, tally: StepTally) -> None:
@@ -223,10 +197,9 @@ class SteadyDecode(SteadyLane[_Kept]):
         if stopped:
             tally.finished[request.request_id] = request.num_output_tokens
 
-    # ------------------------------------------------------- entry and exit
     def _hand_over(self, kept: _Kept) -> None:
-        """The request takes its computed tokens as they stand and the
-        tokens it sampled since it last took them."""
+        """The request takes its computed tokens and the tokens it sampled
+        since it last took them."""
         request = kept.request
         request.num_computed_tokens = kept.computed
         new_tokens = kept.num_tokens - kept.handed_over
@@ -238,28 +211,23 @@ class SteadyDecode(SteadyLane[_Kept]):
         limit = self.limit(request)
         if limit is None:
             return None
+        num_tokens = request.num_tokens
         kept = _Kept(
-            request=request,
-            computed=request.num_computed_tokens,
-            num_tokens=request.num_tokens,
-            handed_over=request.num_tokens,
-            limit=limit,
-            unstoppable=self.unstoppable(request),
+            request, request.num_computed_tokens, num_tokens, num_tokens, limit, self.unstoppable(request)
         )
         self._kept[request.request_id] = kept
         return kept
 
     def limit(self, request: Request) -> int | None:
         """The most computed tokens ``request`` may have at a steady step's
-        start (fixed at entry: fast-path rule 6); None when it is not
-        decoding or a call of its next step is real (its settled window
-        starts after it). The arithmetic is the scheduler's: the span a
+        start (rule 6); None when it is not decoding next or a call of its
+        next step is real. The arithmetic is the scheduler's: the span a
         decode allocates for, the room the ``max_model_len`` clip leaves."""
         computed, num_spec, step_tokens = request.num_computed_tokens, self.num_spec, self.step_tokens
         if not self._decodes_next(request):
             return None
         door = self.door
-        span = self.door.decode_span(request, step_tokens + num_spec)
+        span = door.decode_span(request, step_tokens + num_spec)
         bounds = door.allocations.bounds(request.request_id)
         if span is None or bounds is None or bounds[0] > span[0]:
             return None
@@ -270,24 +238,16 @@ class SteadyDecode(SteadyLane[_Kept]):
             if bounds is None or bounds[0] > computed + 1:
                 return None
             limit = min(limit, bounds[1] - step_tokens)
-        # The clip leaves the step whole (the split leaves a decode's alone;
-        # the scheduler checks the budget and threshold).
+        # The clip leaves the step whole (the scheduler checks the budget and threshold).
         limit = min(limit, computed + self.scheduler.clip_room(request) - step_tokens)
         return limit if computed <= limit else None
 
     def unstoppable(self, request: Request) -> int:
         """The most computed tokens at a step's start with which the step
-        cannot stop ``request``: its ``1 + K`` tokens at most stay short of
-        the scheduler's stop room (``Scheduler.stop_room``, measured here at
-        entry, where its tokens are its computed tokens plus one)."""
+        cannot stop ``request``: its ``1 + K`` tokens stay short of
+        ``Scheduler.stop_room`` (measured at entry, its tokens its computed
+        tokens plus one)."""
         return request.num_computed_tokens + self.scheduler.stop_room(request) - self.step_tokens - 1
-
-    # -------------------------------------------------------------- audit
-    def _audit_allocations(self) -> None:
-        """Make the allocation each taken decode skipped (``audit``)."""
-        taken = [self._kept[request_id] for request_id in self._taken]
-        self.door.check_unchanged(lambda: _each(self._audit_taken, taken), "steady allocation")
-        self.door.audited.lane_steps += 1
 
     def _audit_taken(self, kept: _Kept) -> None:
         """As the running loop sees it: its tokens taken, the step's not yet
@@ -297,17 +257,6 @@ class SteadyDecode(SteadyLane[_Kept]):
         self._audit_allocation(kept.request)
         kept.request.num_computed_tokens += self.step_tokens
 
-    def _audit_caching(self, taken: set[str]) -> None:
-        """Make the caching each kept decode skipped (``audit``); one that
-        took its tokens the scheduler's way has left the lane."""
-        kept = [self._kept[request_id] for request_id in taken if request_id in self._kept]
-        self.door.check_unchanged(lambda: _each(self._audit_cache, kept), "steady caching")
-
     def _audit_cache(self, kept: _Kept) -> None:
         self._hand_over(kept)
         self.door.wrapped.cache_blocks(kept.request, kept.computed)
-
-
-def _each(call: Callable[[K], None], kept: list[K]) -> None:
-    for one in kept:
-        call(one)

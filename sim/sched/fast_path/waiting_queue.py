@@ -1,8 +1,11 @@
-"""The scheduler's waiting queue, counting the calls that may put an entry
-in it: the fast path's rule 11 reads the count (``missed_lookups.py``).
+"""The scheduler's waiting queue: a ``deque`` counting the calls that may
+put an entry in it (``insertions``), which fast-path rule 11 reads
+(``missed_lookups.py``): with none since an idle pin pass, every entry met
+that pass, in its order, and none need be compared (~1,000 waiters on an
+async saturated decode).
 
-No twin in vLLM (its waiting queue is a plain ``deque``); kvsim's is one,
-plus the count.
+No twin in vLLM (its waiting queue is a plain ``deque``).
+``tests/test_values_fast_path.py`` checks the lists below against ``deque``.
 """
 
 from __future__ import annotations
@@ -13,31 +16,10 @@ from typing import Any
 
 
 class WaitingQueue(deque):
-    """The waiting queue: a deque that counts the calls that may put an
-    entry in (``insertions``: every mutating method of ``deque``,
-    ``MUTATORS``, but ``REMOVALS``, which only take entries out). The fast
-    path reads it (its rule 11; ~1,000 waiters on an async saturated
-    decode): with none since, every entry was in the queue then, in its
-    order (an admission pops the head), so no entry need be compared.
-    ``tests/test_values_fast_path.py`` checks the list against ``deque``
-    itself."""
-
-    MUTATORS = (
-        "append",
-        "appendleft",
-        "clear",
-        "extend",
-        "extendleft",
-        "insert",
-        "pop",
-        "popleft",
-        "remove",
-        "reverse",
-        "rotate",
-        "__setitem__",
-        "__delitem__",
-        "__iadd__",
-        "__imul__",
+    # Every changing method of ``deque``; the removals only take entries out.
+    MUTATORS = tuple(
+        "append appendleft clear extend extendleft insert pop popleft remove reverse rotate"
+        " __setitem__ __delitem__ __iadd__ __imul__".split()
     )
     REMOVALS = ("clear", "pop", "popleft", "remove", "__delitem__")
 
@@ -47,16 +29,14 @@ class WaitingQueue(deque):
         super().__init__(iterable, maxlen)
 
 
-def _counted(name: str) -> Callable[..., Any]:
-    change = getattr(deque, name)
-
+def _counted(change: Callable[..., Any]) -> Callable[..., Any]:
     def counted(self: WaitingQueue, *args: Any) -> Any:
         self.insertions += 1
         return change(self, *args)
 
-    counted.__name__ = counted.__qualname__ = name
+    counted.__name__ = counted.__qualname__ = change.__name__
     return counted
 
 
 for _name in set(WaitingQueue.MUTATORS) - set(WaitingQueue.REMOVALS):
-    setattr(WaitingQueue, _name, _counted(_name))
+    setattr(WaitingQueue, _name, _counted(getattr(deque, _name)))
