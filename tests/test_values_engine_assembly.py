@@ -55,7 +55,7 @@ def test_the_core_has_the_steady_lane_unless_told_not_to_and_shares_the_runner(m
     scenario = load_scenario("reference")
     options = {} if steady_lane is None else {"steady_lane": steady_lane}
     parts = build_engine(scenario, "on", mode=mode, **options)
-    assert (parts.core.steady is not None) is (steady_lane is None)
+    assert (parts.core.lane is not None) is (steady_lane is None)
     assert parts.model_runner is parts.core.model_runner
 
 
