@@ -248,7 +248,7 @@ PASSED_THROUGH = (
     " record_prefix_cache_stats num_free_blocks usage num_retained_checkpoints"
     # The fork's pins (0095-0097).
     " enable_waiter_pins pinned_waiter_ids guards_head_yields last_alloc_shortfall num_grace_pins"
-    " num_pinned_waiters max_pinned_waiters num_yieldable_blocks"
+    " num_pinned_waiters max_pinned_waiters num_yieldable_blocks pin_holders"
 ).split()
 for _name in PASSED_THROUGH:
     setattr(FastPathKVCacheManager, _name, property(lambda door, name=_name: getattr(door.wrapped, name)))
