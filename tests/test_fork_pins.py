@@ -27,6 +27,7 @@ from helpers.pins import (
     free_ids,
     grace_scheduler,
     pinning_manager,
+    pins_scheduler_config,
     prefill,
     request,
     run,
@@ -794,21 +795,10 @@ def test_the_checker_sees_pins_through_the_fast_paths_door():
     is the test above: a checker blind to pins reports the pinned block."""
     from sim.allocator_invariants import check_allocator
     from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
-    from sim.sched.scheduler import SchedulerConfig
 
     manager = pinning_manager(64)
     a0 = _finished_first_turn(manager)
     assert manager.pin_waiting_hit(follow_up(a0, 20, seed=3)) > 0
-    block_size = manager.block_pool.hash_block_size
-    config = SchedulerConfig(
-        max_num_seqs=4,
-        max_num_batched_tokens=8192,
-        max_model_len=8192,
-        block_size=block_size,
-        num_speculative_tokens=0,
-        defer_block_free=False,
-        max_concurrent_batches=1,
-    )
-    door = FastPathKVCacheManager(manager, config)
+    door = FastPathKVCacheManager(manager, pins_scheduler_config(manager.block_pool.hash_block_size))
     assert door.pin_holders() == manager.pin_holders() != []
     check_allocator(door)

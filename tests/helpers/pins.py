@@ -204,19 +204,24 @@ def grace_scheduler(num_blocks: int, fork: ForkPatches = AS_SHIPPED, *, eagle: b
         manager.enable_grace_pins = fork.grace_pins  # type: ignore[attr-defined]
     else:
         manager = KVCacheManager(config, **arguments)
-    scheduler_config = SchedulerConfig(
+    scheduler = Scheduler(pins_scheduler_config(16), manager)
+    scheduler.split = _AttentionOnlySplit()  # type: ignore[assignment]
+    return scheduler
+
+
+def pins_scheduler_config(block_size: int) -> SchedulerConfig:
+    """The fork's grace tests' scheduler: 4 sequences, no drafts, frees at
+    once, one batch in flight."""
+    return SchedulerConfig(
         max_num_seqs=4,
         max_num_batched_tokens=8192,
         max_model_len=8192,
-        block_size=16,
+        block_size=block_size,
         num_speculative_tokens=0,
         defer_block_free=False,
         max_concurrent_batches=1,
         mtp_hashing=MTPHashing.for_hash_mode("eagle-drop", num_speculative_tokens=0),
     )
-    scheduler = Scheduler(scheduler_config, manager)
-    scheduler.split = _AttentionOnlySplit()  # type: ignore[assignment]
-    return scheduler
 
 
 class _AttentionOnlySplit:
