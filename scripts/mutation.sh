@@ -280,7 +280,7 @@ tests/test_serve_hostile.py::test_hostile_clients_leave_the_server_responsive_an
   # fenced-victim tests; the layout pass (0088) against its own tests and
   # the deployments the fork boots.
   [frees]="sim/fork/frees.py|tests/test_fork_eviction_order.py tests/test_fork_retention.py tests/test_allocator.py tests/test_ordering_rules.py tests/test_fork_fenced_victim.py"
-  [side_cache_layout]="sim/fork/side_cache_layout.py|tests/test_layout.py tests/test_fork_deployment.py"
+  [side_cache_layout]="sim/fork/side_cache_layout.py|tests/test_values_side_cache_layout.py tests/test_layout.py tests/test_fork_deployment.py"
   # The patch switches (the old sim/fork_patches.py): the fork: section's
   # defaults, upstream and single-patch overrides, and the engine assembly's
   # value tests that pass each switch into the parts it builds.
