@@ -280,7 +280,11 @@ tests/test_serve_hostile.py::test_hostile_clients_leave_the_server_responsive_an
   # fenced-victim tests; the layout pass (0088) against its own tests and
   # the deployments the fork boots.
   [frees]="sim/fork/frees.py|tests/test_fork_eviction_order.py tests/test_fork_retention.py tests/test_allocator.py tests/test_ordering_rules.py tests/test_fork_fenced_victim.py"
-  [side_cache_layout]="sim/fork/side_cache_layout.py|tests/test_layout.py tests/test_fork_deployment.py"
+  [side_cache_layout]="sim/fork/side_cache_layout.py|tests/test_values_side_cache_layout.py tests/test_layout.py tests/test_fork_deployment.py"
+  # The patch switches (the old sim/fork_patches.py): the fork: section's
+  # defaults, upstream and single-patch overrides, and the engine assembly's
+  # value tests that pass each switch into the parts it builds.
+  [fork_patches]="sim/fork/patches.py|tests/test_fork_section.py tests/test_values_engine_assembly.py"
   [partial_tail]="sim/fork/retention.py|tests/test_fork_partial_tail.py tests/test_fork_retention.py tests/test_fork_draft_group.py tests/test_fork_prompt_tail.py tests/test_allocator.py tests/test_allocator_invariant_rules.py tests/test_values_fork_mamba.py|*ǁPartialTailHoldingMambaManagerǁ* *ǁRetainingMambaManagerǁ*"
   # The async engine (issue 26 item 3): the pipeline clock, the one engine
   # loop, the AsyncScheduler twin, its steady lane, the batch-queue core.
@@ -310,7 +314,7 @@ tests/test_steady.py::test_the_check_catches_a_waiting_loop_wrongly_skipped"
   [sessions]="sim/workloads/sessions.py|tests/test_values_sessions.py tests/test_sessions.py::test_turn_n_prompt_is_the_prefix_plus_the_history_so_far tests/test_sessions.py::test_every_turn_is_a_token_prefix_of_the_next_and_sessions_share_only_the_prefix tests/test_sessions.py::test_the_workload_is_deterministic_per_seed"
   [bench]="sim/bench.py|$BENCH_TESTS|*target_lines* *_target_line* *AllocatorTimer* *_allocator_shares* *step_cost_ratios* *x__measure__*"
 )
-ORDER=(engine engine_assembly scheduler settled steady engine_core pipeline_clock engine_loop async_scheduler async_steady fast_path missed_lookups output stats gates kv_cache_manager step_time allocator_invariants model_runner side_cache_rings retention validate calibrate conformance serving server_metrics live_engine server openai_requests recording client launch loaders config async_engine pool_replay kv_cache_pins sched_pins frees side_cache_layout partial_tail waiting_queue bench scenario_record sessions)
+ORDER=(engine engine_assembly scheduler settled steady engine_core pipeline_clock engine_loop async_scheduler async_steady fast_path missed_lookups output stats gates kv_cache_manager step_time allocator_invariants model_runner side_cache_rings retention validate calibrate conformance serving server_metrics live_engine server openai_requests recording client launch loaders config async_engine pool_replay kv_cache_pins sched_pins frees side_cache_layout fork_patches partial_tail waiting_queue bench scenario_record sessions)
 
 toml_list() { printf '"%s", ' "$@" | sed 's/, $//'; }
 

@@ -251,7 +251,7 @@ def test_the_loop_waits_out_each_step_from_the_time_the_call_starts():
     scheduled at 1 and 3 and the loop yields 2 s for each; each record
     names when its step was scheduled and its time; no work and no
     arrivals left: it returns False (not stalled)."""
-    first, second = (EngineCall(scheduled=_output(s), waits=True) for s in (1, 2))
+    first, second = (EngineCall(dispatched=_output(s), waits=True) for s in (1, 2))
     core, io = _ScriptedCore([first, second]), _IO(now_s=1.0)
     pauses, stalled = _drive(run_engine(core, SerialClock(lambda output: 2.0), io), io)
     assert (pauses, stalled) == ([2.0, 2.0], False)
@@ -266,14 +266,14 @@ def test_a_call_that_does_not_block_is_recorded_with_no_step_and_not_ended():
     yields nothing but ends and records the clock's times (here the second
     waits 0.25 s, the third 0). A call that schedules nothing hands the
     clock nothing."""
-    handed = EngineCall(scheduled=_output(1), samples=False)
-    landed = EngineCall(scheduled=_output(2), waits=True)
+    handed = EngineCall(dispatched=_output(1), samples=False)
+    landed = EngineCall(dispatched=_output(2), waits=True)
     nothing = EngineCall(waits=True)
     core, io = _ScriptedCore([handed, landed, nothing]), _IO(now_s=7.0)
     clock = _StubClock([(0.25, 1.5, 3.0), (0.0, 2.0, 4.0)])
     pauses, stalled = _drive(run_engine(core, clock, io), io)
     assert (pauses, stalled) == ([0.25], False)
-    assert clock.scheduled == [(7.0, handed.scheduled, False), (7.0, landed.scheduled, True)]
+    assert clock.scheduled == [(7.0, handed.dispatched, False), (7.0, landed.dispatched, True)]
     assert io.records == [(handed, 0.0, 0.0), (landed, 1.5, 3.0), (nothing, 2.0, 4.0)]
     assert core.log == [
         ("begin", handed),
@@ -290,7 +290,7 @@ def test_an_idle_engine_sleeps_until_an_arrival_and_ends_when_arrivals_do():
     """No work, arrivals open: IDLE; the arrival brings a step; no work
     again: IDLE; arrivals end: the loop returns False."""
     core, io = _ScriptedCore([]), _IO(ended=False)
-    step = EngineCall(scheduled=_output(1), waits=True)
+    step = EngineCall(dispatched=_output(1), waits=True)
     arrivals = [lambda: core.calls.append(step), lambda: setattr(io, "ended", True)]
     pauses, stalled = _drive(
         run_engine(core, SerialClock(lambda output: 1.0), io), io, lambda: arrivals.pop(0)()
@@ -646,7 +646,7 @@ def _batch_queue(num_blocks: int = 400, num_spec: int = K) -> tuple[BatchQueueEn
 
 def _scheduled(call: EngineCall) -> list[tuple[str, int, int]]:
     return [(item.request_id, item.num_scheduled_tokens, item.num_computed_tokens)
-            for item in call.scheduled.scheduled]  # fmt: skip
+            for item in call.dispatched.scheduled]  # fmt: skip
 
 
 def test_a_preempted_requests_one_stale_token_drains_and_it_resumes():
@@ -677,7 +677,7 @@ def test_a_preempted_requests_one_stale_token_drains_and_it_resumes():
     calls = [make_call(core) for _ in range(3)]
     call = core.begin_step()
     victim = scheduler.requests["r001"]
-    assert call.scheduled.preempted_request_ids == ("r001",)
+    assert call.dispatched.preempted_request_ids == ("r001",)
     assert (victim.num_stale_output_tokens, victim.num_computed_tokens) == (1, 0)
     cached.clear()
     core.end_step(call)
@@ -696,7 +696,7 @@ def test_a_preempted_requests_one_stale_token_drains_and_it_resumes():
         [("r001", 34, 0)],
         [],
     ]
-    assert calls[6].scheduled.resumed_request_ids == ("r001",)
+    assert calls[6].dispatched.resumed_request_ids == ("r001",)
     assert calls[5].outcome.finished == {"r000": 5}
     assert calls[10].outcome.finished == {"r001": 5}
 
@@ -732,7 +732,7 @@ def test_a_stale_token_that_reaches_max_tokens_finishes_the_waiting_request():
     scheduler.add_request(tiny_spec(0, 90, output=5))
     scheduler.add_request(tiny_spec(1, 33, output=1))
     calls = [make_call(core) for _ in range(4)]
-    assert calls[3].scheduled.preempted_request_ids == ("r001",)
+    assert calls[3].dispatched.preempted_request_ids == ("r001",)
     assert calls[3].outcome.finished == {"r001": 1}
     assert "r001" not in scheduler.requests and list(scheduler.waiting) == []
     calls += [make_call(core) for _ in range(2)]
@@ -801,7 +801,7 @@ def test_the_batch_queue_calls_block_only_when_full_or_out_of_requests():
     calls = []
     while core.has_work():
         calls.append(make_call(core))
-    assert [(None if c.scheduled is None else c.scheduled.step_index, c.samples, c.waits, c.idle,
+    assert [(None if c.dispatched is None else c.dispatched.step_index, c.samples, c.waits, c.idle,
              None if c.processed is None else c.processed.step_index) for c in calls] == [
         (1, True, False, False, None),
         (2, False, False, False, None),
@@ -823,7 +823,7 @@ def test_a_request_that_never_fits_leaves_the_batch_queue_idle():
     core, _ = _batch_queue(num_blocks=16)
     core.scheduler.add_request(tiny_spec(0, 400, output=5))
     calls = [make_call(core) for _ in range(3)]
-    assert [(c.scheduled.is_empty, c.samples, c.waits, c.idle) for c in calls] == [
+    assert [(c.dispatched.is_empty, c.samples, c.waits, c.idle) for c in calls] == [
         (True, False, False, True),
         (True, False, False, True),
         (True, False, True, True),

@@ -174,7 +174,7 @@ def test_both_sides_say_alike_whether_a_call_samples():
         if not (kvsim_side.has_work() or vllm_side.has_work()):
             break
         (kvsim_call, _), (vllm_call, _) = kvsim_side.step(), vllm_side.step()
-        if kvsim_call.scheduled is not None:
+        if kvsim_call.dispatched is not None:
             assert kvsim_call.samples is vllm_call.samples
             seen.add(vllm_call.samples)
     assert seen == {True, False}
@@ -308,7 +308,7 @@ def test_a_vllm_call_that_schedules_and_lands_nothing_is_idle_only_with_nothing_
         item = (ScheduledRequest("r", tokens, 0, 0, tokens),) if tokens else ()
         engine._in_flight.append(SchedulerOutput(step_index=1, scheduled=item))
     call, state = engine.step()
-    assert (call.scheduled, call.processed, call.waits) == (None, None, False)
+    assert (call.dispatched, call.processed, call.waits) == (None, None, False)
     assert idle_after(async_engine._EngineCalls(engine), call) is idle
     assert (state.step, state.num_free_blocks) == (0, 7)
 

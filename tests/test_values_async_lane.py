@@ -39,7 +39,7 @@ def _drive(simulation) -> list[tuple]:
     while core.has_work() and len(calls) < 500:
         call = make_call(core)
         taken = core.lane.num_taken if core.lane is not None else 0
-        calls.append((call.scheduled, call.processed, call.outcome, taken))
+        calls.append((call.dispatched, call.processed, call.outcome, taken))
     return calls
 
 

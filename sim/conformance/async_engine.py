@@ -88,10 +88,10 @@ class _KvsimEngine:
 
     def step(self) -> tuple[EngineCall, ComparedEngineCall]:
         call = make_call(self.core)
-        scheduled = call.scheduled
-        if scheduled is not None:
+        dispatched = call.dispatched
+        if dispatched is not None:
             queries, hits = self._prefix
-            self._prefix = (queries + scheduled.prefix_cache_queries, hits + scheduled.prefix_cache_hits)
+            self._prefix = (queries + dispatched.prefix_cache_queries, hits + dispatched.prefix_cache_hits)
         reported = (0, 0)
         if call.processed is not None:
             reported, self._prefix = self._prefix, (0, 0)
@@ -100,7 +100,7 @@ class _KvsimEngine:
             call,
             placeholders={
                 rid: self.core.num_output_placeholders(s.requests[rid])
-                for rid in _ids(scheduled)
+                for rid in _ids(dispatched)
                 if rid in s.requests
             },
             finished=sorted(call.outcome.finished) if call.outcome else [],
@@ -126,7 +126,7 @@ def compared_call(
     num_free_blocks: int,
     prefix: tuple[int, int],
 ) -> ComparedEngineCall:
-    out = call.scheduled
+    out = call.dispatched
     return ComparedEngineCall(
         step=out.step_index if out is not None else 0,
         scheduled_tokens=tuple(

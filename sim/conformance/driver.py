@@ -187,9 +187,9 @@ class _BackendCore:
         return EngineCall(output, waits=True)
 
     def end_step(self, call: EngineCall) -> None:
-        assert call.scheduled is not None
-        call.processed = call.scheduled
-        self._state = self.backend.execute(call.scheduled)
+        assert call.dispatched is not None
+        call.processed = call.dispatched
+        self._state = self.backend.execute(call.dispatched)
 
     def only_empty_in_flight(self) -> bool:
         return True  # a step is applied in the call that hands it over

@@ -49,12 +49,14 @@ class ScheduledStep:
 
 @dataclass(slots=True)
 class EngineCall:
-    """One call of the engine core (vLLM's ``step_fn``): the step it handed
-    to the workers (None: none) and, once ``end_step`` ran, the step whose
-    output it applied (None: it did not block)."""
+    """One call of the engine core (vLLM's ``step_fn``): the step it
+    dispatched to the workers (None: none) and, once ``end_step`` ran, the
+    step whose output it processed (None: it did not block). Not
+    ``scheduled``: that is a step's scheduled requests
+    (``SchedulerOutput.scheduled``)."""
 
-    scheduled: SchedulerOutput | None = None
-    # Some request of ``scheduled`` samples a token (the pipeline clock's broadcast).
+    dispatched: SchedulerOutput | None = None
+    # Some request of ``dispatched`` samples a token (the pipeline clock's broadcast).
     samples: bool = True
     # The call blocks on the oldest step in flight; ``end_step`` follows.
     waits: bool = False
@@ -91,12 +93,12 @@ class EngineCore:
         if scheduled.output.is_empty:
             return EngineCall()
         self._in_flight = scheduled
-        return EngineCall(scheduled=scheduled.output, waits=True)
+        return EngineCall(dispatched=scheduled.output, waits=True)
 
     def end_step(self, call: EngineCall) -> None:
         """The step's output landed: apply it."""
         step, self._in_flight = self._in_flight, None
-        assert step is not None and step.output is call.scheduled, "end the step begun"
+        assert step is not None and step.output is call.dispatched, "end the step begun"
         call.processed = step.output
         call.sampled, call.outcome = self._complete(step)
 

@@ -120,8 +120,8 @@ def run_engine(
             continue
         clock.now_s = io.start_s()
         call = core.begin_step()
-        if call.scheduled is not None:
-            clock.schedule(call.scheduled, call.samples)
+        if call.dispatched is not None:
+            clock.schedule(call.dispatched, call.samples)
         started_s = step_s = 0.0
         if call.waits:
             wait_s, started_s, step_s = clock.block()
@@ -144,7 +144,7 @@ def idle_after(core: LoopCore, call: EngineCall) -> bool:
     while only empty steps are in flight lets the steps in flight complete
     (their fenced frees return); if that changed nothing, nothing but a new
     request can change the engine."""
-    if not (_is_empty(call.scheduled) and _is_empty(call.processed) and core.only_empty_in_flight()):
+    if not (_is_empty(call.dispatched) and _is_empty(call.processed) and core.only_empty_in_flight()):
         return False
     return not core.complete_in_flight_steps()
 
