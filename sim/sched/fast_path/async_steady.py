@@ -1,12 +1,6 @@
-"""The steady lane in async mode, under ``AsyncScheduler`` and the batch
-queue (fast-path rules 5-9; the argument in ``docs/fast-path.md``).
-
-No twin in vLLM. A kept request carries what ``AsyncScheduler`` keeps on
-its ``Request`` between a schedule and its output (optimistic computed
-tokens, tokens in flight, placeholders, the decode stagger, sampled ids
-not appended); anything the lane cannot apply hands the request back
-first and goes the ordinary way.
-"""
+"""The steady lane in async mode (rules 5-9). A kept request carries what
+``AsyncScheduler`` keeps on its ``Request`` between a schedule and its
+output; what the lane cannot apply hands the request back first."""
 
 from __future__ import annotations
 
@@ -36,12 +30,9 @@ _new_item = tuple.__new__
 
 @dataclass(slots=True)
 class _KeptAsync:
-    """A request in the async lane: what ``AsyncScheduler`` would hold on
-    it (``eligible``: the first schedule call at which it may decode again;
-    ``pending``: sampled ids not yet appended), and, fixed at entry (rule 6),
-    the most computed tokens at a steady schedule, its settled caching
-    window, its token count at which a length limit stops it and its prompt
-    plus ``max_tokens`` (the running loop's skip)."""
+    """What ``AsyncScheduler`` would hold on the request (``eligible``: the
+    first schedule call at which it may decode again; ``pending``: sampled
+    ids not appended), and what is fixed at entry (rule 6)."""
 
     request: Request
     computed: int
@@ -58,7 +49,7 @@ class _KeptAsync:
 
 
 class AsyncSteadyLane(SteadyLane[_KeptAsync]):
-    """The steady lane for ``BatchQueueEngineCore`` (one per engine core)."""
+    """``BatchQueueEngineCore``'s."""
 
     scheduler: AsyncScheduler
 
@@ -66,13 +57,12 @@ class AsyncSteadyLane(SteadyLane[_KeptAsync]):
         super().__init__(scheduler, door)
         # A taken decode's next is that many schedule calls later (pp).
         self.decode_stagger = scheduler.decode_stagger
-        # The decodes the scheduler took in the last schedule.
-        self.num_taken = 0
+        self.num_taken = 0  # by the last schedule
 
     # ---------------------------------------------------------------- a step
     def schedule(self) -> SchedulerOutput:
-        """The scheduler's step, offered the kept requests' decodes (and a
-        ``SKIP`` for each one its stagger holds back)."""
+        """The scheduler's step, offered the kept requests' decodes (``SKIP``
+        for each its stagger holds back)."""
         scheduler = self.scheduler
         step_index = scheduler.step_index + 1  # the schedule call being made
         items: dict[str, ScheduledRequest | object] = {}
@@ -111,10 +101,9 @@ class AsyncSteadyLane(SteadyLane[_KeptAsync]):
         return output
 
     def update_from_output(self, output: SchedulerOutput, sampled: ModelRunnerOutput) -> StepOutcome:
-        """The oldest step's output landed: the fences pass first (rule 8);
-        a kept decode's tokens are applied in the lane as
-        ``AsyncScheduler.apply_sampled`` would, where they cannot stop it and
-        its caching is settled, else it leaves the lane first. (One loop: it
+        """The fences pass first (rule 8); a kept decode's tokens are applied
+        here as ``AsyncScheduler.apply_sampled`` would, where they cannot stop
+        it and its caching is settled, else it leaves first. (One loop: it
         runs for every decode of every step.)"""
         scheduler = self.scheduler
         scheduler.output_arrives(output)
@@ -158,14 +147,14 @@ class AsyncSteadyLane(SteadyLane[_KeptAsync]):
         return tally.outcome()
 
     def num_output_placeholders(self, request: Request) -> int:
-        """``request``'s placeholders as the scheduler would have them."""
+        """As the scheduler would have them."""
         kept = self._kept.get(request.request_id)
         return request.num_output_placeholders if kept is None else kept.placeholders
 
     # ------------------------------------------------------- entry and exit
     @staticmethod
     def _hand_over(kept: _KeptAsync) -> None:  # type: ignore[override]
-        """The request takes the counters and the ids kept aside."""
+        """The counters and the ids kept aside."""
         request = kept.request
         request.num_computed_tokens = kept.computed
         request.num_in_flight_tokens = kept.in_flight
@@ -176,8 +165,8 @@ class AsyncSteadyLane(SteadyLane[_KeptAsync]):
             kept.pending = []
 
     def _enter(self, request: Request) -> _KeptAsync | None:
-        """Keep ``request`` if it decodes next, has no stale output, and its
-        next step's calls lie in settled windows."""
+        """Kept if it decodes next, has no stale output, and its next step's
+        calls lie in settled windows."""
         computed, placeholders = request.num_computed_tokens, request.num_output_placeholders
         if (
             request.is_prefill_chunk
@@ -207,8 +196,8 @@ class AsyncSteadyLane(SteadyLane[_KeptAsync]):
 
     def _limit(self, request: Request) -> tuple[int, int, int] | None:
         """The most computed tokens at a steady schedule and the caching
-        window (rule 6), or None: a schedule's ``allocate_slots`` spans from
-        the processed tokens to ``1 + 2K`` past the computed ones."""
+        window (rule 6), or None. ``allocate_slots`` spans from the processed
+        tokens to ``1 + 2K`` past the computed ones."""
         computed, scheduler = request.num_computed_tokens, self.scheduler
         span = self.door.decode_span(request, self.step_tokens + self.num_spec)
         door, request_id = self.door, request.request_id
@@ -231,7 +220,6 @@ class AsyncSteadyLane(SteadyLane[_KeptAsync]):
         self._audit_allocation(kept.request)
 
     def _audit_caching(self, kept: _KeptAsync, processed: int) -> None:
-        """Make the caching a kept decode's output skipped (``audit``)."""
         self._hand_over(kept)
         self.door.check_unchanged(
             lambda: self.door.wrapped.cache_blocks(kept.request, processed), "steady caching"

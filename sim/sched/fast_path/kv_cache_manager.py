@@ -1,14 +1,7 @@
 """The fast path's door: the ``KVCacheManager`` the scheduler holds when
-``simulation.fast_path`` is on (``engine_assembly.build_engine`` builds it).
-
-No twin in vLLM (its scheduler makes every call). It wraps the manager
-(vLLM's, or the fork's pinning one), decides every call that may change the
-allocator (its methods below) and passes the reads in ``PASSED_THROUGH`` on:
-a settled call is skipped (rules 1-2), every call that may change the
-allocator bumps the versions here (rule 3), and a lookup known to find
-nothing or no hit is answered here (rules 10, 12). The rules:
-``__init__.py``.
-"""
+``simulation.fast_path`` is on. It wraps vLLM's (or the fork's pinning)
+manager, decides every call that may change the allocator and passes the
+reads in ``PASSED_THROUGH`` on (rules 1-3, 10, 12)."""
 
 from __future__ import annotations
 
@@ -68,8 +61,7 @@ class FastPathKVCacheManager:
         self.audit = False
         self.audited = AuditCounts()
 
-    def _changes(self) -> None:
-        """A call may change the allocator beyond taking blocks."""
+    def _changes(self) -> None:  # beyond taking blocks
         self.allocator_version += 1
         self.release_version += 1
 
@@ -80,9 +72,8 @@ class FastPathKVCacheManager:
 
     # ------------------------------------------------------ settled calls
     def allocate_slots(self, request: Request, num_new_tokens: int, **kwargs: Any) -> KVCacheBlocks | None:
-        """A running request's allocation: skipped when settled (rule 1),
-        else it only takes blocks (rule 12); an admission that succeeds
-        changes the allocator."""
+        """Skipped when settled (rule 1); a running request's only takes
+        blocks (rule 12), an admission changes the allocator."""
         allocate = self.wrapped.allocate_slots
         if request.status != RequestStatus.RUNNING:
             blocks = allocate(request, num_new_tokens, **kwargs)
@@ -114,9 +105,8 @@ class FastPathKVCacheManager:
 
     @staticmethod
     def decode_span(request: Request, num_tokens: int) -> tuple[int, int] | None:
-        """The positions a decoding request's next ``num_tokens`` slots span
-        (None: not decoding), from its processed tokens, behind those in
-        flight (rule 9: async ``allocate_slots`` frees skipped blocks there)."""
+        """The positions a decode's next ``num_tokens`` slots span (None: not
+        decoding), from its processed tokens (rule 9)."""
         computed = request.num_computed_tokens
         if not is_decoding(computed, request.num_tokens):
             return None
@@ -132,7 +122,6 @@ class FastPathKVCacheManager:
         return self.wrapped.pop_blocks_for_free(request)
 
     def _forget(self, request_id: str) -> None:
-        """The request's blocks are freed (preempted or finished)."""
         self.allocations.forget(request_id)
         self.caching.forget(request_id)
         self._changes()
@@ -149,9 +138,8 @@ class FastPathKVCacheManager:
 
     # ------------------------------------------------------------ lookups
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
-        """The waiting loop's lookup, or vLLM's empty answer for one known
-        to find nothing (rule 12); a lookup with no hit is remembered by
-        rule 10 too."""
+        """vLLM's empty answer for a lookup known to find nothing (rule 12);
+        a lookup with no hit is remembered (rule 10)."""
         if self.finds_nothing(request):
             self.last_lookup = (request, True)
             if self.audit:
@@ -167,9 +155,8 @@ class FastPathKVCacheManager:
         return blocks, num_hit, boundary
 
     def finds_nothing(self, request: Request) -> bool:
-        """Whether ``request``'s last waiting-loop lookup found nothing and
-        none of its hashes was inserted since (rule 10's memo of it is the
-        one it had then)."""
+        """Its last waiting-loop lookup found nothing, and rule 10's memo of
+        it is the one it had then (none of its hashes inserted since)."""
         found = self._found_nothing
         if found is None or found[0] is not request:
             return False
@@ -184,9 +171,8 @@ class FastPathKVCacheManager:
         return self._changed(self.wrapped.release_pinned_extras(*args))  # type: ignore[attr-defined]
 
     def pin_waiting_hit(self, request: Request) -> int:
-        """A waiter's pin: none where its lookup is known to find no hit
-        (rule 10); a lookup that finds none is remembered, and one that pins
-        nothing and is not remembered is reported to rule 11."""
+        """None where the lookup is known to find no hit (rule 10); one that
+        pins nothing unremembered is reported to rule 11."""
         memos, wrapped = self.missed_pin_lookups, self.wrapped
         if memos.knows_no_hit(request):
             if self.audit:
@@ -203,14 +189,12 @@ class FastPathKVCacheManager:
 
     # -------------------------------------------------------------- audit
     def check_unchanged(self, call: Callable[[], T], what: str) -> T:
-        """Make ``call`` and assert the allocator is as it was."""
         before = allocator_snapshot(self.wrapped)
         result = call()
         assert allocator_snapshot(self.wrapped) == before, f"a skipped {what} call changed the allocator"
         return result
 
     def _audit_allocation(self, request: Request, num_new: int, num_lookahead: int) -> None:
-        """Make a skipped allocation: it must allocate nothing."""
         allocate = self.wrapped.allocate_slots
         blocks = self.check_unchanged(
             lambda: allocate(request, num_new, num_lookahead_tokens=num_lookahead), "allocation"
@@ -221,14 +205,12 @@ class FastPathKVCacheManager:
         self.audited.allocations += 1
 
     def _audit_lookup(self, request: Request) -> None:
-        """Make a skipped lookup: it must find nothing (vLLM's empty blocks)."""
         found = self.check_unchanged(lambda: self.wrapped.get_computed_blocks(request), "lookup")
         assert found == (self.empty_kv_cache_blocks, 0, 0), f"{request.request_id}: a lookup finds"
         self.audited.lookups += 1
 
     def _audit_pin_lookup(self, request: Request) -> None:
-        """Make a skipped pin call: it must find no hit, which returns
-        before touching anything (no snapshot: there are many)."""
+        # No snapshot (there are many): a lookup with no hit returns first.
         pinned = self.wrapped.pin_waiting_hit(request)  # type: ignore[attr-defined]
         assert pinned == 0 and self.wrapped.pin_lookup_found_no_hit, (  # type: ignore[attr-defined]
             f"{request.request_id}: a skipped pin lookup hits"
@@ -236,12 +218,10 @@ class FastPathKVCacheManager:
         self.audited.pin_lookups += 1
 
 
-# What passes through the door unseen (each read on the wrapped manager, so
-# a method replaced there, as ``kvsim bench`` times them, is the one called):
-# reads, and calls that change nothing a memo reads (``new_step_starts``
-# clears a per-step set). Named, not ``__getattr__``: a new call into the
-# allocator fails here until it is a method of the door (it may change the
-# allocator: rule 3) or added to this list.
+# What passes through unseen, read on the wrapped manager each time (``kvsim
+# bench`` replaces methods there): reads, and ``new_step_starts`` (a per-step
+# set). Named, not ``__getattr__``: a new allocator call fails here until it
+# is a door method (rule 3) or listed.
 PASSED_THROUGH = (
     "coordinator managers ring_managers ring_slot_pools enable_caching get_block_ids new_step_starts"
     " take_events take_new_block_ids take_new_ring_block_ids make_prefix_cache_stats"
@@ -255,15 +235,13 @@ for _name in PASSED_THROUGH:
 
 
 def unwrapped(manager: KVCacheManager | FastPathKVCacheManager) -> KVCacheManager:
-    """The manager behind the fast path's door (itself when there is none)."""
+    """The manager behind the door (itself when there is none)."""
     return manager.wrapped if isinstance(manager, FastPathKVCacheManager) else manager
 
 
 def settled_steps(manager: KVCacheManager, config: SchedulerConfig) -> SettledSteps:
-    """Windows over every block size a call divides by (the groups', the
-    scheduler's; the hash unit only inside the prompt), widened by the
-    margin (rule 2). A ring is claimed once per request and reads no
-    position: its block size is left out."""
+    """Windows over every block size a call divides by, widened by the
+    margin (rules 1-2). A ring reads no position: its size is left out."""
     rings = manager.ring_managers
     sizes = {m.block_size for m in manager.managers if m not in rings}
     sizes.add(config.block_size)
@@ -274,5 +252,5 @@ def settled_steps(manager: KVCacheManager, config: SchedulerConfig) -> SettledSt
 
 
 def margin_tokens(num_speculative_tokens: int) -> int:
-    """The margin of rule 2, named so tests derive their counts from it."""
+    """Rule 2's margin (tests derive their counts from it)."""
     return 4 * (1 + num_speculative_tokens) + 16

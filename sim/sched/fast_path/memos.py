@@ -1,10 +1,6 @@
-"""The fast path's memos of the scheduler's own loops, and its lanes.
-
-``FastPath`` (held as ``Scheduler.fast_path``; ``NoFastPath`` when the
-fast path is off) remembers waiting loops known to admit nobody and refused
-admissions (rules 4, 9, 12) and pin passes known to pin nothing (rule 11),
-and makes the steady lanes. The rules: ``__init__.py``.
-"""
+"""``FastPath`` (``Scheduler.fast_path``; ``NoFastPath`` when off): the memos
+of the scheduler's own loops (idle waiting loops and refused admissions,
+rules 4, 9, 12; idle pin passes, rule 11), and the steady lanes."""
 
 from __future__ import annotations
 
@@ -26,9 +22,8 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class _Refusal:
-    """A refused admission (rule 12): the request, its tokens, whether any
-    request was running (vLLM's watermark), the release version and free
-    blocks then."""
+    """A refused admission, and what rule 12 compares (``has_scheduled_reqs``:
+    vLLM's watermark)."""
 
     request: object
     num_new: int
@@ -39,9 +34,8 @@ class _Refusal:
 
 @dataclass(frozen=True, slots=True)
 class _IdleWaiting:
-    """Waiting loops that admitted nobody with one head and allocator
-    version: their inputs (the latest last); for rule 12, the release
-    version, free blocks and whether the head's lookup found nothing."""
+    """The inputs (latest last) of waiting loops that admitted nobody with
+    one head and allocator version, and what rule 12 compares."""
 
     head: object
     inputs: tuple[tuple, ...]
@@ -55,8 +49,7 @@ class _IdleWaiting:
 
 
 class FastPath:
-    """The scheduler-level fast path of one scheduler: the waiting-loop
-    memo, the pin-pass memo and the lanes, beside its door (``door``)."""
+    """One scheduler's memos and lanes, beside its door."""
 
     enabled = True
 
@@ -85,7 +78,7 @@ class FastPath:
 
     @property
     def allocator_version(self) -> int:
-        """The door's version (rule 3), voided too by a waiter's change."""
+        """The door's (rule 3), voided too by a waiter's change."""
         return self.door.allocator_version + self._waiters_changed
 
     @property
@@ -93,28 +86,24 @@ class FastPath:
         return self.door.release_version + self._waiters_changed
 
     def make_lane(self, model_runner: ModelRunner) -> SyncSteadyLane | None:
-        """The steady lane for an ``EngineCore``."""
         return SyncSteadyLane(self.scheduler, self.door, model_runner) if self.use_lane else None
 
     def make_async_lane(self) -> AsyncSteadyLane | None:
-        """The steady lane for a ``BatchQueueEngineCore`` (async mode)."""
         return AsyncSteadyLane(self.scheduler, self.door) if self.use_lane else None  # type: ignore[arg-type]
 
     def waiting_request_changes(self) -> None:
-        """A waiter's stale output drained (rule 9): every remembered loop is void."""
+        """A waiter's stale output drained (rule 9): every memo is void."""
         self._waiters_changed += 1
 
     # ------------------------------------------------ known-idle waiting
     def skips_waiting(self, step: _StepState) -> bool:
-        """Whether the waiting loop is known to admit nobody."""
         known = self.waiting_known_idle(step.token_budget, step.running_scheduled, step.prefill_scheduled)
         if known and self.audit:
             self._audit_waiting(step)
         return known
 
     def waiting_loop(self, step: _StepState, admit: Callable[[_StepState], bool]) -> None:
-        """Run the waiting loop (``admit`` says whether it admitted anyone),
-        remembering one that admitted nobody."""
+        """``admit``: the loop, which says whether it admitted anyone."""
         inputs = self.waiting_starts(step)
         self.waiting_ends(inputs, admit(step))
 
@@ -123,9 +112,8 @@ class FastPath:
         return self._waiting_inputs(step.token_budget, step.running_scheduled, step.prefill_scheduled)
 
     def waiting_ends(self, inputs: tuple, admitted: bool) -> None:
-        """A loop that admitted nobody changed nothing (a failed admission
-        allocates nothing); idle loops of other inputs are kept while the
-        head and the allocator version stay (rule 4)."""
+        """A loop that admitted nobody changed nothing; idle loops of other
+        inputs are kept while the head and the allocator version stay (rule 4)."""
         waiting, idle = self.scheduler.waiting, self._idle_waiting
         self._idle_waiting = None
         if admitted or not waiting:
@@ -145,8 +133,8 @@ class FastPath:
         )
 
     def waiting_known_idle(self, token_budget: int, running_scheduled: bool, prefill_scheduled: bool) -> bool:
-        """Whether a waiting loop with these inputs is remembered idle, with
-        the same head and the allocator as it was (rule 3, or rule 12)."""
+        """Remembered idle with the same head and inputs, and the allocator
+        as it was (rule 3, or rule 12)."""
         idle, waiting = self._idle_waiting, self.scheduler.waiting
         return (
             idle is not None
@@ -159,8 +147,7 @@ class FastPath:
     def _allocator_as_when(self, idle: _IdleWaiting) -> bool:
         return idle.allocator_version == self.allocator_version or self._head_still_refused(idle)
 
-    def _head_still_refused(self, idle: _IdleWaiting) -> bool:
-        """Rule 12 for the idle loops' head."""
+    def _head_still_refused(self, idle: _IdleWaiting) -> bool:  # rule 12
         return (
             idle.head_missed
             and self._only_took_blocks_since(idle.release_version, idle.num_free_blocks)
@@ -168,17 +155,16 @@ class FastPath:
         )
 
     def _only_took_blocks_since(self, release_version: int, num_free_blocks: int) -> bool:
-        """Rule 12: only running requests' allocations and caching since,
-        and no more free blocks than then."""
+        """Rule 12: only running requests' allocations and caching since, and
+        no more free blocks."""
         return release_version == self.release_version and self._num_free_blocks() <= num_free_blocks
 
-    def _num_free_blocks(self) -> int:
-        """The count ``allocate_slots`` compares a need with."""
+    def _num_free_blocks(self) -> int:  # what ``allocate_slots`` compares a need with
         return self.door.block_pool.get_num_free_blocks()
 
     def admission(self, request: Request, num_new: int, attempt: Callable[[], T]) -> T | None:
-        """The head's admission (``attempt``: the allocation, then the
-        fork's head guard), or None where it is known refused (rule 12)."""
+        """``attempt``: the allocation, then the fork's head guard; None
+        where known refused (rule 12)."""
         if self.skips_refused_admission(request, num_new, attempt):
             return None
         allocated = attempt()
@@ -189,9 +175,8 @@ class FastPath:
         return allocated
 
     def skips_refused_admission(self, request: Request, num_new: int, attempt: Callable[[], object]) -> bool:
-        """Whether ``request``'s admission with ``num_new`` tokens was refused
-        with the same scheduled requests, it finds nothing, and running
-        requests only took blocks since (rule 12)."""
+        """Refused with the same tokens and scheduled requests, it finds
+        nothing, and running requests only took blocks since (rule 12)."""
         refusal = self._refusal
         if (
             refusal is None
@@ -221,8 +206,7 @@ class FastPath:
         )
 
     # ------------------------------------------------------ idle pin passes
-    def skips_pin_pass(self, pinned_ids: tuple[str, ...]) -> bool:
-        """Whether the pin pass is known to pin nothing (rule 11)."""
+    def skips_pin_pass(self, pinned_ids: tuple[str, ...]) -> bool:  # rule 11
         self._pin_pass_version = self.allocator_version
         if not self.door.missed_pin_lookups.knows_idle_pass(self.scheduler.waiting, pinned_ids):
             return False
@@ -231,7 +215,7 @@ class FastPath:
         return True
 
     def unchanged_waiters(self, pinned_ids: tuple[str, ...]) -> Container[int]:
-        """The waiters (by ``id``) a pin pass may pass over (rule 11)."""
+        """The waiters (by ``id``) a pin pass passes over (rule 11)."""
         return self.door.missed_pin_lookups.idle_pass_entries(pinned_ids)
 
     def unchanged_waiter_passed_over(self, request: Request) -> None:
@@ -239,34 +223,33 @@ class FastPath:
             self._audit_unchanged_waiter(request)
 
     def waiter_admitted(self, request: Request) -> None:
-        """A waiter was admitted (rule 11: it may come back preempted)."""
+        """Rule 11: it may come back preempted."""
         self.door.missed_pin_lookups.waiter_admitted(request)
 
     def pin_pass_ends(self, pinned_ids: tuple[str, ...]) -> None:
-        """A pin pass ended (it pinned something iff it bumped the version)."""
+        """It pinned something iff it bumped the version."""
         pinned = self.allocator_version != self._pin_pass_version
         self.door.missed_pin_lookups.pass_ends(self.scheduler.waiting, pinned_ids, pinned)
 
     def waiting_tokens_change(self) -> None:
-        """A waiting request may take tokens (a stale output lands, rule 11)."""
+        """A stale output may land on a waiter (rule 11)."""
         self.door.missed_pin_lookups.waiter_tokens_change()
 
     # -------------------------------------------------------------- audit
     def _audit_unchanged_waiter(self, request: Request) -> None:
-        """Make a passed-over waiter's pin call: it must pin nothing."""
         pinned = self.door.wrapped.pin_waiting_hit(request)  # type: ignore[attr-defined]
         assert pinned == 0, f"{request.request_id}: a waiter passed over pins"
         self.audited.unchanged_waiters += 1
 
     def _audit_pin_pass(self) -> None:
-        """Run the skipped pin pass (its skipped lookups audited in turn)."""
+        """Its skipped lookups are audited in turn."""
         scheduler = self.scheduler
         pins = scheduler.pins.pin_waiters  # type: ignore[union-attr]  # a SchedulerPins'
         self.door.check_unchanged(lambda: pins(scheduler._waiting_requests()), "pin pass")
         self.audited.pin_passes += 1
 
     def _audit_waiting(self, step: _StepState) -> None:
-        """Run the skipped waiting loop on a copy of the step's inputs."""
+        """On a copy of the step's inputs."""
         probe = type(step)(
             token_budget=step.token_budget,
             running_scheduled=step.running_scheduled,
@@ -282,7 +265,7 @@ def _nothing(*args: Any) -> None:
 
 
 class NoFastPath:
-    """The fast path off: every call is made, nothing is remembered."""
+    """Every call is made, nothing is remembered."""
 
     enabled = audit = False
     make_lane = make_async_lane = waiting_request_changes = waiter_admitted = staticmethod(_nothing)

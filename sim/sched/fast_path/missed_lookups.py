@@ -1,14 +1,9 @@
 """Waiters whose prefix-cache lookup found no hit, and pin passes known to
-pin nothing: the fast path's memos for the fork's waiter pins (pin point 3,
-``sim/fork/scheduler_pins.py``; rules 10-11, argued in ``docs/fast-path.md``).
-
-No twin in vLLM or the fork (both look every waiter up at the end of every
-schedule): a waiter with no hit is looked up again every step, most of an
-async saturated decode's time. A lookup reads only the request's own hashes
-and tokens and the pool's cached-hash map, which grows only through
-``BlockPool._insert_block_hash`` (counted through the bridge's
-``watch_hash_insertions``).
-"""
+pin nothing (rules 10-11): the memos for the fork's waiter pins (pin point
+3), whose lookups are most of an async saturated decode's time. A lookup
+reads only the request's own hashes and tokens and the pool's cached-hash
+map, which grows only through ``BlockPool._insert_block_hash`` (watched
+through the bridge's ``watch_hash_insertions``)."""
 
 from __future__ import annotations
 
@@ -64,9 +59,8 @@ class MissedPinLookups:
         self._count_insertions(block_pool)
 
     def _count_insertions(self, block_pool: BlockPool) -> None:
-        """Count every (hash, block) pair the pool's cached-hash map lacked
-        and gains, and forget the waiters it is one of the hashes of (a
-        decode's caching re-inserts a held pair every step: not counted)."""
+        """Count every (hash, block) pair the cached-hash map gains (not one
+        it holds: a decode re-inserts it every step), forgetting its waiters."""
 
         def inserted(key: Any) -> None:
             self.num_hash_insertions += 1
@@ -75,25 +69,22 @@ class MissedPinLookups:
         watch_hash_insertions(block_pool, inserted)
 
     def _forget_waiters_of(self, block_hash: bytes) -> None:
-        """A key with ``block_hash`` was inserted: the waiters whose hashes
-        include it may hit now (a lookup probes only its own hashes)."""
+        """The waiters whose hashes include ``block_hash`` may hit now."""
         for request_id in self._waiters_by_hash.pop(block_hash, ()):
             missed = self._missed.pop(request_id, None)
             if missed is not None:
                 self._changed_ids.add(id(missed[0]))
                 self._forgot = True
 
-    def waiter_tokens_change(self) -> None:
-        """A waiting request may take tokens (a stale output lands)."""
+    def waiter_tokens_change(self) -> None:  # a stale output lands
         self.num_waiter_changes += 1
 
     def knows_no_hit(self, request: Request) -> bool:
-        """Whether ``request``'s lookup is known to find no hit."""
         return self.memo_of(request) is not None
 
     def memo_of(self, request: Request) -> object | None:
-        """What remembers that ``request``'s lookup finds no hit (None: not
-        known); remembered anew after being forgotten, it is a new object."""
+        """What remembers that its lookup finds no hit (None: not known); a
+        new object each time it is remembered."""
         missed = self._missed.get(request.request_id)
         if (
             missed is not None
@@ -105,7 +96,6 @@ class MissedPinLookups:
         return None
 
     def found_no_hit(self, request: Request) -> None:
-        """``request``'s lookup, just made, found no hit."""
         if self._num_remembered_hashes + len(request.block_hashes) > self.MAX_REMEMBERED_HASHES:
             # Its waiters' memos go: none is known forgotten.
             self._idle_covered = self._pass_covered = False
@@ -130,8 +120,7 @@ class MissedPinLookups:
         )
 
     def knows_idle_pass(self, waiting: Iterable[object], pinned_ids: tuple[str, ...]) -> bool:
-        """Whether a pin pass over ``waiting`` is known to pin nothing: it
-        would pass over every waiter, or meet the idle pass's queue."""
+        """It would pass over every waiter, or meet the idle pass's queue."""
         idle = self._passable_idle_pass(pinned_ids)
         if idle is None:
             return False  # it would pass over nobody
@@ -148,14 +137,13 @@ class MissedPinLookups:
         return True
 
     def _only_removed_from(self, waiting: Iterable[object]) -> bool:
-        """Whether ``waiting`` is the idle pass's queue and nothing may have
-        been put in it since (``WaitingQueue.insertions``)."""
+        """The idle pass's queue, nothing put in it since."""
         idle_queue = self._idle_queue
         return idle_queue is not None and idle_queue[0] is waiting and idle_queue[1] == _insertions(waiting)
 
     def idle_pass_entries(self, pinned_ids: tuple[str, ...]) -> frozenset[int]:
         """A pass starts: the ids of the idle pass's entries that meet it as
-        they met that one (``_passable_idle_pass``), less those changed since."""
+        they met that one, less those changed since."""
         passed_over = self._passed_over(pinned_ids)
         # The waiters passed over carry that pass's cover into this one.
         self._pass_covered = self._idle_covered or not passed_over
@@ -178,15 +166,13 @@ class MissedPinLookups:
         return idle
 
     def waiter_admitted(self, request: Request) -> None:
-        """``request`` left the waiting queue for the running one."""
         self._changed_ids.add(id(request))
 
     def pass_meets_unremembered_waiter(self) -> None:
-        """The pass under way met a waiter rule 10 does not remember."""
         self._pass_covered = False
 
     def pass_ends(self, waiting: Iterable[object], pinned_ids: tuple[str, ...], pinned: bool) -> None:
-        """A pin pass ended; ``pinned``: it changed the allocator."""
+        """``pinned``: it changed the allocator."""
         self._idle_pass = None if pinned else self._pass_key(waiting, pinned_ids)
         self._idle_queue = None if pinned else _queue_state(waiting)
         self._idle_covered = not pinned and self._pass_covered
@@ -195,12 +181,11 @@ class MissedPinLookups:
         self._idle_ids = frozenset() if self._idle_pass is None else frozenset(self._idle_pass[3])
 
 
-def _insertions(waiting: Iterable[object]) -> int | None:
-    """A ``WaitingQueue``'s insertions (None for another queue)."""
+def _insertions(waiting: Iterable[object]) -> int | None:  # None: not a ``WaitingQueue``
     return getattr(waiting, "insertions", None)
 
 
 def _queue_state(waiting: Iterable[object]) -> tuple[object, int] | None:
-    """The queue (held: its identity is not reused) and its insertions."""
+    """The queue (held, so its identity is not reused) and its insertions."""
     insertions = _insertions(waiting)
     return None if insertions is None else (waiting, insertions)

@@ -1,12 +1,8 @@
-"""Settled decode steps: the calls into vLLM's allocator kvsim may skip
-(fast-path rules 1-2; argued in ``docs/fast-path.md``).
-
-No twin in vLLM (its scheduler makes every call). A decode's
-``allocate_slots`` and ``cache_blocks`` read its positions only through
-block arithmetic, so while every position a call can read, widened by the
-margin, lies strictly inside one block of every size, the first call in
-that block does its work and the next change nothing.
-"""
+"""Settled decode steps (rules 1-2): a decode's ``allocate_slots`` and
+``cache_blocks`` read its positions only through block arithmetic, so while
+every position a call can read, widened by the margin, lies strictly inside
+one block of every size, the first call in that block does its work and the
+next change nothing."""
 
 from __future__ import annotations
 
@@ -46,8 +42,7 @@ class SettledSteps:
 
     def _blocks(
         self, first_token: int, last_token: int, prompt_tokens: int | None
-    ) -> list[tuple[int, int]] | None:
-        """``window``'s (index, size) pairs."""
+    ) -> list[tuple[int, int]] | None:  # ``window``'s (index, size) pairs
         low = first_token - self.margin_tokens
         high = last_token + self.margin_tokens
         sizes = self.block_sizes if self._past_prompt(first_token, prompt_tokens) else self._with_unit
@@ -85,6 +80,5 @@ class SettledSteps:
             least = max(least, prompt_tokens + 1 + self.margin_tokens)  # type: ignore[operator]
         self._bounds[request_id] = (least, min((k + 1) * b - 1 - self.margin_tokens for k, b in blocks))
 
-    def forget(self, request_id: str) -> None:
-        """The request's blocks were freed (preempted or finished)."""
+    def forget(self, request_id: str) -> None:  # its blocks were freed
         self._bounds.pop(request_id, None)

@@ -1,15 +1,9 @@
-"""The steady lane: the engine's fast lane for steady requests, whose decode
-steps change nothing but token counts (fast-path rules 5-8; the argument in
-``docs/fast-path.md``).
-
-No twin in vLLM (its engine runs every request through every step the same
-way). A request is steady when it decodes with K drafts queued and its
-next step's calls lie in its settled windows with ``1 + K`` tokens left by
-the ``max_model_len`` clip. The lane offers the scheduler its decode
-(``LaneOffer``); when the output arrives it draws the runner's acceptances
-in the step's order and keeps the tokens aside until the request leaves
-the lane (``hand over``).
-"""
+"""The steady lane: requests whose decode steps change nothing but token
+counts (rules 5-8). A request is steady when it decodes with K drafts queued
+and its next step's calls lie in its settled windows, with ``1 + K`` tokens
+left by the ``max_model_len`` clip. The lane offers the scheduler its decode
+(``LaneOffer``), draws the runner's acceptances in the step's order, and
+keeps the tokens aside until the request leaves (``hand over``)."""
 
 from __future__ import annotations
 
@@ -28,10 +22,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class LaneOffer:
-    """The lane's decodes for a step, made without the allocator: the
-    scheduler fills ``taken`` with those its running loop schedules as they
-    are, and calls ``hand_over`` on any other before it treats that request
-    the ordinary way."""
+    """A step's decodes, made without the allocator: the scheduler fills
+    ``taken`` with those it schedules as they are, and calls ``hand_over``
+    on any other before it treats that request the ordinary way."""
 
     items: dict[str, ScheduledRequest]
     hand_over: Callable[[Request], None]
@@ -51,10 +44,9 @@ K = TypeVar("K")
 
 @dataclass(slots=True)
 class _Kept:
-    """A request in the lane: its computed tokens and tokens as the
-    scheduler would have them, its tokens when its ``Request`` last took
-    them, and (rule 6) the most computed tokens at a steady step's start
-    and at which the step cannot stop it."""
+    """A request in the lane: its counts as the scheduler would have them,
+    its tokens when its ``Request`` last took them, and (rule 6) ``limit``
+    and ``unstoppable``."""
 
     request: Request
     computed: int
@@ -65,9 +57,8 @@ class _Kept:
 
 
 class SteadyLane(Generic[K]):
-    """What both lanes share: the requests kept aside, by id, each leaving
-    by taking back what it kept (``_hand_over``), and the audit of a taken
-    decode's skipped allocation."""
+    """The requests kept aside, by id, each leaving by taking back what it
+    kept (``_hand_over``)."""
 
     def __init__(self, scheduler: Scheduler, door: FastPathKVCacheManager) -> None:
         self.scheduler = scheduler
@@ -77,7 +68,6 @@ class SteadyLane(Generic[K]):
         self._kept: dict[str, K] = {}
 
     def flush(self) -> None:
-        """Every request in the lane takes its state and leaves it."""
         for kept in list(self._kept.values()):
             self._leave(kept.request)  # type: ignore[attr-defined]
 
@@ -88,14 +78,12 @@ class SteadyLane(Generic[K]):
         raise NotImplementedError
 
     def _decodes_next(self, request: Request) -> bool:
-        """Exactly the last known token left to compute (placeholders count
-        as known), K drafts queued. (Not ``output.is_decoding``, which also
-        holds with a decode's tokens still counted as computed.)"""
+        """The last known token left to compute, K drafts queued. (Not
+        ``output.is_decoding``: that holds with a decode's tokens counted.)"""
         known = request.num_tokens + request.num_output_placeholders
         return request.num_computed_tokens == known - 1 and len(request.spec_token_ids) == self.num_spec
 
     def _audit_allocation(self, request: Request) -> None:
-        """Make a taken decode's skipped allocation: it must allocate nothing."""
         blocks = self.door.wrapped.allocate_slots(
             request, self.step_tokens, num_lookahead_tokens=self.num_spec
         )
@@ -108,20 +96,19 @@ class SteadyLane(Generic[K]):
 
 
 class SyncSteadyLane(SteadyLane[_Kept]):
-    """The steady lane for ``EngineCore`` (sync mode)."""
+    """``EngineCore``'s (sync mode)."""
 
     def __init__(self, scheduler: Scheduler, door: FastPathKVCacheManager, model_runner: ModelRunner) -> None:
         super().__init__(scheduler, door)
         self.model_runner = model_runner
-        # The requests whose decodes the scheduler took in the step in flight.
-        self._taken: set[str] = set()
+        self._taken: set[str] = set()  # by the step in flight
 
     @property
     def num_taken(self) -> int:
         return len(self._taken)
 
     def schedule(self) -> SchedulerOutput:
-        """The scheduler's step, offered the steady requests' decodes."""
+        """The scheduler's step, offered the kept requests' decodes."""
         items: dict[str, ScheduledRequest] = {}
         kept_by_id, step_tokens, num_spec = self._kept, self.step_tokens, self.num_spec
         for request in self.scheduler.running:
@@ -149,9 +136,8 @@ class SyncSteadyLane(SteadyLane[_Kept]):
         return output
 
     def sample_and_apply(self, output: SchedulerOutput) -> StepOutcome:
-        """The step's outputs in its order, the kept requests' aside, the
-        others the scheduler's way. (One loop with the common case inline:
-        it runs for every request of every step.)"""
+        """The kept requests' tokens aside, the others the scheduler's way.
+        (The common case inline: it runs for every request of every step.)"""
         scheduler = self.scheduler
         scheduler.output_arrives(output)
         tally = StepTally()
@@ -187,8 +173,7 @@ class SyncSteadyLane(SteadyLane[_Kept]):
         return tally.outcome()
 
     def _take_at_once(self, request: Request, num_accepted: int, tally: StepTally) -> None:
-        """The step may stop ``request``: it leaves the lane and takes the
-        step's tokens the scheduler's way."""
+        """The step may stop ``request``: it leaves, taking them the scheduler's way."""
         self._leave(request)
         request.num_computed_tokens -= self.num_spec - num_accepted
         sampled = self.model_runner.sampled_token_ids(request.num_tokens, num_accepted + 1)
@@ -198,8 +183,7 @@ class SyncSteadyLane(SteadyLane[_Kept]):
             tally.finished[request.request_id] = request.num_output_tokens
 
     def _hand_over(self, kept: _Kept) -> None:
-        """The request takes its computed tokens and the tokens it sampled
-        since it last took them."""
+        """Its computed tokens, and the tokens sampled since it last took them."""
         request = kept.request
         request.num_computed_tokens = kept.computed
         new_tokens = kept.num_tokens - kept.handed_over
@@ -219,10 +203,8 @@ class SyncSteadyLane(SteadyLane[_Kept]):
         return kept
 
     def limit(self, request: Request) -> int | None:
-        """The most computed tokens ``request`` may have at a steady step's
-        start (rule 6); None when it is not decoding next or a call of its
-        next step is real. The arithmetic is the scheduler's: the span a
-        decode allocates for, the room the ``max_model_len`` clip leaves."""
+        """The most computed tokens at a steady step's start (rule 6); None
+        when it is not decoding next or a call of its next step is real."""
         computed, num_spec, step_tokens = request.num_computed_tokens, self.num_spec, self.step_tokens
         if not self._decodes_next(request):
             return None
@@ -243,15 +225,12 @@ class SyncSteadyLane(SteadyLane[_Kept]):
         return limit if computed <= limit else None
 
     def unstoppable(self, request: Request) -> int:
-        """The most computed tokens at a step's start with which the step
-        cannot stop ``request``: its ``1 + K`` tokens stay short of
-        ``Scheduler.stop_room`` (measured at entry, its tokens its computed
-        tokens plus one)."""
+        """The most computed tokens at a step's start with which its
+        ``1 + K`` tokens stay short of ``Scheduler.stop_room`` (rule 6)."""
         return request.num_computed_tokens + self.scheduler.stop_room(request) - self.step_tokens - 1
 
     def _audit_taken(self, kept: _Kept) -> None:
-        """As the running loop sees it: its tokens taken, the step's not yet
-        counted as computed."""
+        """As the running loop sees it: the step's tokens not yet computed."""
         self._hand_over(kept)
         kept.request.num_computed_tokens -= self.step_tokens
         self._audit_allocation(kept.request)

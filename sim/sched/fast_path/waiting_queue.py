@@ -1,12 +1,7 @@
-"""The scheduler's waiting queue: a ``deque`` counting the calls that may
-put an entry in it (``insertions``), which fast-path rule 11 reads
-(``missed_lookups.py``): with none since an idle pin pass, every entry met
-that pass, in its order, and none need be compared (~1,000 waiters on an
-async saturated decode).
-
-No twin in vLLM (its waiting queue is a plain ``deque``).
-``tests/test_values_fast_path.py`` checks the lists below against ``deque``.
-"""
+"""The scheduler's waiting queue: a ``deque`` counting the calls that may put
+an entry in it (``insertions``). Rule 11 reads it: with none since an idle
+pin pass, every entry met that pass, in its order, and none need be compared
+(~1,000 waiters on an async saturated decode). vLLM's is a plain ``deque``."""
 
 from __future__ import annotations
 
