@@ -1096,17 +1096,6 @@ class _CountingManager:
         return SimpleNamespace(blocks=((),))
 
 
-def _decoding(computed: int) -> SimpleNamespace:
-    return SimpleNamespace(
-        request_id="a",
-        status=RequestStatus.RUNNING,
-        num_computed_tokens=computed,
-        num_tokens=computed + 1,
-        num_in_flight_tokens=0,
-        num_prompt_tokens=100,
-    )
-
-
 def test_a_call_without_lookahead_slots_spans_as_vllms_default_of_none():
     """vLLM's allocate_slots defaults num_lookahead_tokens to 0, and the
     door's span does too. Windows of 3,200-token blocks, margin 8: a block
@@ -1118,11 +1107,11 @@ def test_a_call_without_lookahead_slots_spans_as_vllms_default_of_none():
     door = tiny_scheduler().kv_cache_manager
     door.allocations = SettledSteps((3200,), 8)
     door.wrapped = counting = _CountingManager()
-    request = _decoding(3190)
+    request = _decoding(3190, 100)
     for _ in range(2):
         door.allocate_slots(request, 1)
     assert counting.calls == [(1, 0)]
-    assert door.allocations.bounds("a") == (109, 3191)  # past the 100-token prompt and the margin
+    assert door.allocations.bounds("r") == (109, 3191)  # past the 100-token prompt and the margin
 
 
 def _forced_settled(door) -> None:
