@@ -80,7 +80,11 @@ tests/test_steady.py::test_a_lookup_found_nothing_only_with_no_block_no_token_an
 tests/test_steady.py::test_the_check_catches_a_head_taken_as_refused_after_blocks_came_free \
 tests/test_steady.py::test_a_refused_admission_is_known_only_for_the_same_request_tokens_running_set_and_empty_lookup \
 tests/test_steady.py::test_each_audited_lookup_that_finds_nothing_counts_once \
-tests/test_steady.py::test_rule_12_keeps_the_idle_loops_of_other_inputs_across_the_changes_it_allows"
+tests/test_steady.py::test_rule_12_keeps_the_idle_loops_of_other_inputs_across_the_changes_it_allows \
+tests/test_steady.py::test_only_a_decode_with_the_last_known_token_left_and_k_drafts_enters_the_lane \
+tests/test_steady.py::test_the_check_catches_a_steady_step_across_a_boundary \
+tests/test_steady.py::test_each_audited_lane_step_counts_once_and_the_audit_off_makes_none \
+tests/test_steady.py::test_the_lane_audits_a_taken_step_from_its_start_with_its_lookahead"
 
 # The async conformance gate (vLLM's own step_with_batch_queue over its
 # AsyncScheduler, step for step): the two preempting shapes, both hashing

@@ -21,7 +21,7 @@ import pytest
 from helpers import scenarios
 from helpers.allocator import K
 from helpers.fast_path import CHECKED_CASES, audited, checked_simulation, frames_with_fast_path, one_request
-from helpers.scheduler import tiny_scheduler, tiny_spec
+from helpers.scheduler import CheckedEngine, tiny_scheduler, tiny_spec
 
 from sim.analysis.runs import scenario_workload
 from sim.conformance.driver import run_conformance
@@ -30,7 +30,7 @@ from sim.paths import SCENARIOS_DIR
 from sim.scenario import load_scenario
 from sim.sched.engine_core import EngineCore
 from sim.sched.fast_path.memos import FastPath
-from sim.sched.fast_path.steady import SyncSteadyLane
+from sim.sched.fast_path.steady import SyncSteadyLane, _Kept
 from sim.sched.model_runner import AcceptanceModel, ModelRunner, UniformStream, accepted_drafts
 from sim.sched.scheduler import _StepState
 from sim.vllm_bridge import RequestStatus, kv_cache_utils
@@ -848,3 +848,57 @@ def test_only_a_decode_with_the_last_known_token_left_and_k_drafts_enters_the_la
         spec_token_ids=[0] * num_drafts,
     )
     assert lane._decodes_next(request) is enters
+
+
+# ------------------------------------------- the lane's audit (issue 42)
+# Issue 42 moved the lanes' audits into SteadyLane; its mutation run of
+# steady.py left these unpinned: each test fails on its mutant.
+
+
+def test_each_audited_lane_step_counts_once_and_the_audit_off_makes_none(monkeypatch, tmp_path):
+    """The hand count of test_a_decode_across_a_block_boundary_runs_steady_inside_its_windows:
+    40 + 35 steps take the lane. Under the audit each is audited and
+    counted once; with it off, the lane makes no audit call at all (the
+    control: the same steps take the lane)."""
+    (tmp_path / "audited").mkdir()
+    (tmp_path / "off").mkdir()
+    simulation = one_request(tmp_path / "audited", 3120, 150)
+    counts = audited(simulation, lane=True)
+    steady, _ = _lane_steps(simulation)
+    assert steady == [False] * 2 + [True] * 40 + [False] * 73 + [True] * 35
+    assert counts.lane_steps == 75
+
+    def no_audit(*args):
+        raise AssertionError("an audit call with the audit off")
+
+    monkeypatch.setattr(SyncSteadyLane, "_audit_each", no_audit)
+    simulation = one_request(tmp_path / "off", 3120, 150)
+    assert simulation.scheduler.config.caches_after_sampling  # where the caching audit would run
+    steady, _ = _lane_steps(simulation)
+    assert steady == [False] * 2 + [True] * 40 + [False] * 73 + [True] * 35
+    assert simulation.scheduler.fast_path.audited.lane_steps == 0
+
+
+def test_the_lane_audits_a_taken_step_from_its_start_with_its_lookahead():
+    """The tiny scheduler (32-token blocks, K = 3): a 60-token prompt holds
+    2 blocks, 64 slots. A kept request whose step was taken has its
+    computed tokens counted past the step (1 + K = 4); the audit allocates
+    as the running loop would, from the step's start, for 4 tokens and 3
+    lookahead slots: a step from 57 needs 64 (passes, and the request's
+    computed tokens are the kept ones again after), one from 60 needs 67,
+    a third block (caught; without the lookahead, 64: it would pass)."""
+    scheduler = tiny_scheduler()
+    scheduler.add_request(tiny_spec(0, 60))
+    CheckedEngine(scheduler).step()
+    request = scheduler.requests["r000"]
+    assert (request.num_computed_tokens, request.num_tokens) == (60, 61)
+    lane = SyncSteadyLane(scheduler, scheduler.kv_cache_manager, None)  # type: ignore[arg-type]
+    tokens = request.num_tokens
+
+    def kept(computed: int) -> _Kept:
+        return _Kept(request, computed, tokens, tokens, limit=computed, unstoppable=computed)
+
+    lane._audit_taken(kept(57 + 4))
+    assert request.num_computed_tokens == 61
+    with pytest.raises(AssertionError, match=r"^r000: a steady decode allocates$"):
+        lane._audit_taken(kept(60 + 4))

@@ -401,3 +401,31 @@ def test_the_audit_makes_a_taken_decodes_allocation_as_the_running_loop_would(tm
     decodes = [entry for entry in seen if entry[0] == 4]
     assert len(decodes) >= sum(call[3] for call in calls)
     assert all(entry == (4, (), {"num_lookahead_tokens": 3}) for entry in decodes)
+
+
+def _cachings(simulation) -> list[tuple[str, int]]:
+    """Every cache_blocks call the allocator itself gets (behind the door,
+    if any), call by call: each request and the computed tokens it caches at."""
+    manager = simulation.kv_cache_manager
+    real, seen = manager.cache_blocks, []
+
+    def recording(request, num_computed_tokens):
+        seen.append((request.request_id, num_computed_tokens))
+        return real(request, num_computed_tokens)
+
+    manager.cache_blocks = recording
+    _drive(simulation)
+    return seen
+
+
+def test_the_audit_makes_each_kept_outputs_caching_as_the_ordinary_path_does(tmp_path):
+    """Under the audit, each kept output applied inside its caching window
+    has its skipped caching made, at the tokens it has processed: the calls
+    the allocator gets are those of the run without the fast path, each
+    once at least (issue 42's mutation run: an audit making no caching call
+    passed). Control: without the audit the lane skips some of them."""
+    expected = set(_cachings(_simulation(tmp_path, [], fast_path=False)))
+    simulation = _simulation(tmp_path, [], fast_path=True)
+    audited(simulation, lane=True)
+    assert set(_cachings(simulation)) == expected
+    assert set(_cachings(_simulation(tmp_path, [], fast_path=True))) < expected

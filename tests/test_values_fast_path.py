@@ -7,14 +7,17 @@ docstring (rules 10-11), each with its control.
 
 from __future__ import annotations
 
+import inspect
 from collections import deque
 from types import SimpleNamespace
 
 import pytest
 from helpers import pins
 from helpers.fast_path import audited, one_request
+from helpers.pins import Spec, finish
 from helpers.scheduler import CheckedEngine, tiny_scheduler, tiny_spec
 
+from sim.allocator_invariants import allocator_snapshot
 from sim.fork.scheduler_pins import SchedulerPins
 from sim.sched.fast_path.kv_cache_manager import AuditCounts, FastPathKVCacheManager, settled_steps
 from sim.sched.fast_path.memos import FastPath, NoFastPath
@@ -22,7 +25,7 @@ from sim.sched.fast_path.missed_lookups import MissedPinLookups
 from sim.sched.fast_path.settled import SettledSteps
 from sim.sched.fast_path.waiting_queue import WaitingQueue
 from sim.sched.scheduler import Scheduler, _StepState
-from sim.vllm_bridge import BlockPool, RequestStatus, init_none_hash, kv_cache_utils, sha256
+from sim.vllm_bridge import BlockPool, KVCacheManager, RequestStatus, init_none_hash, kv_cache_utils, sha256
 
 
 def _pool() -> BlockPool:
@@ -1032,3 +1035,176 @@ def test_hashes_inserted_before_an_idle_pass_leave_it_idle():
     assert memo.knows_idle_pass(queue, ())
     _insert(pool, bytes([8]) * 36, 3)
     assert not memo.knows_idle_pass(queue, ())
+
+
+# -------------------------------------------- the door's calls (issue 42)
+# Issue 42's mutation run of the door (sim/sched/fast_path/kv_cache_manager.py)
+# left these calls' values unpinned: each test below fails on its mutant.
+
+
+def test_an_admission_bumps_both_versions_only_when_it_allocates():
+    """Rule 3: every call that changes the allocator bumps the versions. A
+    waiting request's allocate_slots that allocates changes it; one vLLM
+    refuses (every block of the pool taken) returns None having taken and
+    freed nothing: the pool's blocks, free queue and cache are as they were
+    (its managers keep an empty table for the request, as vLLM's
+    ``defaultdict`` does on any read)."""
+    scheduler = tiny_scheduler()
+    door = scheduler.kv_cache_manager
+    pool = door.block_pool
+    scheduler.add_request(tiny_spec(0, 60))
+    request = next(scheduler._waiting_requests())
+    taken = pool.get_new_blocks(pool.get_num_free_blocks())
+    before = allocator_snapshot(door.wrapped)
+    assert door.allocate_slots(request, 60, num_lookahead_tokens=3) is None
+    after = allocator_snapshot(door.wrapped)
+    assert [after[key] == before[key] for key in ("blocks", "free_queue", "cached")] == [True] * 3
+    assert (door.allocator_version, door.release_version) == (0, 0)
+    pool.free_blocks(taken)
+    before = allocator_snapshot(door.wrapped)
+    assert door.allocate_slots(request, 60, num_lookahead_tokens=3) is not None
+    assert allocator_snapshot(door.wrapped) != before
+    assert (door.allocator_version, door.release_version) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("computed", "num_tokens", "in_flight", "span"),
+    [
+        (100, 101, 0, (100, 107)),  # sync: the processed tokens are the computed
+        (108, 109, 8, (100, 115)),  # async: 8 in flight, counted computed already
+        (99, 101, 0, None),  # two tokens left to compute: not decoding
+    ],
+)
+def test_a_decode_spans_from_its_processed_tokens(computed, num_tokens, in_flight, span):
+    """Rule 9: a decode's calls read positions from its processed tokens
+    (computed less those in flight) to its computed tokens plus the call's
+    7 slots (1 + K new, K = 3 lookahead)."""
+    request = SimpleNamespace(
+        num_computed_tokens=computed, num_tokens=num_tokens, num_in_flight_tokens=in_flight
+    )
+    assert FastPathKVCacheManager.decode_span(request, 7) == span  # type: ignore[arg-type]
+
+
+class _CountingManager:
+    """A stand-in behind the door: counts the allocations made through it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def allocate_slots(self, request, num_new_tokens, num_lookahead_tokens=0):
+        self.calls.append((num_new_tokens, num_lookahead_tokens))
+        return SimpleNamespace(blocks=((),))
+
+
+def test_a_call_without_lookahead_slots_spans_as_vllms_default_of_none():
+    """vLLM's allocate_slots defaults num_lookahead_tokens to 0, and the
+    door's span does too. Windows of 3,200-token blocks, margin 8: a block
+    holds settled calls up to 3,200 - 1 - 8 = 3,191. A decode at 3,190
+    spans 3,190..3,191 (one new token): its first call is made and records
+    the window, its second is settled. With one lookahead slot taken by
+    default the span would reach 3,192, past the window: both made."""
+    assert inspect.signature(KVCacheManager.allocate_slots).parameters["num_lookahead_tokens"].default == 0
+    door = tiny_scheduler().kv_cache_manager
+    door.allocations = SettledSteps((3200,), 8)
+    door.wrapped = counting = _CountingManager()
+    request = _decoding(3190, 100)
+    for _ in range(2):
+        door.allocate_slots(request, 1)
+    assert counting.calls == [(1, 0)]
+    assert door.allocations.bounds("r") == (109, 3191)  # past the 100-token prompt and the margin
+
+
+def _forced_settled(door) -> None:
+    """A broken window that settles every call (the audit must see what it
+    lets through)."""
+    door.allocations = SimpleNamespace(is_settled=lambda *args: True, record=None, forget=None)
+
+
+def test_the_audit_of_a_skipped_allocation_makes_it_with_the_calls_lookahead():
+    """As test_the_allocation_audit_makes_the_call_with_its_lookahead, but
+    through the door's allocate_slots: a skipped call for 1 + 3 slots past
+    the 60 computed tokens needs 64 (2 blocks held: passes), for 2 + 3 it
+    needs 65, a third block (caught; without the lookahead, 62: it would
+    pass). A call without the keyword takes vLLM's default of 0: 4 new
+    tokens need 64 and pass. (The first call is made: it records the
+    request's retired blocks.)"""
+    scheduler = tiny_scheduler()
+    scheduler.add_request(tiny_spec(0, 60))
+    CheckedEngine(scheduler).step()
+    request = scheduler.requests["r000"]
+    assert (request.num_computed_tokens, request.num_tokens) == (60, 61)
+    door = scheduler.kv_cache_manager
+    door.allocate_slots(request, 1, num_lookahead_tokens=3)  # made: it records the retired blocks
+    _forced_settled(door)
+    door.audit = True
+    assert not any(door.allocate_slots(request, 1, num_lookahead_tokens=3).blocks)
+    assert not any(door.allocate_slots(request, 4).blocks)
+    assert door.audited.allocations == 2
+    with pytest.raises(AssertionError, match=r"^a skipped allocation call changed the allocator$"):
+        door.allocate_slots(request, 2, num_lookahead_tokens=3)
+
+
+def test_the_audit_catches_a_skipped_allocation_that_vllm_would_refuse():
+    """A skipped call that vLLM would refuse (no free block for the third
+    block it needs) changes nothing, yet it was not a settled call: the
+    audit names it. Control: with a block free it allocates, and the
+    snapshot check names it instead."""
+    scheduler = tiny_scheduler()
+    scheduler.add_request(tiny_spec(0, 60))
+    CheckedEngine(scheduler).step()
+    request = scheduler.requests["r000"]
+    door = scheduler.kv_cache_manager
+    door.allocate_slots(request, 1, num_lookahead_tokens=3)  # made: it records the retired blocks
+    pool = door.block_pool
+    taken = pool.get_new_blocks(pool.get_num_free_blocks())
+    _forced_settled(door)
+    door.audit = True
+    with pytest.raises(AssertionError, match=r"^r000: a settled call allocated$"):
+        door.allocate_slots(request, 2, num_lookahead_tokens=3)
+    pool.free_blocks(taken[:1])
+    with pytest.raises(AssertionError, match=r"^a skipped allocation call changed the allocator$"):
+        door.allocate_slots(request, 2, num_lookahead_tokens=3)
+
+
+def test_a_pop_for_a_fenced_free_forgets_both_windows_of_that_request_only():
+    """As test_a_free_forgets_both_windows_of_that_request_only, for the
+    fenced path (blocks popped now, freed at the fence): windows of
+    3,200-token blocks, margin 8, a call over 100..107 settles 104..111."""
+    door = tiny_scheduler().kv_cache_manager
+    door.allocations, door.caching = SettledSteps((3200,), 8), SettledSteps((3200,), 8)
+    for steps in (door.allocations, door.caching):
+        steps.record("a", 100, 107)
+        steps.record("b", 100, 107)
+    assert door.pop_blocks_for_free(SimpleNamespace(request_id="a")) == []  # it holds no blocks
+    assert (door.allocator_version, door.release_version) == (1, 1)
+    for steps in (door.allocations, door.caching):
+        assert not steps.is_settled("a", 104, 111) and steps.is_settled("b", 104, 111)
+
+
+def test_the_fork_pin_calls_pass_through_the_door_and_count_as_changes():
+    """The fork's release of a pinned hit's extras and its yield, made
+    through the door: the values of the fork's own test
+    (tests/test_fork_pins.py::test_releasing_the_extras_drops_only_the_proof_block_past_the_hit):
+    H pins A1, A2 and the proof block A3; releasing the extras drops 1,
+    then 0; with H's pins kept, A's grace yields and frees A3 (96 free
+    blocks to 97). A call that released something bumps both versions
+    (rule 3), one that released nothing neither. A limit of 0, given by
+    position or by keyword, releases nothing."""
+    scheduler = pins.grace_scheduler(100, eagle=True)
+    finish(scheduler, Spec("A", tuple(range(1000, 1048)), 2))
+    scheduler.add_request(Spec("H", tuple(range(1000, 1048)) + tuple(range(5000, 5064)), 2))
+    h = next(scheduler._waiting_requests())
+    door = FastPathKVCacheManager(scheduler.kv_cache_manager, scheduler.config)
+    hit, num_hit, _ = door.wrapped.get_computed_blocks(h)
+    assert num_hit == 32 and door.pin_waiting_hit(h) == 3
+    versions = (door.allocator_version, door.release_version)
+    assert door.yield_pinned_hits(None, 0) == 0 and door.yield_pinned_hits(limit=0) == 0
+    assert (door.allocator_version, door.release_version) == versions
+    assert door.release_pinned_extras("H", hit.blocks) == 1
+    assert (door.allocator_version, door.release_version) == (versions[0] + 1, versions[1] + 1)
+    assert door.release_pinned_extras("H", hit.blocks) == 0
+    assert (door.allocator_version, door.release_version) == (versions[0] + 1, versions[1] + 1)
+    assert door.block_pool.get_num_free_blocks() == 96
+    assert door.yield_pinned_hits("H") > 0
+    assert door.block_pool.get_num_free_blocks() == 97 and door.wrapped.pinned_hit_blocks("H")
+    assert (door.allocator_version, door.release_version) == (versions[0] + 2, versions[1] + 2)
