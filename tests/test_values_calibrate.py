@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import replace
 
 import annotated_types
 import numpy as np
 import pandas as pd
 import pytest
 from helpers.scenarios import scenario as make_scenario
+from helpers.scheduler import tiny_spec
 
 from sim.analysis import calibrate as c
 from sim.analysis import calibrate_error as ce
@@ -22,7 +24,7 @@ from sim.analysis import calibrate_intervals as ci
 from sim.analysis import replayed_arrivals as ra
 from sim.analysis.runs import run_scenario, scenario_workload
 from sim.config import ConfigError
-from sim.workloads.spec import Workload, WorkloadRequest
+from sim.workloads.spec import Workload
 
 
 # ------------------------------------------------------------ the targets
@@ -529,31 +531,37 @@ def _sent_and_taken(**columns) -> pd.DataFrame:
     """Three requests: a long prompt sent at 0.010 s, a short one 1 ms after
     it, one alone at 6.0 s. The server took the short one in first (its clock
     starts elsewhere: 5.239 s after the client's for the fastest transit)."""
-    frame = {"request_id": ["r0", "r1", "r2"], "arrival_s": [0.0, 0.001, 6.0], "sent_s": [0.010, 0.011, 6.0]}
+    frame = {
+        "request_id": ["r000", "r001", "r002"],
+        "arrival_s": [0.0, 0.001, 6.0],
+        "sent_s": [0.010, 0.011, 6.0],
+    }
     return pd.DataFrame({**frame, **columns})
+
+
+def _order(workload: Workload) -> list[str]:
+    return [spec.request_id for spec in workload.requests]
 
 
 def test_a_burst_the_server_took_in_another_order_is_simulated_in_the_servers_order():
     """The server's arrivals, moved onto the client's clock by the smallest
-    transit (r1's: 5.250 - 0.011 = 5.239 s): r0 5.300 - 5.239 = 0.061 s,
-    r1 0.011 s, r2 11.260 - 5.239 = 6.021 s; the workload then runs r1
-    before r0. This holds whatever order a live server took a burst in on a
+    transit (r001's: 5.250 - 0.011 = 5.239 s): r000 5.300 - 5.239 = 0.061 s,
+    r001 0.011 s, r002 11.260 - 5.239 = 6.021 s; the workload then runs
+    r001 before r000. This holds whatever order a live server took a burst in on a
     given run (tests/test_calibrate_replays.py relies on HTTP timing).
     Control: without the server's arrivals the client's send order stands."""
     requests = _sent_and_taken(server_arrival_s=[5.300, 5.250, 11.260])
     arrival, source = ra.replayed_arrival_s(requests)
     assert source == ra.SERVER_ARRIVALS
-    assert arrival.round(6).to_dict() == {"r0": 0.061, "r1": 0.011, "r2": 6.021}
-    base = Workload(
-        name="burst",
-        source="by hand",
-        requests=tuple(
-            WorkloadRequest(request_id=f"r{i}", arrival_s=stamp, prompt_len=prompt, output_len=8,
-                            prefix_ids=tuple(range(-(-prompt // 16))), prefix_unit=16)
-            for i, (stamp, prompt) in enumerate([(0.0, 40000), (0.001, 200), (6.0, 3000)])
-        ),
-    )  # fmt: skip
-    assert [spec.request_id for spec in ra.replayed_workload(base, arrival).requests] == ["r1", "r0", "r2"]
+    assert arrival.round(6).to_dict() == {"r000": 0.061, "r001": 0.011, "r002": 6.021}
+    stamped = [(0, 40000, 0.0), (1, 200, 0.001), (2, 3000, 6.0)]
+    specs = tuple(replace(tiny_spec(index, prompt), arrival_s=stamp) for index, prompt, stamp in stamped)
+    base = Workload(name="burst", source="by hand", requests=specs)
+    assert [spec.request_id for spec in ra.replayed_workload(base, arrival).requests] == [
+        "r001",
+        "r000",
+        "r002",
+    ]
     sent, control = ra.replayed_arrival_s(_sent_and_taken())
     assert control == ra.SENT_TIMES
-    assert [spec.request_id for spec in ra.replayed_workload(base, sent).requests] == ["r0", "r1", "r2"]
+    assert [spec.request_id for spec in ra.replayed_workload(base, sent).requests] == ["r000", "r001", "r002"]
