@@ -1,16 +1,15 @@
 """Settled decode steps (rules 1-2): a decode's ``allocate_slots`` and
-``cache_blocks`` read its positions only through block arithmetic, so while
-every position a call can read, widened by the margin, lies strictly inside
-one block of every size, the first call in that block does its work and the
-next change nothing."""
+``cache_blocks`` read its positions only through block arithmetic, so after a
+real call, the next ones whose positions, widened by the margin, lie strictly
+inside the same block of every size change nothing."""
 
 from __future__ import annotations
 
 
 class SettledSteps:
-    """Per request, the block window of its last real call of one kind; a
-    call in the same window is settled. ``prompt_unit``: a size that bounds
-    windows only where they reach into the prompt (the hash unit)."""
+    """Per request, the window of its last real call of one kind.
+    ``prompt_unit``: a size that bounds windows only where they reach into
+    the prompt (the hash unit)."""
 
     def __init__(
         self, block_sizes: tuple[int, ...], margin_tokens: int, prompt_unit: int | None = None
@@ -22,18 +21,15 @@ class SettledSteps:
         self._with_unit = (
             self.block_sizes if prompt_unit is None else tuple(sorted({*block_sizes, prompt_unit}))
         )
-        # request id -> (least first token, greatest last token) of a call
-        # in the window of its last real call: the window, as two bounds.
+        # request id -> the least first and greatest last token of a settled call
         self._bounds: dict[str, tuple[int, int]] = {}
 
     def window(
         self, first_token: int, last_token: int, prompt_tokens: int | None = None
     ) -> tuple[int, ...] | None:
-        """The blocks (one index per size) holding every position from
-        ``first_token`` to ``last_token`` widened by the margin; None when
-        the widened span touches or crosses a boundary (a span reaching
-        below 0 crosses the one at 0). ``prompt_tokens`` None: the span is
-        taken to reach into the prompt (the unit is a size)."""
+        """The block per size holding the widened span; None where it touches
+        or crosses a boundary (below 0 crosses the one at 0). ``prompt_tokens``
+        None: the span reaches into the prompt."""
         blocks = self._blocks(first_token, last_token, prompt_tokens)
         return None if blocks is None else tuple(index for index, _ in blocks)
 
@@ -58,16 +54,13 @@ class SettledSteps:
         bounds = self._bounds.get(request_id)
         return bounds is not None and bounds[0] <= first_token and last_token <= bounds[1]
 
-    def bounds(self, request_id: str) -> tuple[int, int] | None:
-        """The least first and greatest last token of a settled call (None:
-        the next call is real)."""
+    def bounds(self, request_id: str) -> tuple[int, int] | None:  # None: the next call is real
         return self._bounds.get(request_id)
 
     def record(
         self, request_id: str, first_token: int, last_token: int, prompt_tokens: int | None = None
     ) -> None:
-        """A real call was made over these tokens, of a request with
-        ``prompt_tokens`` prompt tokens (None: the unit bounds the window)."""
+        """A real call was made over these tokens."""
         blocks = self._blocks(first_token, last_token, prompt_tokens)
         if blocks is None:
             self._bounds.pop(request_id, None)
