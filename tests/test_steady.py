@@ -881,12 +881,12 @@ def test_each_audited_lane_step_counts_once_and_the_audit_off_makes_none(monkeyp
 
 def test_the_lane_audits_a_taken_step_from_its_start_with_its_lookahead():
     """The tiny scheduler (32-token blocks, K = 3): a 60-token prompt holds
-    2 blocks, 64 slots. A kept request whose step was taken has its
-    computed tokens counted past the step (1 + K = 4); the audit allocates
-    as the running loop would, from the step's start, for 4 tokens and 3
-    lookahead slots: a step from 57 needs 64 (passes, and the request's
-    computed tokens are the kept ones again after), one from 60 needs 67,
-    a third block (caught; without the lookahead, 64: it would pass)."""
+    2 blocks, 64 slots. The lane audits a taken step before it counts the
+    step's tokens (1 + K = 4) as computed; the audit allocates as the
+    running loop would, from the step's start, for 4 tokens and 3
+    lookahead slots: a step from 57 needs 64 (passes, the request handed
+    the kept computed tokens), one from 60 needs 67, a third block
+    (caught; without the lookahead, 64: it would pass)."""
     scheduler = tiny_scheduler()
     scheduler.add_request(tiny_spec(0, 60))
     CheckedEngine(scheduler).step()
@@ -898,7 +898,7 @@ def test_the_lane_audits_a_taken_step_from_its_start_with_its_lookahead():
     def kept(computed: int) -> _Kept:
         return _Kept(request, computed, tokens, tokens, limit=computed, unstoppable=computed)
 
-    lane._audit_taken(kept(57 + 4))
-    assert request.num_computed_tokens == 61
+    lane._audit_taken(kept(57))
+    assert request.num_computed_tokens == 57
     with pytest.raises(AssertionError, match=r"^r000: a steady decode allocates$"):
-        lane._audit_taken(kept(60 + 4))
+        lane._audit_taken(kept(60))

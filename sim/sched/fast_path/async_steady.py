@@ -7,20 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from sim.sched.fast_path.steady import SKIP, LaneOffer, SteadyLane
-from sim.sched.output import (
-    ModelRunnerOutput,
-    ScheduledRequest,
-    SchedulerOutput,
-    StepOutcome,
-    StepTally,
-    reaches_max_tokens,
-)
+from sim.sched.fast_path.steady import SKIP, SteadyLane
+from sim.sched.output import ScheduledRequest, StepTally, reaches_max_tokens
 from sim.vllm_bridge import Request
 
 if TYPE_CHECKING:
     from sim.sched.async_scheduler import AsyncScheduler
     from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
+    from sim.sched.output import ModelRunnerOutput, SchedulerOutput, StepOutcome
 
 
 # ``ScheduledRequest(...)`` without the named tuple's Python-level
@@ -55,11 +49,8 @@ class AsyncSteadyLane(SteadyLane[_KeptAsync]):
 
     def __init__(self, scheduler: AsyncScheduler, door: FastPathKVCacheManager) -> None:
         super().__init__(scheduler, door)
-        # A taken decode's next is that many schedule calls later (pp).
-        self.decode_stagger = scheduler.decode_stagger
-        self.num_taken = 0  # by the last schedule
+        self.decode_stagger = scheduler.decode_stagger  # a taken decode's next: that many calls later
 
-    # ---------------------------------------------------------------- a step
     def schedule(self) -> SchedulerOutput:
         """The scheduler's step, offered the kept requests' decodes (``SKIP``
         for each its stagger holds back)."""
@@ -81,32 +72,23 @@ class AsyncSteadyLane(SteadyLane[_KeptAsync]):
                 continue
             fields = (request_id, step_tokens, computed, num_spec, 0, False)  # a decode, not padded
             items[request_id] = _new_item(ScheduledRequest, fields)
-        if not items:
-            self.num_taken = 0
-            return scheduler.schedule()
-        offer = LaneOffer(items=items, hand_over=self._leave)  # type: ignore[arg-type]
-        output = scheduler.schedule(offer)
-        if self.door.audit and offer.taken:
-            self._audit_each(self._audit_taken, [kept_by_id[i] for i in offer.taken], "steady allocation")
-            self.door.audited.lane_steps += 1
+        output = self._offer(items)
         # ``AsyncScheduler._finish_schedule``'s share, for the taken decodes.
         eligible = output.step_index + self.decode_stagger
-        for request_id in offer.taken:
+        for request_id in self._taken:
             kept = kept_by_id[request_id]
             kept.computed += step_tokens
             kept.in_flight += step_tokens
             kept.placeholders += step_tokens
             kept.eligible = eligible
-        self.num_taken = len(offer.taken)
         return output
 
     def update_from_output(self, output: SchedulerOutput, sampled: ModelRunnerOutput) -> StepOutcome:
-        """The fences pass first (rule 8); a kept decode's tokens are applied
-        here as ``AsyncScheduler.apply_sampled`` would, where they cannot stop
-        it and its caching is settled, else it leaves first. (One loop: it
-        runs for every decode of every step.)"""
+        """A kept decode's tokens applied as ``AsyncScheduler.apply_sampled``
+        would, where they cannot stop it and its caching is settled, else it
+        leaves first (one loop: it runs for every decode of every step)."""
         scheduler = self.scheduler
-        scheduler.output_arrives(output)
+        scheduler.output_arrives(output)  # the fences pass first (rule 8)
         tally = StepTally()
         kept_by_id, tokens_by_id = self._kept, sampled.sampled_token_ids
         step_tokens, num_spec, audit = self.step_tokens, self.num_spec, self.door.audit
@@ -134,7 +116,7 @@ class AsyncSteadyLane(SteadyLane[_KeptAsync]):
                         kept.num_tokens += count
                         kept.pending.extend(tokens)
                         if audit:
-                            self._audit_caching(kept, processed)
+                            self._audit_each(self._audit_cache, [kept], "steady caching")
                         num_applied += 1
                         num_generated += count
                         continue
@@ -146,12 +128,10 @@ class AsyncSteadyLane(SteadyLane[_KeptAsync]):
             tally.num_accepted_tokens += num_generated - num_applied
         return tally.outcome()
 
-    def num_output_placeholders(self, request: Request) -> int:
-        """As the scheduler would have them."""
+    def num_output_placeholders(self, request: Request) -> int:  # as the scheduler would have them
         kept = self._kept.get(request.request_id)
         return request.num_output_placeholders if kept is None else kept.placeholders
 
-    # ------------------------------------------------------- entry and exit
     @staticmethod
     def _hand_over(kept: _KeptAsync) -> None:  # type: ignore[override]
         """The counters and the ids kept aside."""
@@ -167,60 +147,29 @@ class AsyncSteadyLane(SteadyLane[_KeptAsync]):
     def _enter(self, request: Request) -> _KeptAsync | None:
         """Kept if it decodes next, has no stale output, and its next step's
         calls lie in settled windows."""
-        computed, placeholders = request.num_computed_tokens, request.num_output_placeholders
         if (
             request.is_prefill_chunk
             or request.num_output_tokens == 0
             or request.num_stale_output_tokens
             or not self._decodes_next(request)
+            or (limit := self._limit(request)) is None
         ):
             return None
-        limit = self._limit(request)
-        if limit is None:
-            return None
         kept = _KeptAsync(
-            request=request,
-            computed=computed,
-            in_flight=request.num_in_flight_tokens,
-            placeholders=placeholders,
-            eligible=request.next_decode_eligible_step,
-            num_tokens=request.num_tokens,
-            limit=limit[0],
-            cache_low=limit[1],
-            cache_high=limit[2],
+            request=request, computed=request.num_computed_tokens, in_flight=request.num_in_flight_tokens,
+            placeholders=request.num_output_placeholders, eligible=request.next_decode_eligible_step,
+            num_tokens=request.num_tokens, limit=limit[0], cache_low=limit[1], cache_high=limit[2],
             stop_at=request.num_tokens + self.scheduler.stop_room(request),
             max_tokens_end=request.num_prompt_tokens + request.max_tokens,
-        )
+        )  # fmt: skip
         self._kept[request.request_id] = kept
         return kept
 
     def _limit(self, request: Request) -> tuple[int, int, int] | None:
-        """The most computed tokens at a steady schedule and the caching
-        window (rule 6), or None. ``allocate_slots`` spans from the processed
-        tokens to ``1 + 2K`` past the computed ones."""
-        computed, scheduler = request.num_computed_tokens, self.scheduler
-        span = self.door.decode_span(request, self.step_tokens + self.num_spec)
-        door, request_id = self.door, request.request_id
-        allocation = door.allocations.bounds(request_id)
-        caching = door.caching.bounds(request_id)
-        if span is None or allocation is None or caching is None:
+        """The allocation limit and the caching window (rule 6), or None."""
+        limit = self._allocation_limit(request)
+        caching = self.door.caching.bounds(request.request_id)
+        processed = request.num_computed_tokens - request.num_in_flight_tokens  # where it caches (rule 9)
+        if limit is None or caching is None or caching[0] > processed:
             return None
-        processed = span[0]
-        if allocation[0] > processed or caching[0] > processed:
-            return None
-        # The clip leaves the step whole (its room counts from the tokens computed).
-        limit = min(
-            allocation[1] - (span[1] - computed), computed + scheduler.clip_room(request) - self.step_tokens
-        )
-        return (limit, caching[0], caching[1]) if computed <= limit else None
-
-    # -------------------------------------------------------------- audit
-    def _audit_taken(self, kept: _KeptAsync) -> None:
-        self._hand_over(kept)
-        self._audit_allocation(kept.request)
-
-    def _audit_caching(self, kept: _KeptAsync, processed: int) -> None:
-        self._hand_over(kept)
-        self.door.check_unchanged(
-            lambda: self.door.wrapped.cache_blocks(kept.request, processed), "steady caching"
-        )
+        return limit, caching[0], caching[1]

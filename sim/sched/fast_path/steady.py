@@ -1,9 +1,7 @@
 """The steady lane: requests whose decode steps change nothing but token
-counts (rules 5-8). A request is steady when it decodes with K drafts queued
-and its next step's calls lie in its settled windows, with ``1 + K`` tokens
-left by the ``max_model_len`` clip. The lane offers the scheduler its decode
-(``LaneOffer``), draws the runner's acceptances in the step's order, and
-keeps the tokens aside until the request leaves (``hand over``)."""
+counts (rules 5-8, argued in ``docs/fast-path.md``). The lane offers the
+scheduler their decodes (``LaneOffer``), draws the runner's acceptances in
+the step's order, and keeps the tokens aside until the request leaves."""
 
 from __future__ import annotations
 
@@ -31,22 +29,19 @@ class LaneOffer:
     taken: set[str] = field(default_factory=set)
 
 
-# The async lane's offer for a kept request its decode stagger holds back:
-# the running loop passes over it, as it would.
+# The async lane's offer for a request its stagger holds back: the running loop passes over it.
 SKIP = object()
 
 # A step with nothing offered (never mutated: with no items nothing is taken).
 NO_OFFER = LaneOffer(items={}, hand_over=lambda request: None)
-
 
 K = TypeVar("K")
 
 
 @dataclass(slots=True)
 class _Kept:
-    """A request in the lane: its counts as the scheduler would have them,
-    its tokens when its ``Request`` last took them, and (rule 6) ``limit``
-    and ``unstoppable``."""
+    """Its counts as the scheduler would have them, its tokens when its
+    ``Request`` last took them, and (rule 6) ``limit`` and ``unstoppable``."""
 
     request: Request
     computed: int
@@ -57,8 +52,9 @@ class _Kept:
 
 
 class SteadyLane(Generic[K]):
-    """The requests kept aside, by id, each leaving by taking back what it
-    kept (``_hand_over``)."""
+    """The requests kept aside, by id, each leaving by taking back what it kept."""
+
+    _hand_over: Callable[[K], None]  # each lane's: the request takes back what it kept
 
     def __init__(self, scheduler: Scheduler, door: FastPathKVCacheManager) -> None:
         self.scheduler = scheduler
@@ -66,6 +62,11 @@ class SteadyLane(Generic[K]):
         self.num_spec = scheduler.config.num_speculative_tokens
         self.step_tokens = 1 + self.num_spec
         self._kept: dict[str, K] = {}
+        self._taken: set[str] = set()  # by the last schedule
+
+    @property
+    def num_taken(self) -> int:
+        return len(self._taken)
 
     def flush(self) -> None:
         for kept in list(self._kept.values()):
@@ -74,8 +75,18 @@ class SteadyLane(Generic[K]):
     def _leave(self, request: Request) -> None:
         self._hand_over(self._kept.pop(request.request_id))
 
-    def _hand_over(self, kept: K) -> None:
-        raise NotImplementedError
+    def _offer(self, items: dict[str, ScheduledRequest | object]) -> SchedulerOutput:
+        """The scheduler's step, offered ``items``; ``_taken``: those it took."""
+        if not items:
+            self._taken = set()
+            return self.scheduler.schedule()
+        offer = LaneOffer(items=items, hand_over=self._leave)  # type: ignore[arg-type]
+        output = self.scheduler.schedule(offer)
+        self._taken = offer.taken
+        if self.door.audit and offer.taken:
+            self._audit_each(self._audit_taken, [self._kept[i] for i in offer.taken], "steady allocation")
+            self.door.audited.lane_steps += 1
+        return output
 
     def _decodes_next(self, request: Request) -> bool:
         """The last known token left to compute, K drafts queued. (Not
@@ -83,16 +94,37 @@ class SteadyLane(Generic[K]):
         known = request.num_tokens + request.num_output_placeholders
         return request.num_computed_tokens == known - 1 and len(request.spec_token_ids) == self.num_spec
 
-    def _audit_allocation(self, request: Request) -> None:
-        blocks = self.door.wrapped.allocate_slots(
-            request, self.step_tokens, num_lookahead_tokens=self.num_spec
-        )
+    def _allocation_limit(self, request: Request) -> int | None:
+        """The most computed tokens at a steady step's start its allocation
+        window and the ``max_model_len`` clip allow (rule 6), or None. The
+        allocation spans the processed tokens to ``1 + 2K`` past the computed."""
+        computed, door = request.num_computed_tokens, self.door
+        span = door.decode_span(request, self.step_tokens + self.num_spec)
+        allocation = door.allocations.bounds(request.request_id)
+        if span is None or allocation is None or allocation[0] > span[0]:
+            return None
+        # The clip leaves the step whole (the scheduler checks the budget and threshold).
+        clip = computed + self.scheduler.clip_room(request) - self.step_tokens
+        limit = min(allocation[1] - (span[1] - computed), clip)
+        return limit if computed <= limit else None
+
+    def _audit_each(self, call: Callable[[K], None], kept: list[K], what: str) -> None:
+        self.door.check_unchanged(lambda: [call(one) for one in kept], what)
+
+    def _audit_taken(self, kept: K) -> None:
+        """The running loop's allocation for a taken decode, from the step's start."""
+        self._hand_over(kept)
+        request, num_spec = kept.request, self.num_spec  # type: ignore[attr-defined]
+        blocks = self.door.wrapped.allocate_slots(request, self.step_tokens, num_lookahead_tokens=num_spec)
         assert blocks is not None and not any(blocks.blocks), (
             f"{request.request_id}: a steady decode allocates"
         )
 
-    def _audit_each(self, call: Callable[[K], None], kept: list[K], what: str) -> None:
-        self.door.check_unchanged(lambda: [call(one) for one in kept], what)
+    def _audit_cache(self, kept: K) -> None:
+        """The caching after sampling, at the processed tokens (rule 9)."""
+        self._hand_over(kept)
+        request = kept.request  # type: ignore[attr-defined]
+        self.door.wrapped.cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)
 
 
 class SyncSteadyLane(SteadyLane[_Kept]):
@@ -101,15 +133,10 @@ class SyncSteadyLane(SteadyLane[_Kept]):
     def __init__(self, scheduler: Scheduler, door: FastPathKVCacheManager, model_runner: ModelRunner) -> None:
         super().__init__(scheduler, door)
         self.model_runner = model_runner
-        self._taken: set[str] = set()  # by the step in flight
-
-    @property
-    def num_taken(self) -> int:
-        return len(self._taken)
 
     def schedule(self) -> SchedulerOutput:
         """The scheduler's step, offered the kept requests' decodes."""
-        items: dict[str, ScheduledRequest] = {}
+        items: dict[str, ScheduledRequest | object] = {}
         kept_by_id, step_tokens, num_spec = self._kept, self.step_tokens, self.num_spec
         for request in self.scheduler.running:
             request_id = request.request_id
@@ -120,24 +147,15 @@ class SyncSteadyLane(SteadyLane[_Kept]):
                 self._leave(request)
                 continue
             items[request_id] = ScheduledRequest(request_id, step_tokens, kept.computed, num_spec, 0)
-        if not items:
-            self._taken = set()
-            return self.scheduler.schedule()
-        offer = LaneOffer(items=items, hand_over=self._leave)
-        output = self.scheduler.schedule(offer)
-        # Scheduled tokens count as computed until the output says which
-        # drafts were rejected (as in ``Scheduler.schedule``).
-        for request_id in offer.taken:
+        output = self._offer(items)
+        # Scheduled tokens count as computed until the output rejects drafts (as ``Scheduler.schedule``).
+        for request_id in self._taken:
             kept_by_id[request_id].computed += step_tokens
-        self._taken = offer.taken
-        if self.door.audit and offer.taken:
-            self._audit_each(self._audit_taken, [kept_by_id[i] for i in offer.taken], "steady allocation")
-            self.door.audited.lane_steps += 1
         return output
 
     def sample_and_apply(self, output: SchedulerOutput) -> StepOutcome:
-        """The kept requests' tokens aside, the others the scheduler's way.
-        (The common case inline: it runs for every request of every step.)"""
+        """The kept requests' tokens aside, the others the scheduler's way (the
+        common case inline: it runs for every request of every step)."""
         scheduler = self.scheduler
         scheduler.output_arrives(output)
         tally = StepTally()
@@ -192,8 +210,7 @@ class SyncSteadyLane(SteadyLane[_Kept]):
             kept.handed_over = kept.num_tokens
 
     def _enter(self, request: Request) -> _Kept | None:
-        limit = self.limit(request)
-        if limit is None:
+        if (limit := self.limit(request)) is None:
             return None
         num_tokens = request.num_tokens
         kept = _Kept(
@@ -205,37 +222,17 @@ class SyncSteadyLane(SteadyLane[_Kept]):
     def limit(self, request: Request) -> int | None:
         """The most computed tokens at a steady step's start (rule 6); None
         when it is not decoding next or a call of its next step is real."""
-        computed, num_spec, step_tokens = request.num_computed_tokens, self.num_spec, self.step_tokens
-        if not self._decodes_next(request):
+        computed = request.num_computed_tokens
+        limit = self._allocation_limit(request) if self._decodes_next(request) else None
+        if limit is None or not (self.num_spec and self.scheduler.config.caches_after_sampling):
+            return limit
+        caching = self.door.caching.bounds(request.request_id)  # it caches computed + 1 .. + 1 + K
+        if caching is None or caching[0] > computed + 1:
             return None
-        door = self.door
-        span = door.decode_span(request, step_tokens + num_spec)
-        bounds = door.allocations.bounds(request.request_id)
-        if span is None or bounds is None or bounds[0] > span[0]:
-            return None
-        limit = bounds[1] - (span[1] - span[0])
-        if num_spec and self.scheduler.config.caches_after_sampling:
-            # then the step caches at computed + 1 .. computed + 1 + K
-            bounds = door.caching.bounds(request.request_id)
-            if bounds is None or bounds[0] > computed + 1:
-                return None
-            limit = min(limit, bounds[1] - step_tokens)
-        # The clip leaves the step whole (the scheduler checks the budget and threshold).
-        limit = min(limit, computed + self.scheduler.clip_room(request) - step_tokens)
-        return limit if computed <= limit else None
+        limit = min(limit, caching[1] - self.step_tokens)
+        return None if computed > limit else limit
 
     def unstoppable(self, request: Request) -> int:
         """The most computed tokens at a step's start with which its
         ``1 + K`` tokens stay short of ``Scheduler.stop_room`` (rule 6)."""
         return request.num_computed_tokens + self.scheduler.stop_room(request) - self.step_tokens - 1
-
-    def _audit_taken(self, kept: _Kept) -> None:
-        """As the running loop sees it: the step's tokens not yet computed."""
-        self._hand_over(kept)
-        kept.request.num_computed_tokens -= self.step_tokens
-        self._audit_allocation(kept.request)
-        kept.request.num_computed_tokens += self.step_tokens
-
-    def _audit_cache(self, kept: _Kept) -> None:
-        self._hand_over(kept)
-        self.door.wrapped.cache_blocks(kept.request, kept.computed)
