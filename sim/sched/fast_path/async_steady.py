@@ -1,6 +1,5 @@
-"""The steady lane in async mode (rules 5-9). A kept request carries what
-``AsyncScheduler`` keeps on its ``Request`` between a schedule and its
-output; what the lane cannot apply hands the request back first."""
+"""The steady lane in async mode (rules 5-9): a kept request carries what
+``AsyncScheduler`` keeps on its ``Request`` between a schedule and its output."""
 
 from __future__ import annotations
 
@@ -17,24 +16,20 @@ if TYPE_CHECKING:
     from sim.sched.output import ModelRunnerOutput, SchedulerOutput, StepOutcome
 
 
-# ``ScheduledRequest(...)`` without the named tuple's Python-level
-# ``__new__`` (every field given): built for every decode of every step.
-_new_item = tuple.__new__
+_new_item = tuple.__new__  # a ``ScheduledRequest`` without its Python-level ``__new__`` (every decode)
 
 
 @dataclass(slots=True)
 class _KeptAsync:
-    """What ``AsyncScheduler`` would hold on the request (``eligible``: the
-    first schedule call at which it may decode again; ``pending``: sampled
-    ids not appended), and what is fixed at entry (rule 6)."""
+    """What ``AsyncScheduler`` would hold on the request, and what is fixed at entry (rule 6)."""
 
     request: Request
     computed: int
     in_flight: int
     placeholders: int
-    eligible: int
+    eligible: int  # the first schedule call at which it may decode again
     num_tokens: int
-    pending: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)  # sampled ids not appended
     limit: int = 0
     cache_low: int = 0
     cache_high: int = 0
@@ -52,8 +47,7 @@ class AsyncSteadyLane(SteadyLane[_KeptAsync]):
         self.decode_stagger = scheduler.decode_stagger  # a taken decode's next: that many calls later
 
     def schedule(self) -> SchedulerOutput:
-        """The scheduler's step, offered the kept requests' decodes (``SKIP``
-        for each its stagger holds back)."""
+        """The scheduler's step, offered the kept requests' decodes (or ``SKIP``)."""
         scheduler = self.scheduler
         step_index = scheduler.step_index + 1  # the schedule call being made
         items: dict[str, ScheduledRequest | object] = {}
@@ -84,9 +78,8 @@ class AsyncSteadyLane(SteadyLane[_KeptAsync]):
         return output
 
     def update_from_output(self, output: SchedulerOutput, sampled: ModelRunnerOutput) -> StepOutcome:
-        """A kept decode's tokens applied as ``AsyncScheduler.apply_sampled``
-        would, where they cannot stop it and its caching is settled, else it
-        leaves first (one loop: it runs for every decode of every step)."""
+        """A kept decode's tokens applied as ``AsyncScheduler.apply_sampled`` would
+        where they cannot stop it and its caching is settled, else it leaves first."""
         scheduler = self.scheduler
         scheduler.output_arrives(output)  # the fences pass first (rule 8)
         tally = StepTally()
@@ -145,8 +138,7 @@ class AsyncSteadyLane(SteadyLane[_KeptAsync]):
             kept.pending = []
 
     def _enter(self, request: Request) -> _KeptAsync | None:
-        """Kept if it decodes next, has no stale output, and its next step's
-        calls lie in settled windows."""
+        """Kept if it decodes next, has no stale output and its calls are settled."""
         if (
             request.is_prefill_chunk
             or request.num_output_tokens == 0

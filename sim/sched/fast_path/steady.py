@@ -29,32 +29,28 @@ class LaneOffer:
     taken: set[str] = field(default_factory=set)
 
 
-# The async lane's offer for a request its stagger holds back: the running loop passes over it.
-SKIP = object()
-
-# A step with nothing offered (never mutated: with no items nothing is taken).
-NO_OFFER = LaneOffer(items={}, hand_over=lambda request: None)
+SKIP = object()  # the async lane's offer for a request its stagger holds back: passed over
+NO_OFFER = LaneOffer(items={}, hand_over=lambda request: None)  # never mutated: nothing is taken
 
 K = TypeVar("K")
 
 
 @dataclass(slots=True)
 class _Kept:
-    """Its counts as the scheduler would have them, its tokens when its
-    ``Request`` last took them, and (rule 6) ``limit`` and ``unstoppable``."""
+    """Its counts as the scheduler would have them, and (rule 6) ``limit`` and ``unstoppable``."""
 
     request: Request
     computed: int
     num_tokens: int
-    handed_over: int
+    handed_over: int  # its tokens when its ``Request`` last took them
     limit: int
     unstoppable: int
 
 
 class SteadyLane(Generic[K]):
-    """The requests kept aside, by id, each leaving by taking back what it kept."""
+    """The requests kept aside, by id, each leaving by ``_hand_over`` (each lane's)."""
 
-    _hand_over: Callable[[K], None]  # each lane's: the request takes back what it kept
+    _hand_over: Callable[[K], None]  # the request takes back what it kept
 
     def __init__(self, scheduler: Scheduler, door: FastPathKVCacheManager) -> None:
         self.scheduler = scheduler
@@ -95,9 +91,8 @@ class SteadyLane(Generic[K]):
         return request.num_computed_tokens == known - 1 and len(request.spec_token_ids) == self.num_spec
 
     def _allocation_limit(self, request: Request) -> int | None:
-        """The most computed tokens at a steady step's start its allocation
-        window and the ``max_model_len`` clip allow (rule 6), or None. The
-        allocation spans the processed tokens to ``1 + 2K`` past the computed."""
+        """``limit`` as the allocation window (spanning the processed tokens to
+        ``1 + 2K`` past the computed) and the ``max_model_len`` clip allow it."""
         computed, door = request.num_computed_tokens, self.door
         span = door.decode_span(request, self.step_tokens + self.num_spec)
         allocation = door.allocations.bounds(request.request_id)
@@ -220,8 +215,7 @@ class SyncSteadyLane(SteadyLane[_Kept]):
         return kept
 
     def limit(self, request: Request) -> int | None:
-        """The most computed tokens at a steady step's start (rule 6); None
-        when it is not decoding next or a call of its next step is real."""
+        """The most computed tokens at a steady step's start, or None (rule 6)."""
         computed = request.num_computed_tokens
         limit = self._allocation_limit(request) if self._decodes_next(request) else None
         if limit is None or not (self.num_spec and self.scheduler.config.caches_after_sampling):
@@ -233,6 +227,5 @@ class SyncSteadyLane(SteadyLane[_Kept]):
         return None if computed > limit else limit
 
     def unstoppable(self, request: Request) -> int:
-        """The most computed tokens at a step's start with which its
-        ``1 + K`` tokens stay short of ``Scheduler.stop_room`` (rule 6)."""
+        """The most computed tokens at a step's start whose 1 + K tokens cannot stop it (rule 6)."""
         return request.num_computed_tokens + self.scheduler.stop_room(request) - self.step_tokens - 1
