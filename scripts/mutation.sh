@@ -57,6 +57,10 @@ tests/test_fast_path.py::test_every_skipped_call_changes_nothing[saturated-decod
 tests/test_fast_path.py::test_the_check_catches_an_async_window_blind_to_the_tokens_in_flight"
 
 STEADY_TESTS="tests/test_steady.py::test_a_decode_across_a_block_boundary_runs_steady_inside_its_windows \
+tests/test_steady.py::test_where_the_scheduler_caches_at_allocation_only_the_allocation_window_alone_bounds_the_lane \
+tests/test_steady.py::test_without_drafts_the_allocation_window_alone_bounds_the_lane \
+tests/test_steady.py::test_a_kept_request_takes_its_tokens_first_at_the_step_that_may_stop_it \
+tests/test_steady.py::test_a_requests_limit_is_the_last_step_start_its_windows_and_the_clip_leave_whole \
 tests/test_steady.py::test_every_draft_accepted_stops_inside_the_lane \
 tests/test_steady.py::test_a_steady_step_admits_an_arrival_after_its_decodes \
 tests/test_steady.py::test_a_one_token_admission_beside_steady_decodes_is_padded_to_a_uniform_decode \
@@ -82,6 +86,7 @@ tests/test_steady.py::test_a_refused_admission_is_known_only_for_the_same_reques
 tests/test_steady.py::test_each_audited_lookup_that_finds_nothing_counts_once \
 tests/test_steady.py::test_rule_12_keeps_the_idle_loops_of_other_inputs_across_the_changes_it_allows \
 tests/test_steady.py::test_only_a_decode_with_the_last_known_token_left_and_k_drafts_enters_the_lane \
+tests/test_steady.py::test_a_request_the_entry_test_keeps_out_has_no_limit_however_wide_its_windows \
 tests/test_steady.py::test_the_check_catches_a_steady_step_across_a_boundary \
 tests/test_steady.py::test_each_audited_lane_step_counts_once_and_the_audit_off_makes_none \
 tests/test_steady.py::test_the_lane_audits_a_taken_step_from_its_start_with_its_lookahead"
@@ -163,8 +168,10 @@ declare -A MODULES=(
   [settled]="sim/sched/fast_path/settled.py|$FAST_PATH_TESTS tests/test_values_fast_path.py"
   # The steady lane: its hand counts, its checks that make every skipped
   # call (three shapes), the frames against step by step, the horizon and
-  # conformance: about 5 s, not the 13 s of the whole file.
-  [steady]="sim/sched/fast_path/steady.py|$STEADY_TESTS"
+  # conformance: about 5 s, not the 13 s of the whole file. SteadyLane holds
+  # the async lane's limit, offer and audits too: the async lane's value
+  # tests and its audited shapes.
+  [steady]="sim/sched/fast_path/steady.py|$STEADY_TESTS tests/test_values_async.py tests/test_values_async_lane.py $ASYNC_STEADY_TESTS"
   [model_runner]="sim/sched/model_runner.py|tests/test_scheduler.py tests/test_scheduler_rules.py tests/test_ordering_rules.py tests/test_steady.py::test_the_stream_gives_the_generators_own_draws_across_blocks tests/test_steady.py::test_the_streams_acceptance_draws_are_the_rules tests/test_steady.py::test_a_steps_acceptance_draws_in_one_call_are_the_rules tests/test_steady.py::test_a_runners_acceptance_draws_are_its_per_request_draws"
   # The rest of sim/sched/: the engine core's step, the scheduler's output
   # records (what the step-time model reads; async scheduling's max_tokens

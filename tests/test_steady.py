@@ -29,6 +29,7 @@ from sim.engine import Simulation
 from sim.paths import SCENARIOS_DIR
 from sim.scenario import load_scenario
 from sim.sched.engine_core import EngineCore
+from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
 from sim.sched.fast_path.memos import FastPath
 from sim.sched.fast_path.steady import SyncSteadyLane, _Kept
 from sim.sched.model_runner import AcceptanceModel, ModelRunner, UniformStream, accepted_drafts
@@ -848,6 +849,32 @@ def test_only_a_decode_with_the_last_known_token_left_and_k_drafts_enters_the_la
         spec_token_ids=[0] * num_drafts,
     )
     assert lane._decodes_next(request) is enters
+
+
+def test_a_request_the_entry_test_keeps_out_has_no_limit_however_wide_its_windows():
+    """``limit`` asks the entry test first: 96 of 97 tokens computed (a
+    decode: sync mode has no placeholders, and the span's own decoding test
+    passes) with 2 drafts queued, not K = 3, has no limit. The control, with
+    3 drafts: the allocation window's bound, 1,000 less the span's 1 + 2K = 7
+    tokens, 993 (the caching window's, 1,000 - 4, and the clip's, 96 + 1,903
+    tokens of room - 4, are wider)."""
+    lane = SyncSteadyLane.__new__(SyncSteadyLane)
+    lane.num_spec, lane.step_tokens = 3, 4
+    wide, span = SimpleNamespace(bounds=lambda request_id: (0, 1000)), FastPathKVCacheManager.decode_span
+    lane.door = SimpleNamespace(decode_span=span, allocations=wide, caching=wide)
+    lane.scheduler = SimpleNamespace(
+        config=SimpleNamespace(caches_after_sampling=True),
+        clip_room=lambda request: 2000 - request.num_computed_tokens - 1,
+    )
+
+    def decoding(num_drafts: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            request_id="r", num_tokens=97, num_output_placeholders=0, num_computed_tokens=96,
+            num_in_flight_tokens=0, spec_token_ids=[0] * num_drafts,
+        )  # fmt: skip
+
+    assert lane.limit(decoding(3)) == 993
+    assert lane.limit(decoding(2)) is None
 
 
 # ------------------------------------------- the lane's audit (issue 42)
