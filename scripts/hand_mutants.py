@@ -369,8 +369,8 @@ MUTANTS = (
     _missed(
         "missed-changed-ids-dropped",
         "clause",
-        "if idle[0] != self.num_hash_insertions or self._changed_ids:",
-        "if idle[0] != self.num_hash_insertions:",
+        "if idle[0] != self.num_hash_insertions or self._changed_ids or idle[3] != tuple(map(id, waiting)):",
+        "if idle[0] != self.num_hash_insertions or idle[3] != tuple(map(id, waiting)):",
     ),
     _missed(
         "missed-remembered-bound-edge",

@@ -136,7 +136,7 @@ def test_the_audit_counts_each_schedule_whose_decodes_it_checked(tmp_path):
     counts = audited(simulation, lane=True)
     calls_with_lane_decodes = sum(1 for call in _drive(simulation) if call[3])
     assert calls_with_lane_decodes > 20
-    assert counts.lane_steps == calls_with_lane_decodes
+    assert counts["lane step"] == calls_with_lane_decodes
 
 
 def _placeholders_read(tmp_path, *, fast_path: bool) -> tuple[list, int]:

@@ -88,7 +88,7 @@ class AsyncSteadyLane(SteadyLane[_KeptAsync]):
         output = scheduler.schedule(offer)
         if self.door.audit and offer.taken:
             self._audit_each(self._audit_taken, [kept_by_id[i] for i in offer.taken], "steady allocation")
-            self.door.audited.lane_steps += 1
+            self.door.audited["lane step"] += 1
         # ``AsyncScheduler._finish_schedule``'s share, for the taken decodes.
         eligible = output.step_index + self.decode_stagger
         for request_id in offer.taken:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sim.sched.fast_path.async_steady import AsyncSteadyLane
-from sim.sched.fast_path.kv_cache_manager import AuditCounts, FastPathKVCacheManager
+from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
 from sim.sched.fast_path.steady import SyncSteadyLane
 
 if TYPE_CHECKING:
@@ -22,8 +22,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class _Refusal:
-    """A refused admission, and what rule 12 compares (``has_scheduled_reqs``:
-    vLLM's watermark)."""
+    """A refused admission, and what rule 12 compares (``has_scheduled_reqs``: vLLM's watermark)."""
 
     request: object
     num_new: int
@@ -68,14 +67,6 @@ class FastPath:
     def audit(self) -> bool:
         return self.door.audit
 
-    @audit.setter
-    def audit(self, on: bool) -> None:
-        self.door.audit = on
-
-    @property
-    def audited(self) -> AuditCounts:
-        return self.door.audited
-
     @property
     def allocator_version(self) -> int:
         """The door's (rule 3), voided too by a waiter's change."""
@@ -95,7 +86,6 @@ class FastPath:
         """A waiter's stale output drained (rule 9): every memo is void."""
         self._waiters_changed += 1
 
-    # ------------------------------------------------ known-idle waiting
     def skips_waiting(self, step: _StepState) -> bool:
         known = self.waiting_known_idle(step.token_budget, step.running_scheduled, step.prefill_scheduled)
         if known and self.audit:
@@ -103,17 +93,12 @@ class FastPath:
         return known
 
     def waiting_loop(self, step: _StepState, admit: Callable[[_StepState], bool]) -> None:
-        """``admit``: the loop, which says whether it admitted anyone."""
-        inputs = self.waiting_starts(step)
-        self.waiting_ends(inputs, admit(step))
-
-    def waiting_starts(self, step: _StepState) -> tuple:
+        """``admit``: the loop, which says whether it admitted anyone. One that
+        admitted nobody changed nothing; idle loops of other inputs are kept
+        while the head and the allocator version stay (rule 4)."""
         self.door.last_lookup = None
-        return self._waiting_inputs(step.token_budget, step.running_scheduled, step.prefill_scheduled)
-
-    def waiting_ends(self, inputs: tuple, admitted: bool) -> None:
-        """A loop that admitted nobody changed nothing; idle loops of other
-        inputs are kept while the head and the allocator version stay (rule 4)."""
+        inputs = self._waiting_inputs(step.token_budget, step.running_scheduled, step.prefill_scheduled)
+        admitted = admit(step)
         waiting, idle = self.scheduler.waiting, self._idle_waiting
         self._idle_waiting = None
         if admitted or not waiting:
@@ -123,13 +108,9 @@ class FastPath:
         if idle is not None and idle.head is head and self._allocator_as_when(idle):
             kept = (*idle.inputs, inputs)[-_IdleWaiting.MAX_INPUTS :]
         last = self.door.last_lookup
+        head_missed = last is not None and last[0] is head and last[1]
         self._idle_waiting = _IdleWaiting(
-            head,
-            kept,
-            self.allocator_version,
-            self.release_version,
-            self._num_free_blocks(),
-            head_missed=last is not None and last[0] is head and last[1],
+            head, kept, self.allocator_version, self.release_version, self._num_free_blocks(), head_missed
         )
 
     def waiting_known_idle(self, token_budget: int, running_scheduled: bool, prefill_scheduled: bool) -> bool:
@@ -145,18 +126,14 @@ class FastPath:
         )
 
     def _allocator_as_when(self, idle: _IdleWaiting) -> bool:
-        return idle.allocator_version == self.allocator_version or self._head_still_refused(idle)
-
-    def _head_still_refused(self, idle: _IdleWaiting) -> bool:  # rule 12
-        return (
-            idle.head_missed
+        return idle.allocator_version == self.allocator_version or (
+            idle.head_missed  # rule 12: the head is still refused
             and self._only_took_blocks_since(idle.release_version, idle.num_free_blocks)
             and self.door.finds_nothing(idle.head)  # type: ignore[arg-type]
         )
 
     def _only_took_blocks_since(self, release_version: int, num_free_blocks: int) -> bool:
-        """Rule 12: only running requests' allocations and caching since, and
-        no more free blocks."""
+        """Rule 12: only running requests' allocations and caching since, and no more free blocks."""
         return release_version == self.release_version and self._num_free_blocks() <= num_free_blocks
 
     def _num_free_blocks(self) -> int:  # what ``allocate_slots`` compares a need with
@@ -188,24 +165,15 @@ class FastPath:
         ):
             return False
         if self.audit:
-            assert self.door.check_unchanged(attempt, "refused admission") is None, (
-                f"{request.request_id}: admitted"
-            )
-            self.audited.refused_admissions += 1
+            admitted = self.door.check_unchanged(attempt, "refused admission")
+            assert admitted is None, f"{request.request_id}: admitted"
         return True
 
     def _waiting_inputs(self, token_budget: int, running_scheduled: bool, prefill_scheduled: bool) -> tuple:
         """What the waiting loop reads besides its head and the allocator (rule 4)."""
-        scheduler = self.scheduler
-        return (
-            token_budget,
-            len(scheduler.running),
-            len(scheduler.waiting),
-            running_scheduled,
-            prefill_scheduled,
-        )
+        running, waiting = self.scheduler.running, self.scheduler.waiting
+        return (token_budget, len(running), len(waiting), running_scheduled, prefill_scheduled)
 
-    # ------------------------------------------------------ idle pin passes
     def skips_pin_pass(self, pinned_ids: tuple[str, ...]) -> bool:  # rule 11
         self._pin_pass_version = self.allocator_version
         if not self.door.missed_pin_lookups.knows_idle_pass(self.scheduler.waiting, pinned_ids):
@@ -220,7 +188,9 @@ class FastPath:
 
     def unchanged_waiter_passed_over(self, request: Request) -> None:
         if self.audit:
-            self._audit_unchanged_waiter(request)
+            pinned = self.door.wrapped.pin_waiting_hit(request)  # type: ignore[attr-defined]
+            assert pinned == 0, f"{request.request_id}: a waiter passed over pins"
+            self.door.audited["unchanged waiter"] += 1
 
     def waiter_admitted(self, request: Request) -> None:
         """Rule 11: it may come back preempted."""
@@ -235,18 +205,11 @@ class FastPath:
         """A stale output may land on a waiter (rule 11)."""
         self.door.missed_pin_lookups.waiter_tokens_change()
 
-    # -------------------------------------------------------------- audit
-    def _audit_unchanged_waiter(self, request: Request) -> None:
-        pinned = self.door.wrapped.pin_waiting_hit(request)  # type: ignore[attr-defined]
-        assert pinned == 0, f"{request.request_id}: a waiter passed over pins"
-        self.audited.unchanged_waiters += 1
-
     def _audit_pin_pass(self) -> None:
         """Its skipped lookups are audited in turn."""
         scheduler = self.scheduler
         pins = scheduler.pins.pin_waiters  # type: ignore[union-attr]  # a SchedulerPins'
         self.door.check_unchanged(lambda: pins(scheduler._waiting_requests()), "pin pass")
-        self.audited.pin_passes += 1
 
     def _audit_waiting(self, step: _StepState) -> None:
         """On a copy of the step's inputs."""
@@ -257,7 +220,6 @@ class FastPath:
         )
         self.door.check_unchanged(lambda: self.scheduler._schedule_waiting(probe), "waiting loop")
         assert not probe.new_ids and not probe.resumed_ids, "a skipped waiting loop admits"
-        self.audited.waiting_loops += 1
 
 
 def _nothing(*args: Any) -> None:

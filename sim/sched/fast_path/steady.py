@@ -132,7 +132,7 @@ class SyncSteadyLane(SteadyLane[_Kept]):
         self._taken = offer.taken
         if self.door.audit and offer.taken:
             self._audit_each(self._audit_taken, [kept_by_id[i] for i in offer.taken], "steady allocation")
-            self.door.audited.lane_steps += 1
+            self.door.audited["lane step"] += 1
         return output
 
     def sample_and_apply(self, output: SchedulerOutput) -> StepOutcome:
