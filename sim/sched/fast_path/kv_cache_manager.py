@@ -188,10 +188,9 @@ class FastPathKVCacheManager:
         self.audited["pin lookup"] += 1
 
 
-# What passes through unseen, read on the wrapped manager each time (``kvsim
-# bench`` replaces methods there): reads, and ``new_step_starts`` (a per-step
-# set). Named, not ``__getattr__``: a new allocator call fails here until it
-# is a door method (rule 3) or listed.
+# What passes through unseen, read on the wrapped manager each time (``kvsim bench``
+# replaces methods there): reads, and ``new_step_starts`` (a per-step set). Named, not
+# ``__getattr__``: a new allocator call fails here until it is a door method (rule 3) or listed.
 PASSED_THROUGH = (
     "coordinator managers ring_managers ring_slot_pools enable_caching get_block_ids new_step_starts"
     " take_events take_new_block_ids take_new_ring_block_ids make_prefix_cache_stats"

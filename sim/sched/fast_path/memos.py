@@ -82,8 +82,7 @@ class FastPath:
     def make_async_lane(self) -> AsyncSteadyLane | None:
         return AsyncSteadyLane(self.scheduler, self.door) if self.use_lane else None  # type: ignore[arg-type]
 
-    def waiting_request_changes(self) -> None:
-        """A waiter's stale output drained (rule 9): every memo is void."""
+    def waiting_request_changes(self) -> None:  # a stale output drained: every memo is void (rule 9)
         self._waiters_changed += 1
 
     def skips_waiting(self, step: _StepState) -> bool:
@@ -192,27 +191,22 @@ class FastPath:
             assert pinned == 0, f"{request.request_id}: a waiter passed over pins"
             self.door.audited["unchanged waiter"] += 1
 
-    def waiter_admitted(self, request: Request) -> None:
-        """Rule 11: it may come back preempted."""
+    def waiter_admitted(self, request: Request) -> None:  # it may come back preempted (rule 11)
         self.door.missed_pin_lookups.waiter_admitted(request)
 
     def pin_pass_ends(self, pinned_ids: tuple[str, ...]) -> None:
-        """It pinned something iff it bumped the version."""
-        pinned = self.allocator_version != self._pin_pass_version
+        pinned = self.allocator_version != self._pin_pass_version  # iff it bumped the version
         self.door.missed_pin_lookups.pass_ends(self.scheduler.waiting, pinned_ids, pinned)
 
-    def waiting_tokens_change(self) -> None:
-        """A stale output may land on a waiter (rule 11)."""
+    def waiting_tokens_change(self) -> None:  # a stale output may land on a waiter (rule 11)
         self.door.missed_pin_lookups.waiter_tokens_change()
 
-    def _audit_pin_pass(self) -> None:
-        """Its skipped lookups are audited in turn."""
+    def _audit_pin_pass(self) -> None:  # its skipped lookups are audited in turn
         scheduler = self.scheduler
         pins = scheduler.pins.pin_waiters  # type: ignore[union-attr]  # a SchedulerPins'
         self.door.check_unchanged(lambda: pins(scheduler._waiting_requests()), "pin pass")
 
-    def _audit_waiting(self, step: _StepState) -> None:
-        """On a copy of the step's inputs."""
+    def _audit_waiting(self, step: _StepState) -> None:  # on a copy of the step's inputs
         probe = type(step)(
             token_budget=step.token_budget,
             running_scheduled=step.running_scheduled,
