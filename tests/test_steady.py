@@ -443,7 +443,7 @@ def test_a_head_that_found_nothing_stays_refused_while_running_requests_only_tak
         return fast_path.waiting_known_idle(504, True, False)
 
     engine.complete(step)
-    assert fast_path.allocator_version != idle.allocator_version
+    assert fast_path.door.allocator_version != idle.allocator_version
     assert known()
     assert not known(replace(idle, num_free_blocks=1))
     assert not known(replace(idle, head_missed=False))

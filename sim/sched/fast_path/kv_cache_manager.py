@@ -33,8 +33,8 @@ class FastPathKVCacheManager:
         self.empty_kv_cache_blocks = wrapped.empty_kv_cache_blocks
         self.allocations = settled_steps(wrapped, config)
         self.caching = settled_steps(wrapped, config)
-        # Every call that may change the allocator; less those that only
-        # take blocks for running requests (rule 12).
+        # Every call that may change the allocator, and a waiter's drained
+        # stale output (rule 9); less those that only take blocks (rule 12).
         self.allocator_version = 0
         self.release_version = 0
         self.missed_pin_lookups = MissedPinLookups(wrapped.block_pool)  # rule 10
@@ -45,13 +45,13 @@ class FastPathKVCacheManager:
         self.audit = False
         self.audited: Counter[str] = Counter()  # the skipped calls made anyway, by kind
 
-    def _changes(self) -> None:  # beyond taking blocks
+    def changes(self) -> None:  # beyond taking blocks: every memo is void
         self.allocator_version += 1
         self.release_version += 1
 
     def _changed(self, released_or_pinned: int) -> int:
         if released_or_pinned:
-            self._changes()
+            self.changes()
         return released_or_pinned
 
     def allocate_slots(self, request: Request, num_new_tokens: int, **kwargs: Any) -> KVCacheBlocks | None:
@@ -60,7 +60,7 @@ class FastPathKVCacheManager:
         if request.status != RequestStatus.RUNNING:
             blocks = allocate(request, num_new_tokens, **kwargs)
             if blocks is not None:
-                self._changes()
+                self.changes()
             return blocks
         span = self.decode_span(request, num_new_tokens + kwargs.get("num_lookahead_tokens", 0))
         if span is not None and self.allocations.is_settled(request.request_id, *span):
@@ -104,16 +104,16 @@ class FastPathKVCacheManager:
     def _forget(self, request_id: str) -> None:
         self.allocations.forget(request_id)
         self.caching.forget(request_id)
-        self._changes()
+        self.changes()
 
     def free_blocks(self, blocks: Any) -> None:
-        self._changes()
+        self.changes()
         self.wrapped.free_blocks(blocks)
 
     def take_kv_cache_block_copies(self) -> Any:
         copies = self.wrapped.take_kv_cache_block_copies()
         if copies[0]:
-            self._changes()
+            self.changes()
         return copies
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:

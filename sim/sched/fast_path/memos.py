@@ -55,8 +55,6 @@ class FastPath:
     def __init__(self, scheduler: Scheduler, door: FastPathKVCacheManager) -> None:
         self.scheduler = scheduler
         self.door = door
-        # Waiters whose stale output drained (rule 9): each voids the memo.
-        self._waiters_changed = 0
         self._idle_waiting: _IdleWaiting | None = None
         self._refusal: _Refusal | None = None
         self._pin_pass_version = 0
@@ -67,15 +65,6 @@ class FastPath:
     def audit(self) -> bool:
         return self.door.audit
 
-    @property
-    def allocator_version(self) -> int:
-        """The door's (rule 3), voided too by a waiter's change."""
-        return self.door.allocator_version + self._waiters_changed
-
-    @property
-    def release_version(self) -> int:
-        return self.door.release_version + self._waiters_changed
-
     def make_lane(self, model_runner: ModelRunner) -> SyncSteadyLane | None:
         return SyncSteadyLane(self.scheduler, self.door, model_runner) if self.use_lane else None
 
@@ -83,7 +72,7 @@ class FastPath:
         return AsyncSteadyLane(self.scheduler, self.door) if self.use_lane else None  # type: ignore[arg-type]
 
     def waiting_request_changes(self) -> None:  # a stale output drained: every memo is void (rule 9)
-        self._waiters_changed += 1
+        self.door.changes()
 
     def skips_waiting(self, step: _StepState) -> bool:
         known = self.waiting_known_idle(step.token_budget, step.running_scheduled, step.prefill_scheduled)
@@ -106,11 +95,10 @@ class FastPath:
         kept: tuple[tuple, ...] = (inputs,)
         if idle is not None and idle.head is head and self._allocator_as_when(idle):
             kept = (*idle.inputs, inputs)[-_IdleWaiting.MAX_INPUTS :]
-        last = self.door.last_lookup
+        door, last = self.door, self.door.last_lookup
         head_missed = last is not None and last[0] is head and last[1]
-        self._idle_waiting = _IdleWaiting(
-            head, kept, self.allocator_version, self.release_version, self._num_free_blocks(), head_missed
-        )
+        versions = door.allocator_version, door.release_version
+        self._idle_waiting = _IdleWaiting(head, kept, *versions, self._num_free_blocks(), head_missed)
 
     def waiting_known_idle(self, token_budget: int, running_scheduled: bool, prefill_scheduled: bool) -> bool:
         """Remembered idle with the same head and inputs, and the allocator
@@ -125,7 +113,7 @@ class FastPath:
         )
 
     def _allocator_as_when(self, idle: _IdleWaiting) -> bool:
-        return idle.allocator_version == self.allocator_version or (
+        return idle.allocator_version == self.door.allocator_version or (
             idle.head_missed  # rule 12: the head is still refused
             and self._only_took_blocks_since(idle.release_version, idle.num_free_blocks)
             and self.door.finds_nothing(idle.head)  # type: ignore[arg-type]
@@ -133,7 +121,7 @@ class FastPath:
 
     def _only_took_blocks_since(self, release_version: int, num_free_blocks: int) -> bool:
         """Rule 12: only running requests' allocations and caching since, and no more free blocks."""
-        return release_version == self.release_version and self._num_free_blocks() <= num_free_blocks
+        return release_version == self.door.release_version and self._num_free_blocks() <= num_free_blocks
 
     def _num_free_blocks(self) -> int:  # what ``allocate_slots`` compares a need with
         return self.door.block_pool.get_num_free_blocks()
@@ -145,9 +133,8 @@ class FastPath:
             return None
         allocated = attempt()
         if allocated is None:
-            self._refusal = _Refusal(
-                request, num_new, bool(self.scheduler.running), self.release_version, self._num_free_blocks()
-            )
+            running, release = bool(self.scheduler.running), self.door.release_version
+            self._refusal = _Refusal(request, num_new, running, release, self._num_free_blocks())
         return allocated
 
     def skips_refused_admission(self, request: Request, num_new: int, attempt: Callable[[], object]) -> bool:
@@ -174,7 +161,7 @@ class FastPath:
         return (token_budget, len(running), len(waiting), running_scheduled, prefill_scheduled)
 
     def skips_pin_pass(self, pinned_ids: tuple[str, ...]) -> bool:  # rule 11
-        self._pin_pass_version = self.allocator_version
+        self._pin_pass_version = self.door.allocator_version
         if not self.door.missed_pin_lookups.knows_idle_pass(self.scheduler.waiting, pinned_ids):
             return False
         if self.audit:
@@ -195,7 +182,7 @@ class FastPath:
         self.door.missed_pin_lookups.waiter_admitted(request)
 
     def pin_pass_ends(self, pinned_ids: tuple[str, ...]) -> None:
-        pinned = self.allocator_version != self._pin_pass_version  # iff it bumped the version
+        pinned = self.door.allocator_version != self._pin_pass_version  # iff it bumped the version
         self.door.missed_pin_lookups.pass_ends(self.scheduler.waiting, pinned_ids, pinned)
 
     def waiting_tokens_change(self) -> None:  # a stale output may land on a waiter (rule 11)
