@@ -50,8 +50,6 @@ class _IdleWaiting:
 class FastPath:
     """One scheduler's memos and lanes, beside its door."""
 
-    enabled = True
-
     def __init__(self, scheduler: Scheduler, door: FastPathKVCacheManager) -> None:
         self.scheduler = scheduler
         self.door = door
@@ -127,8 +125,7 @@ class FastPath:
         return self.door.block_pool.get_num_free_blocks()
 
     def admission(self, request: Request, num_new: int, attempt: Callable[[], T]) -> T | None:
-        """``attempt``: the allocation, then the fork's head guard; None
-        where known refused (rule 12)."""
+        """``attempt``: the allocation, then the fork's head guard; None where known refused (rule 12)."""
         if self.skips_refused_admission(request, num_new, attempt):
             return None
         allocated = attempt()
@@ -162,11 +159,10 @@ class FastPath:
 
     def skips_pin_pass(self, pinned_ids: tuple[str, ...]) -> bool:  # rule 11
         self._pin_pass_version = self.door.allocator_version
-        if not self.door.missed_pin_lookups.knows_idle_pass(self.scheduler.waiting, pinned_ids):
-            return False
-        if self.audit:
+        known = self.door.missed_pin_lookups.knows_idle_pass(self.scheduler.waiting, pinned_ids)
+        if known and self.audit:
             self._audit_pin_pass()
-        return True
+        return known
 
     def unchanged_waiters(self, pinned_ids: tuple[str, ...]) -> Container[int]:
         """The waiters (by ``id``) a pin pass passes over (rule 11)."""
@@ -210,7 +206,7 @@ def _nothing(*args: Any) -> None:
 class NoFastPath:
     """Every call is made, nothing is remembered."""
 
-    enabled = audit = False
+    audit = False
     make_lane = make_async_lane = waiting_request_changes = waiter_admitted = staticmethod(_nothing)
     unchanged_waiter_passed_over = pin_pass_ends = waiting_tokens_change = staticmethod(_nothing)
 
