@@ -35,8 +35,7 @@ class FastPathKVCacheManager:
         self.caching = settled_steps(wrapped, config)
         # Every call that may change the allocator, and a waiter's drained
         # stale output (rule 9); less those that only take blocks (rule 12).
-        self.allocator_version = 0
-        self.release_version = 0
+        self.allocator_version = self.release_version = 0
         self.missed_pin_lookups = MissedPinLookups(wrapped.block_pool)  # rule 10
         # The waiting loop's last lookup (the request, whether it found nothing),
         # and the last that did, with rule 10's memo of it then (rule 12).
