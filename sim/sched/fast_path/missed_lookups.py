@@ -1,7 +1,6 @@
-"""Waiters whose prefix-cache lookup found no hit, and pin passes known to
-pin nothing (rules 10-11): the memos of the fork's waiter pins (pin point 3).
-A lookup reads only the request's own hashes and tokens and the pool's
-cached-hash map, whose insertions the bridge's ``watch_hash_insertions`` sees."""
+"""Waiters whose prefix-cache lookup found no hit, and pin passes known to pin nothing
+(rules 10-11; the fork's waiter pins, pin point 3). A lookup reads only the request's own
+hashes and tokens and the pool's cached-hash map, whose insertions the bridge watches."""
 
 from __future__ import annotations
 
