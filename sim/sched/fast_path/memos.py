@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from sim.sched.fast_path.async_steady import AsyncSteadyLane
 from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
@@ -199,16 +199,12 @@ class FastPath:
         assert not probe.new_ids and not probe.resumed_ids, "a skipped waiting loop admits"
 
 
-def _nothing(*args: Any) -> None:
-    return None
-
-
 class NoFastPath:
     """Every call is made, nothing is remembered."""
 
     audit = False
-    make_lane = make_async_lane = waiting_request_changes = waiter_admitted = staticmethod(_nothing)
-    unchanged_waiter_passed_over = pin_pass_ends = waiting_tokens_change = staticmethod(_nothing)
+    make_lane = make_async_lane = waiting_request_changes = waiter_admitted = staticmethod(lambda *args: None)
+    unchanged_waiter_passed_over = pin_pass_ends = waiting_tokens_change = make_lane
 
     @staticmethod
     def admission(request: Request, num_new: int, attempt: Callable[[], T]) -> T | None:
