@@ -242,15 +242,15 @@ MUTANTS = (
         "rule12-free-blocks-clause-dropped",
         "clause",
         "fast path 12 (the pool has no more free blocks)",
-        "return release_version == self.release_version and self._num_free_blocks() <= num_free_blocks",
-        "return release_version == self.release_version",
+        "return release_version == self.door.release_version and self._num_free_blocks() <= num_free_blocks",
+        "return release_version == self.door.release_version",
     ),
     _waiting(
         "rule12-free-blocks-strict",
         "edge",
         "fast path 12 (the pool has no more free blocks)",
-        "return release_version == self.release_version and self._num_free_blocks() <= num_free_blocks",
-        "return release_version == self.release_version and self._num_free_blocks() < num_free_blocks",
+        "return release_version == self.door.release_version and self._num_free_blocks() <= num_free_blocks",
+        "return release_version == self.door.release_version and self._num_free_blocks() < num_free_blocks",
     ),
     _waiting(
         "rule12-no-boundary-clause-dropped",
@@ -306,7 +306,7 @@ MUTANTS = (
         "fast path 3 and 12 (a running request's allocation alone bumps the release version too)",
         DOOR,
         "        self.allocator_version += 1\n        blocks = allocate(request, num_new_tokens, **kwargs)",
-        "        self._changes()\n        blocks = allocate(request, num_new_tokens, **kwargs)",
+        "        self.changes()\n        blocks = allocate(request, num_new_tokens, **kwargs)",
         WAITING_MEMO_TESTS,
     ),
     _waiting(
@@ -369,8 +369,8 @@ MUTANTS = (
     _missed(
         "missed-changed-ids-dropped",
         "clause",
-        "if idle[0] != self.num_hash_insertions or self._changed_ids:",
-        "if idle[0] != self.num_hash_insertions:",
+        "if idle[0] != self.num_hash_insertions or self._changed_ids or idle[3] != tuple(map(id, waiting)):",
+        "if idle[0] != self.num_hash_insertions or idle[3] != tuple(map(id, waiting)):",
     ),
     _missed(
         "missed-remembered-bound-edge",

@@ -38,6 +38,7 @@ from sim.analysis.frames import frames
 from sim.engine import Simulation, simulate
 from sim.kv_cache_plan import plan_kv_cache
 from sim.scenario import Scenario, load_scenario
+from sim.sched.fast_path.memos import FastPath
 from sim.step_time import StepTimeModel
 from sim.workloads.spec import FreshIds, Workload, WorkloadRequest
 
@@ -654,7 +655,7 @@ def test_the_fast_path_switch_reaches_the_scheduler(hand_scenario_file, fast_pat
     and the timeline with it off is the one the cases above derive."""
     scenario = load_scenario(str(hand_scenario_file), [f"simulation.fast_path={str(fast_path).lower()}"])
     simulation = Simulation(scenario, "off", _workload(("r0", 0.0, 1000, 3), ("r1", 0.5, 500, 2)))
-    assert simulation.scheduler.fast_path.enabled is fast_path
+    assert isinstance(simulation.scheduler.fast_path, FastPath) is fast_path
     steps, _, _, summary = frames(simulation.run())
     assert steps["time_s"].tolist() == pytest.approx([1.2, 1.904, 2.112], abs=1e-12)
     assert summary["duration_s"] == pytest.approx(2.112, abs=1e-12)

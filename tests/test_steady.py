@@ -444,7 +444,7 @@ def test_a_head_that_found_nothing_stays_refused_while_running_requests_only_tak
         return fast_path.waiting_known_idle(504, True, False)
 
     engine.complete(step)
-    assert fast_path.allocator_version != idle.allocator_version
+    assert fast_path.door.allocator_version != idle.allocator_version
     assert known()
     assert not known(replace(idle, num_free_blocks=1))
     assert not known(replace(idle, head_missed=False))
@@ -596,9 +596,9 @@ def test_a_refused_admission_is_known_only_for_the_same_request_tokens_running_s
     scheduler.kv_cache_manager.get_computed_blocks(other)  # it finds nothing too
     assert not known(other)
     scheduler.kv_cache_manager.get_computed_blocks(head)
-    fast_path.audit = True
+    fast_path.door.audit = True
     assert known() and known()
-    assert fast_path.audited.refused_admissions == 2
+    assert fast_path.door.audited["refused admission"] == 2
     pool = scheduler.kv_cache_manager.block_pool
     key = kv_cache_utils.make_block_hash_with_group_id(head.block_hashes[0], 99)
     pool._insert_block_hash(key, pool.blocks[1], num_tokens=16)  # forgets the head (rule 10)
@@ -621,7 +621,7 @@ def test_each_audited_lookup_that_finds_nothing_counts_once():
         == (kv.empty_kv_cache_blocks, 0, 0)
     )
     assert kv.get_computed_blocks(head)[0] is kv.empty_kv_cache_blocks
-    assert kv.audited.lookups == 2
+    assert kv.audited["lookup"] == 2
 
 
 @pytest.mark.parametrize(
@@ -700,9 +700,9 @@ def test_every_call_a_steady_step_skips_changes_nothing(name, overrides, layout,
     simulation.run()
     # Control: steady decodes ran here (and known-idle waiting loops were
     # skipped in the pool-bound case), so the checks had work.
-    assert counts.lane_steps > 0
+    assert counts["lane step"] > 0
     if overrides is POOL_BOUND:
-        assert counts.waiting_loops > 0 and counts.lookups > 0 and counts.refused_admissions > 0
+        assert counts["waiting loop"] > 0 and counts["lookup"] > 0 and counts["refused admission"] > 0
 
 
 def test_the_check_catches_a_steady_step_across_a_boundary(monkeypatch, tmp_path):
@@ -893,7 +893,7 @@ def test_each_audited_lane_step_counts_once_and_the_audit_off_makes_none(monkeyp
     counts = audited(simulation, lane=True)
     steady, _ = _lane_steps(simulation)
     assert steady == [False] * 2 + [True] * 40 + [False] * 73 + [True] * 35
-    assert counts.lane_steps == 75
+    assert counts["lane step"] == 75
 
     def no_audit(*args):
         raise AssertionError("an audit call with the audit off")
@@ -903,7 +903,7 @@ def test_each_audited_lane_step_counts_once_and_the_audit_off_makes_none(monkeyp
     assert simulation.scheduler.config.caches_after_sampling  # where the caching audit would run
     steady, _ = _lane_steps(simulation)
     assert steady == [False] * 2 + [True] * 40 + [False] * 73 + [True] * 35
-    assert simulation.scheduler.fast_path.audited.lane_steps == 0
+    assert simulation.scheduler.fast_path.door.audited["lane step"] == 0
 
 
 def test_the_lane_audits_a_taken_step_from_its_start_with_its_lookahead():

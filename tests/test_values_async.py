@@ -24,6 +24,7 @@ from sim.sched.engine_core import BatchQueueEngineCore, EngineCall
 from sim.sched.engine_loop import IDLE, make_call, run_engine
 from sim.sched.fast_path.async_steady import AsyncSteadyLane
 from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
+from sim.sched.fast_path.memos import FastPath, NoFastPath
 from sim.sched.model_runner import AcceptanceModel, ModelRunner
 from sim.sched.output import ScheduledRequest, SchedulerOutput, StepTally, reaches_max_tokens
 from sim.sched.scheduler import Scheduler, SchedulerConfig
@@ -407,8 +408,8 @@ def test_the_async_scheduler_takes_the_fast_path_switch_and_vllms_placeholders()
     (``AsyncScheduler._spec_token_placeholders = [-1] * num_spec_tokens``,
     ``vllm/v1/core/sched/async_scheduler.py``, 0.33.0)."""
     scheduler = _async_scheduler()
-    assert scheduler.fast_path.enabled is True
-    assert _async_scheduler(fast_path=False).fast_path.enabled is False
+    assert isinstance(scheduler.fast_path, FastPath)
+    assert isinstance(_async_scheduler(fast_path=False).fast_path, NoFastPath)
     assert scheduler.has_requests() is False
     assert scheduler._placeholder_drafts == [-1] * K
     scheduler.schedule()  # an empty step resets the flag the same way

@@ -129,14 +129,14 @@ def test_a_flushed_async_lane_hands_back_what_the_scheduler_would_hold(tmp_path)
 
 
 def test_the_audit_counts_each_schedule_whose_decodes_it_checked(tmp_path):
-    """With the audit on, ``lane_steps`` counts the schedule calls in
+    """With the audit on, ``audited["lane step"]`` counts the schedule calls in
     which the lane took decodes (their skipped allocations made and
     checked): one per such call, read off the calls themselves."""
     simulation = _simulation(tmp_path, [], fast_path=True)
     counts = audited(simulation, lane=True)
     calls_with_lane_decodes = sum(1 for call in _drive(simulation) if call[3])
     assert calls_with_lane_decodes > 20
-    assert counts.lane_steps == calls_with_lane_decodes
+    assert counts["lane step"] == calls_with_lane_decodes
 
 
 def _placeholders_read(tmp_path, *, fast_path: bool) -> tuple[list, int]:

@@ -8,7 +8,7 @@ docstring (rules 10-11), each with its control.
 from __future__ import annotations
 
 import inspect
-from collections import deque
+from collections import Counter, deque
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +19,7 @@ from helpers.scheduler import CheckedEngine, tiny_scheduler, tiny_spec
 
 from sim.allocator_invariants import allocator_snapshot
 from sim.fork.scheduler_pins import SchedulerPins
-from sim.sched.fast_path.kv_cache_manager import AuditCounts, FastPathKVCacheManager, settled_steps
+from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager, settled_steps
 from sim.sched.fast_path.memos import FastPath, NoFastPath
 from sim.sched.fast_path.missed_lookups import MissedPinLookups
 from sim.sched.fast_path.settled import SettledSteps
@@ -183,7 +183,7 @@ def test_the_fast_path_off_makes_every_call_and_remembers_nothing():
     """``NoFastPath``: no lane, no call skipped, no waiting inputs."""
     off = NoFastPath()
     waiter = _waiter("a", 1)
-    assert (off.enabled, off.audit) == (False, False)
+    assert off.audit is False
     assert off.make_lane(None) is None and off.make_async_lane() is None  # type: ignore[arg-type]
     assert not off.skips_waiting(None) and not off.skips_pin_pass(())  # type: ignore[arg-type]
     loops: list[object] = []
@@ -222,7 +222,7 @@ def test_the_waiting_audit_runs_the_loop_with_the_steps_flags():
     fast_path = scheduler.fast_path
     for count in (1, 2):
         fast_path._audit_waiting(_StepState(token_budget=2, running_scheduled=True, prefill_scheduled=False))
-        assert fast_path.audited.waiting_loops == count
+        assert fast_path.door.audited["waiting loop"] == count
     assert [request.request_id for request in scheduler.waiting] == ["r000"]
 
 
@@ -234,7 +234,7 @@ def test_the_waiting_audit_catches_a_loop_that_admits():
     step = _StepState(token_budget=2, running_scheduled=True, prefill_scheduled=True)
     with pytest.raises(AssertionError, match=r"^a skipped waiting loop call changed the allocator$"):
         scheduler.fast_path._audit_waiting(step)
-    assert scheduler.fast_path.audited.waiting_loops == 0
+    assert scheduler.fast_path.door.audited["waiting loop"] == 0
 
 
 def test_a_waiting_request_taking_tokens_counts_one_change():
@@ -258,7 +258,8 @@ def test_a_drained_stale_output_voids_the_waiting_memo_for_good():
     free = scheduler.kv_cache_manager.free_blocks  # a change through the door (of no blocks)
     for void in (lambda: free([]), fast_path.waiting_request_changes):
         void()
-        fast_path.waiting_ends(fast_path._waiting_inputs(budget, *flags), admitted=False)
+        step = _StepState(token_budget=budget, running_scheduled=True, prefill_scheduled=False)
+        fast_path.waiting_loop(step, lambda step: False)  # admits nobody
         assert fast_path.waiting_known_idle(budget, *flags)
         fast_path.waiting_request_changes()
         assert not fast_path.waiting_known_idle(budget, *flags)
@@ -288,7 +289,7 @@ def test_the_allocation_audit_makes_the_call_with_its_lookahead():
     door.allocate_slots(request, 1, num_lookahead_tokens=3)
     for count in (1, 2):
         door._audit_allocation(request, 1, 3)
-        assert door.audited.allocations == count
+        assert door.audited["allocation"] == count
     with pytest.raises(AssertionError, match=r"^a skipped allocation call changed the allocator$"):
         door._audit_allocation(request, 2, 3)
 
@@ -349,7 +350,7 @@ def test_the_audit_makes_each_skipped_call_once(tmp_path):
     simulation = one_request(tmp_path, 3120, 150)
     counts = audited(simulation, lane=False)
     simulation.run()
-    assert (counts.allocations, counts.cachings) == (75, 82)
+    assert (counts["allocation"], counts["caching"]) == (75, 82)
 
 
 # ------------------------------------------------- the pin calls' audits
@@ -371,7 +372,7 @@ def test_each_audited_pin_lookup_counts_once():
     waiter = pins.request("new", pins.tail_tokens(4, 64), unit=16)
     for count in (1, 2):
         fast_path._audit_pin_lookup(waiter)
-        assert fast_path.audited.pin_lookups == count
+        assert fast_path.audited["pin lookup"] == count
 
 
 def test_the_pin_pass_audit_catches_a_pass_that_pins():
@@ -383,7 +384,7 @@ def test_the_pin_pass_audit_catches_a_pass_that_pins():
     fast_path = FastPath(scheduler, FastPathKVCacheManager(scheduler.kv_cache_manager, scheduler.config))
     with pytest.raises(AssertionError, match=r"^a skipped pin pass call changed the allocator$"):
         fast_path._audit_pin_pass()
-    assert fast_path.audited.pin_passes == 0
+    assert fast_path.door.audited["pin pass"] == 0
 
 
 def test_each_audited_pin_pass_that_pins_nothing_counts_once():
@@ -394,7 +395,7 @@ def test_each_audited_pin_pass_that_pins_nothing_counts_once():
     fast_path = FastPath(scheduler, FastPathKVCacheManager(scheduler.kv_cache_manager, scheduler.config))
     for count in (1, 2):
         fast_path._audit_pin_pass()
-        assert fast_path.audited.pin_passes == count
+        assert fast_path.door.audited["pin pass"] == count
 
 
 # ------------------------------------------- rule 11: waiters passed over
@@ -717,7 +718,7 @@ def test_the_fast_path_names_the_last_idle_passs_waiters_for_the_same_pins():
 
 def _pass_over_fast_path(manager, audit: bool) -> FastPath:
     fast_path = FastPath.__new__(FastPath)  # only the audit's parts are read
-    fast_path.door = SimpleNamespace(wrapped=manager, audit=audit, audited=AuditCounts())  # type: ignore[assignment]
+    fast_path.door = SimpleNamespace(wrapped=manager, audit=audit, audited=Counter())  # type: ignore[assignment]
     return fast_path
 
 
@@ -731,7 +732,7 @@ def test_without_the_audit_a_passed_over_waiter_is_not_looked_up():
     waiter = pins.request("waiter", [*prompt, 7])
     fast_path = _pass_over_fast_path(manager, audit=False)
     SchedulerPins(manager, fast_path).pin_waiters(iter([waiter]), frozenset({id(waiter)}))
-    assert manager.pinned_waiter_ids() == () and fast_path.audited.unchanged_waiters == 0
+    assert manager.pinned_waiter_ids() == () and fast_path.door.audited["unchanged waiter"] == 0
 
 
 def test_each_audited_passed_over_waiter_that_pins_nothing_counts_once():
@@ -743,7 +744,7 @@ def test_each_audited_passed_over_waiter_that_pins_nothing_counts_once():
     fast_path = _pass_over_fast_path(manager, audit=True)
     for count in (1, 2):
         SchedulerPins(manager, fast_path).pin_waiters(iter([waiter]), frozenset({id(waiter)}))
-        assert fast_path.audited.unchanged_waiters == count
+        assert fast_path.door.audited["unchanged waiter"] == count
     assert manager.pinned_waiter_ids() == ()
 
 
@@ -754,7 +755,7 @@ def _grace_rig_with_a_fast_path(audit: bool) -> tuple[Scheduler, list[frozenset]
     scheduler, _ = _grace_rig_with_a_cached_prompt()
     door = FastPathKVCacheManager(scheduler.kv_cache_manager, scheduler.config)
     fast_path = FastPath(scheduler, door)
-    fast_path.audit = audit
+    fast_path.door.audit = audit
     scheduler.kv_cache_manager, scheduler.fast_path = door, fast_path  # type: ignore[assignment]
     scheduler.pins = SchedulerPins(door, fast_path)  # type: ignore[arg-type]
     for index, name in enumerate(("w1", "w2")):
@@ -789,7 +790,7 @@ def test_under_the_audit_a_pass_walks_every_waiter_and_checks_the_passed_over():
     skipped) and w1 and w2, passed over, each make their pin call once."""
     scheduler, skips = _grace_rig_with_a_fast_path(audit=True)
     assert skips == [frozenset(), frozenset()]
-    assert scheduler.fast_path.audited.unchanged_waiters == 2
+    assert scheduler.fast_path.door.audited["unchanged waiter"] == 2
 
 
 def test_a_pass_like_the_last_idle_one_walks_no_waiter():
@@ -866,7 +867,7 @@ def test_the_audit_of_a_skipped_pin_lookup_wants_a_lookup_that_found_no_hit():
     fast_path.audit = True
     with pytest.raises(AssertionError, match="^waiter: a skipped pin lookup hits$"):
         fast_path._audit_pin_lookup(waiter)
-    assert manager.pinned_waiter_ids() == ("waiter",) and fast_path.audited.pin_lookups == 0
+    assert manager.pinned_waiter_ids() == ("waiter",) and fast_path.audited["pin lookup"] == 0
 
 
 # What ``deque`` offers that leaves the queue as it is (read from the
@@ -1139,7 +1140,7 @@ def test_the_audit_of_a_skipped_allocation_makes_it_with_the_calls_lookahead():
     door.audit = True
     assert not any(door.allocate_slots(request, 1, num_lookahead_tokens=3).blocks)
     assert not any(door.allocate_slots(request, 4).blocks)
-    assert door.audited.allocations == 2
+    assert door.audited["allocation"] == 2
     with pytest.raises(AssertionError, match=r"^a skipped allocation call changed the allocator$"):
         door.allocate_slots(request, 2, num_lookahead_tokens=3)
 

@@ -5,6 +5,7 @@ off."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,6 @@ from sim.engine import Simulation
 from sim.paths import SCENARIOS_DIR
 from sim.scenario import load_scenario
 from sim.sched.engine_core import BatchQueueEngineCore, EngineCore
-from sim.sched.fast_path.kv_cache_manager import AuditCounts
 from sim.sched.fast_path.memos import FastPath
 
 
@@ -41,14 +41,14 @@ def one_request(tmp_path: Path, prompt: int, output: int, *overrides: str) -> Si
     return Simulation(scenario, "off", scenario_workload(scenario))
 
 
-def audited(simulation: Simulation, *, lane: bool) -> AuditCounts:
+def audited(simulation: Simulation, *, lane: bool) -> Counter[str]:
     """Step ``simulation`` with the fast path's audit on: every call it
     skips is made anyway and asserted to change nothing. ``lane``: with the
     steady lane (off: the lane would take most settled decodes past the
     scheduler's own calls, which this then checks)."""
     fast_path = simulation.scheduler.fast_path
     assert isinstance(fast_path, FastPath)
-    fast_path.audit = True
+    fast_path.door.audit = True
     fast_path.use_lane = lane
     # Rebuilt so the core makes its lane (or none) with the switch as set.
     core = simulation.core
@@ -56,7 +56,7 @@ def audited(simulation: Simulation, *, lane: bool) -> AuditCounts:
         simulation.core = EngineCore(simulation.scheduler, simulation.model_runner)
     else:
         simulation.core = BatchQueueEngineCore(core.scheduler, core.model_runner, core.max_concurrent_batches)
-    return fast_path.audited
+    return fast_path.door.audited
 
 
 # The fast path's caching rule (rule 1 for ``cache_blocks``) acts where the

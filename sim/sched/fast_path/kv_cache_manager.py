@@ -1,12 +1,12 @@
-"""The fast path's door: the ``KVCacheManager`` the scheduler holds when
-``simulation.fast_path`` is on. It wraps vLLM's (or the fork's pinning)
-manager, decides every call that may change the allocator and passes the
-reads in ``PASSED_THROUGH`` on (rules 1-3, 10, 12)."""
+"""The fast path's door: the scheduler's ``KVCacheManager`` when
+``simulation.fast_path`` is on. It decides every call that may change the
+allocator and passes the reads in ``PASSED_THROUGH`` on (rules 1-3, 10, 12)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sim.allocator_invariants import allocator_snapshot
@@ -23,21 +23,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-@dataclass(slots=True)
-class AuditCounts:
-    """The skipped calls an audit made anyway (each changed nothing)."""
-
-    allocations: int = 0
-    cachings: int = 0
-    waiting_loops: int = 0
-    lane_steps: int = 0
-    pin_lookups: int = 0
-    pin_passes: int = 0
-    unchanged_waiters: int = 0
-    lookups: int = 0
-    refused_admissions: int = 0
-
-
 class FastPathKVCacheManager:
     """The manager ``wrapped`` behind the fast path's door (rules 1-3, 10, 12)."""
 
@@ -48,37 +33,33 @@ class FastPathKVCacheManager:
         self.empty_kv_cache_blocks = wrapped.empty_kv_cache_blocks
         self.allocations = settled_steps(wrapped, config)
         self.caching = settled_steps(wrapped, config)
-        # Every call that may change the allocator; less those that only
-        # take blocks for running requests (rule 12).
-        self.allocator_version = 0
-        self.release_version = 0
+        # Every call that may change the allocator, and a waiter's drained
+        # stale output (rule 9); less those that only take blocks (rule 12).
+        self.allocator_version = self.release_version = 0
         self.missed_pin_lookups = MissedPinLookups(wrapped.block_pool)  # rule 10
-        # The waiting loop's last lookup (the request, whether it found
-        # nothing in any group), and the last that did, with rule 10's memo
-        # of it then (rule 12).
+        # The waiting loop's last lookup (the request, whether it found nothing),
+        # and the last that did, with rule 10's memo of it then (rule 12).
         self.last_lookup: tuple[object, bool] | None = None
         self._found_nothing: tuple[object, object] | None = None
         self.audit = False
-        self.audited = AuditCounts()
+        self.audited: Counter[str] = Counter()  # the skipped calls made anyway, by kind
 
-    def _changes(self) -> None:  # beyond taking blocks
+    def changes(self) -> None:  # beyond taking blocks: every memo is void
         self.allocator_version += 1
         self.release_version += 1
 
     def _changed(self, released_or_pinned: int) -> int:
         if released_or_pinned:
-            self._changes()
+            self.changes()
         return released_or_pinned
 
-    # ------------------------------------------------------ settled calls
     def allocate_slots(self, request: Request, num_new_tokens: int, **kwargs: Any) -> KVCacheBlocks | None:
-        """Skipped when settled (rule 1); a running request's only takes
-        blocks (rule 12), an admission changes the allocator."""
+        """Skipped when settled (rule 1); a running request's only takes blocks (rule 12)."""
         allocate = self.wrapped.allocate_slots
         if request.status != RequestStatus.RUNNING:
             blocks = allocate(request, num_new_tokens, **kwargs)
             if blocks is not None:
-                self._changes()
+                self.changes()
             return blocks
         span = self.decode_span(request, num_new_tokens + kwargs.get("num_lookahead_tokens", 0))
         if span is not None and self.allocations.is_settled(request.request_id, *span):
@@ -97,7 +78,6 @@ class FastPathKVCacheManager:
         if self.caching.is_settled(request.request_id, computed, computed):
             if self.audit:
                 self.check_unchanged(lambda: self.wrapped.cache_blocks(request, computed), "caching")
-                self.audited.cachings += 1
             return
         self.allocator_version += 1
         self.wrapped.cache_blocks(request, computed)
@@ -112,7 +92,6 @@ class FastPathKVCacheManager:
             return None
         return computed - request.num_in_flight_tokens, computed + num_tokens
 
-    # -------------------------------------------------------------- frees
     def free(self, request: Request) -> None:
         self._forget(request.request_id)
         self.wrapped.free(request)
@@ -124,27 +103,27 @@ class FastPathKVCacheManager:
     def _forget(self, request_id: str) -> None:
         self.allocations.forget(request_id)
         self.caching.forget(request_id)
-        self._changes()
+        self.changes()
 
     def free_blocks(self, blocks: Any) -> None:
-        self._changes()
+        self.changes()
         self.wrapped.free_blocks(blocks)
 
     def take_kv_cache_block_copies(self) -> Any:
         copies = self.wrapped.take_kv_cache_block_copies()
         if copies[0]:
-            self._changes()
+            self.changes()
         return copies
 
-    # ------------------------------------------------------------ lookups
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
-        """vLLM's empty answer for a lookup known to find nothing (rule 12);
-        a lookup with no hit is remembered (rule 10)."""
+        """Known to find nothing: vLLM's empty answer (rule 12); no hit: remembered (rule 10)."""
+        empty = self.empty_kv_cache_blocks, 0, 0
         if self.finds_nothing(request):
             self.last_lookup = (request, True)
             if self.audit:
-                self._audit_lookup(request)
-            return self.empty_kv_cache_blocks, 0, 0
+                found = self.check_unchanged(lambda: self.wrapped.get_computed_blocks(request), "lookup")
+                assert found == empty, f"{request.request_id}: a lookup finds"
+            return empty
         blocks, num_hit, boundary = self.wrapped.get_computed_blocks(request)
         missed = num_hit == 0 and boundary == 0 and not any(blocks.blocks)
         self.last_lookup = (request, missed)
@@ -163,7 +142,6 @@ class FastPathKVCacheManager:
         memo = self.missed_pin_lookups.memo_of(request)
         return memo is not None and memo is found[1]
 
-    # --------------------------------------------- the fork's pins (0095-0097)
     def yield_pinned_hits(self, *args: Any, **kwargs: Any) -> int:
         return self._changed(self.wrapped.yield_pinned_hits(*args, **kwargs))  # type: ignore[attr-defined]
 
@@ -171,8 +149,7 @@ class FastPathKVCacheManager:
         return self._changed(self.wrapped.release_pinned_extras(*args))  # type: ignore[attr-defined]
 
     def pin_waiting_hit(self, request: Request) -> int:
-        """None where the lookup is known to find no hit (rule 10); one that
-        pins nothing unremembered is reported to rule 11."""
+        """Skipped where known to find no hit (rule 10)."""
         memos, wrapped = self.missed_pin_lookups, self.wrapped
         if memos.knows_no_hit(request):
             if self.audit:
@@ -187,41 +164,32 @@ class FastPathKVCacheManager:
             memos.pass_meets_unremembered_waiter()
         return pinned
 
-    # -------------------------------------------------------------- audit
     def check_unchanged(self, call: Callable[[], T], what: str) -> T:
+        """A skipped call, made anyway (the audit): it must change nothing."""
         before = allocator_snapshot(self.wrapped)
         result = call()
         assert allocator_snapshot(self.wrapped) == before, f"a skipped {what} call changed the allocator"
+        self.audited[what] += 1
         return result
 
     def _audit_allocation(self, request: Request, num_new: int, num_lookahead: int) -> None:
-        allocate = self.wrapped.allocate_slots
-        blocks = self.check_unchanged(
-            lambda: allocate(request, num_new, num_lookahead_tokens=num_lookahead), "allocation"
-        )
+        allocate = partial(self.wrapped.allocate_slots, request, num_new, num_lookahead_tokens=num_lookahead)
+        blocks = self.check_unchanged(allocate, "allocation")
         assert blocks is not None and not any(blocks.blocks), (
             f"{request.request_id}: a settled call allocated"
         )
-        self.audited.allocations += 1
-
-    def _audit_lookup(self, request: Request) -> None:
-        found = self.check_unchanged(lambda: self.wrapped.get_computed_blocks(request), "lookup")
-        assert found == (self.empty_kv_cache_blocks, 0, 0), f"{request.request_id}: a lookup finds"
-        self.audited.lookups += 1
 
     def _audit_pin_lookup(self, request: Request) -> None:
         # No snapshot (there are many): a lookup with no hit returns first.
         pinned = self.wrapped.pin_waiting_hit(request)  # type: ignore[attr-defined]
-        assert pinned == 0 and self.wrapped.pin_lookup_found_no_hit, (  # type: ignore[attr-defined]
-            f"{request.request_id}: a skipped pin lookup hits"
-        )
-        self.audited.pin_lookups += 1
+        no_hit = self.wrapped.pin_lookup_found_no_hit  # type: ignore[attr-defined]
+        assert pinned == 0 and no_hit, f"{request.request_id}: a skipped pin lookup hits"
+        self.audited["pin lookup"] += 1
 
 
-# What passes through unseen, read on the wrapped manager each time (``kvsim
-# bench`` replaces methods there): reads, and ``new_step_starts`` (a per-step
-# set). Named, not ``__getattr__``: a new allocator call fails here until it
-# is a door method (rule 3) or listed.
+# What passes through unseen, read on the wrapped manager each time (``kvsim bench``
+# replaces methods there): reads, and ``new_step_starts`` (a per-step set). Named, not
+# ``__getattr__``: a new allocator call fails here until it is a door method (rule 3) or listed.
 PASSED_THROUGH = (
     "coordinator managers ring_managers ring_slot_pools enable_caching get_block_ids new_step_starts"
     " take_events take_new_block_ids take_new_ring_block_ids make_prefix_cache_stats"

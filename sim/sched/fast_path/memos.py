@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from sim.sched.fast_path.async_steady import AsyncSteadyLane
-from sim.sched.fast_path.kv_cache_manager import AuditCounts, FastPathKVCacheManager
+from sim.sched.fast_path.kv_cache_manager import FastPathKVCacheManager
 from sim.sched.fast_path.steady import SyncSteadyLane
 
 if TYPE_CHECKING:
@@ -22,8 +22,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class _Refusal:
-    """A refused admission, and what rule 12 compares (``has_scheduled_reqs``:
-    vLLM's watermark)."""
+    """A refused admission, and what rule 12 compares (``has_scheduled_reqs``: vLLM's watermark)."""
 
     request: object
     num_new: int
@@ -51,13 +50,9 @@ class _IdleWaiting:
 class FastPath:
     """One scheduler's memos and lanes, beside its door."""
 
-    enabled = True
-
     def __init__(self, scheduler: Scheduler, door: FastPathKVCacheManager) -> None:
         self.scheduler = scheduler
         self.door = door
-        # Waiters whose stale output drained (rule 9): each voids the memo.
-        self._waiters_changed = 0
         self._idle_waiting: _IdleWaiting | None = None
         self._refusal: _Refusal | None = None
         self._pin_pass_version = 0
@@ -68,34 +63,15 @@ class FastPath:
     def audit(self) -> bool:
         return self.door.audit
 
-    @audit.setter
-    def audit(self, on: bool) -> None:
-        self.door.audit = on
-
-    @property
-    def audited(self) -> AuditCounts:
-        return self.door.audited
-
-    @property
-    def allocator_version(self) -> int:
-        """The door's (rule 3), voided too by a waiter's change."""
-        return self.door.allocator_version + self._waiters_changed
-
-    @property
-    def release_version(self) -> int:
-        return self.door.release_version + self._waiters_changed
-
     def make_lane(self, model_runner: ModelRunner) -> SyncSteadyLane | None:
         return SyncSteadyLane(self.scheduler, self.door, model_runner) if self.use_lane else None
 
     def make_async_lane(self) -> AsyncSteadyLane | None:
         return AsyncSteadyLane(self.scheduler, self.door) if self.use_lane else None  # type: ignore[arg-type]
 
-    def waiting_request_changes(self) -> None:
-        """A waiter's stale output drained (rule 9): every memo is void."""
-        self._waiters_changed += 1
+    def waiting_request_changes(self) -> None:  # a stale output drained: every memo is void (rule 9)
+        self.door.changes()
 
-    # ------------------------------------------------ known-idle waiting
     def skips_waiting(self, step: _StepState) -> bool:
         known = self.waiting_known_idle(step.token_budget, step.running_scheduled, step.prefill_scheduled)
         if known and self.audit:
@@ -103,17 +79,12 @@ class FastPath:
         return known
 
     def waiting_loop(self, step: _StepState, admit: Callable[[_StepState], bool]) -> None:
-        """``admit``: the loop, which says whether it admitted anyone."""
-        inputs = self.waiting_starts(step)
-        self.waiting_ends(inputs, admit(step))
-
-    def waiting_starts(self, step: _StepState) -> tuple:
+        """``admit``: the loop, which says whether it admitted anyone. One that
+        admitted nobody changed nothing; idle loops of other inputs are kept
+        while the head and the allocator version stay (rule 4)."""
         self.door.last_lookup = None
-        return self._waiting_inputs(step.token_budget, step.running_scheduled, step.prefill_scheduled)
-
-    def waiting_ends(self, inputs: tuple, admitted: bool) -> None:
-        """A loop that admitted nobody changed nothing; idle loops of other
-        inputs are kept while the head and the allocator version stay (rule 4)."""
+        inputs = self._waiting_inputs(step.token_budget, step.running_scheduled, step.prefill_scheduled)
+        admitted = admit(step)
         waiting, idle = self.scheduler.waiting, self._idle_waiting
         self._idle_waiting = None
         if admitted or not waiting:
@@ -122,15 +93,10 @@ class FastPath:
         kept: tuple[tuple, ...] = (inputs,)
         if idle is not None and idle.head is head and self._allocator_as_when(idle):
             kept = (*idle.inputs, inputs)[-_IdleWaiting.MAX_INPUTS :]
-        last = self.door.last_lookup
-        self._idle_waiting = _IdleWaiting(
-            head,
-            kept,
-            self.allocator_version,
-            self.release_version,
-            self._num_free_blocks(),
-            head_missed=last is not None and last[0] is head and last[1],
-        )
+        door, last = self.door, self.door.last_lookup
+        head_missed = last is not None and last[0] is head and last[1]
+        versions = door.allocator_version, door.release_version
+        self._idle_waiting = _IdleWaiting(head, kept, *versions, self._num_free_blocks(), head_missed)
 
     def waiting_known_idle(self, token_budget: int, running_scheduled: bool, prefill_scheduled: bool) -> bool:
         """Remembered idle with the same head and inputs, and the allocator
@@ -145,33 +111,27 @@ class FastPath:
         )
 
     def _allocator_as_when(self, idle: _IdleWaiting) -> bool:
-        return idle.allocator_version == self.allocator_version or self._head_still_refused(idle)
-
-    def _head_still_refused(self, idle: _IdleWaiting) -> bool:  # rule 12
-        return (
-            idle.head_missed
+        return idle.allocator_version == self.door.allocator_version or (
+            idle.head_missed  # rule 12: the head is still refused
             and self._only_took_blocks_since(idle.release_version, idle.num_free_blocks)
             and self.door.finds_nothing(idle.head)  # type: ignore[arg-type]
         )
 
     def _only_took_blocks_since(self, release_version: int, num_free_blocks: int) -> bool:
-        """Rule 12: only running requests' allocations and caching since, and
-        no more free blocks."""
-        return release_version == self.release_version and self._num_free_blocks() <= num_free_blocks
+        """Rule 12: only running requests' allocations and caching since, and no more free blocks."""
+        return release_version == self.door.release_version and self._num_free_blocks() <= num_free_blocks
 
     def _num_free_blocks(self) -> int:  # what ``allocate_slots`` compares a need with
         return self.door.block_pool.get_num_free_blocks()
 
     def admission(self, request: Request, num_new: int, attempt: Callable[[], T]) -> T | None:
-        """``attempt``: the allocation, then the fork's head guard; None
-        where known refused (rule 12)."""
+        """``attempt``: the allocation, then the fork's head guard; None where known refused (rule 12)."""
         if self.skips_refused_admission(request, num_new, attempt):
             return None
         allocated = attempt()
         if allocated is None:
-            self._refusal = _Refusal(
-                request, num_new, bool(self.scheduler.running), self.release_version, self._num_free_blocks()
-            )
+            running, release = bool(self.scheduler.running), self.door.release_version
+            self._refusal = _Refusal(request, num_new, running, release, self._num_free_blocks())
         return allocated
 
     def skips_refused_admission(self, request: Request, num_new: int, attempt: Callable[[], object]) -> bool:
@@ -188,31 +148,21 @@ class FastPath:
         ):
             return False
         if self.audit:
-            assert self.door.check_unchanged(attempt, "refused admission") is None, (
-                f"{request.request_id}: admitted"
-            )
-            self.audited.refused_admissions += 1
+            admitted = self.door.check_unchanged(attempt, "refused admission")
+            assert admitted is None, f"{request.request_id}: admitted"
         return True
 
     def _waiting_inputs(self, token_budget: int, running_scheduled: bool, prefill_scheduled: bool) -> tuple:
         """What the waiting loop reads besides its head and the allocator (rule 4)."""
-        scheduler = self.scheduler
-        return (
-            token_budget,
-            len(scheduler.running),
-            len(scheduler.waiting),
-            running_scheduled,
-            prefill_scheduled,
-        )
+        running, waiting = self.scheduler.running, self.scheduler.waiting
+        return (token_budget, len(running), len(waiting), running_scheduled, prefill_scheduled)
 
-    # ------------------------------------------------------ idle pin passes
     def skips_pin_pass(self, pinned_ids: tuple[str, ...]) -> bool:  # rule 11
-        self._pin_pass_version = self.allocator_version
-        if not self.door.missed_pin_lookups.knows_idle_pass(self.scheduler.waiting, pinned_ids):
-            return False
-        if self.audit:
+        self._pin_pass_version = self.door.allocator_version
+        known = self.door.missed_pin_lookups.knows_idle_pass(self.scheduler.waiting, pinned_ids)
+        if known and self.audit:
             self._audit_pin_pass()
-        return True
+        return known
 
     def unchanged_waiters(self, pinned_ids: tuple[str, ...]) -> Container[int]:
         """The waiters (by ``id``) a pin pass passes over (rule 11)."""
@@ -220,36 +170,26 @@ class FastPath:
 
     def unchanged_waiter_passed_over(self, request: Request) -> None:
         if self.audit:
-            self._audit_unchanged_waiter(request)
+            pinned = self.door.wrapped.pin_waiting_hit(request)  # type: ignore[attr-defined]
+            assert pinned == 0, f"{request.request_id}: a waiter passed over pins"
+            self.door.audited["unchanged waiter"] += 1
 
-    def waiter_admitted(self, request: Request) -> None:
-        """Rule 11: it may come back preempted."""
+    def waiter_admitted(self, request: Request) -> None:  # it may come back preempted (rule 11)
         self.door.missed_pin_lookups.waiter_admitted(request)
 
     def pin_pass_ends(self, pinned_ids: tuple[str, ...]) -> None:
-        """It pinned something iff it bumped the version."""
-        pinned = self.allocator_version != self._pin_pass_version
+        pinned = self.door.allocator_version != self._pin_pass_version  # iff it bumped the version
         self.door.missed_pin_lookups.pass_ends(self.scheduler.waiting, pinned_ids, pinned)
 
-    def waiting_tokens_change(self) -> None:
-        """A stale output may land on a waiter (rule 11)."""
+    def waiting_tokens_change(self) -> None:  # a stale output may land on a waiter (rule 11)
         self.door.missed_pin_lookups.waiter_tokens_change()
 
-    # -------------------------------------------------------------- audit
-    def _audit_unchanged_waiter(self, request: Request) -> None:
-        pinned = self.door.wrapped.pin_waiting_hit(request)  # type: ignore[attr-defined]
-        assert pinned == 0, f"{request.request_id}: a waiter passed over pins"
-        self.audited.unchanged_waiters += 1
-
-    def _audit_pin_pass(self) -> None:
-        """Its skipped lookups are audited in turn."""
+    def _audit_pin_pass(self) -> None:  # its skipped lookups are audited in turn
         scheduler = self.scheduler
         pins = scheduler.pins.pin_waiters  # type: ignore[union-attr]  # a SchedulerPins'
         self.door.check_unchanged(lambda: pins(scheduler._waiting_requests()), "pin pass")
-        self.audited.pin_passes += 1
 
-    def _audit_waiting(self, step: _StepState) -> None:
-        """On a copy of the step's inputs."""
+    def _audit_waiting(self, step: _StepState) -> None:  # on a copy of the step's inputs
         probe = type(step)(
             token_budget=step.token_budget,
             running_scheduled=step.running_scheduled,
@@ -257,19 +197,14 @@ class FastPath:
         )
         self.door.check_unchanged(lambda: self.scheduler._schedule_waiting(probe), "waiting loop")
         assert not probe.new_ids and not probe.resumed_ids, "a skipped waiting loop admits"
-        self.audited.waiting_loops += 1
-
-
-def _nothing(*args: Any) -> None:
-    return None
 
 
 class NoFastPath:
     """Every call is made, nothing is remembered."""
 
-    enabled = audit = False
-    make_lane = make_async_lane = waiting_request_changes = waiter_admitted = staticmethod(_nothing)
-    unchanged_waiter_passed_over = pin_pass_ends = waiting_tokens_change = staticmethod(_nothing)
+    audit = False
+    make_lane = make_async_lane = waiting_request_changes = waiter_admitted = staticmethod(lambda *args: None)
+    unchanged_waiter_passed_over = pin_pass_ends = waiting_tokens_change = make_lane
 
     @staticmethod
     def admission(request: Request, num_new: int, attempt: Callable[[], T]) -> T | None:

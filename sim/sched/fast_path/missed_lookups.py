@@ -1,9 +1,6 @@
-"""Waiters whose prefix-cache lookup found no hit, and pin passes known to
-pin nothing (rules 10-11): the memos for the fork's waiter pins (pin point
-3), whose lookups are most of an async saturated decode's time. A lookup
-reads only the request's own hashes and tokens and the pool's cached-hash
-map, which grows only through ``BlockPool._insert_block_hash`` (watched
-through the bridge's ``watch_hash_insertions``)."""
+"""Waiters whose prefix-cache lookup found no hit, and pin passes known to pin nothing
+(rules 10-11; the fork's waiter pins, pin point 3). A lookup reads only the request's own
+hashes and tokens and the pool's cached-hash map, whose insertions the bridge watches."""
 
 from __future__ import annotations
 
@@ -15,9 +12,8 @@ from sim.vllm_bridge import kv_cache_utils, watch_hash_insertions
 if TYPE_CHECKING:
     from sim.vllm_bridge import BlockPool, Request
 
-# What a pin pass read: hash insertions, waiter token changes, the pinned
-# waiters, the waiting queue's entries by identity (and the entries, so no
-# identity is reused while it is remembered).
+# What a pin pass read: hash insertions, waiter token changes, the pinned waiters,
+# the queue's entries by identity (and the entries: no identity is reused while held).
 PassKey = tuple[int, int, tuple[str, ...], tuple[int, ...], tuple[object, ...]]
 
 
@@ -25,33 +21,29 @@ class MissedPinLookups:
     """The waiters whose lookup found no hit since none of their own hashes
     was inserted, and the last pin pass if it pinned nothing."""
 
-    # Remembered (hash, waiter) pairs past which every memo is dropped (safe:
-    # a dropped memo costs a lookup), so memory stays bounded on any trace.
+    # Remembered (hash, waiter) pairs past which every memo is dropped (a
+    # dropped memo costs a lookup): memory stays bounded on any trace.
     MAX_REMEMBERED_HASHES = 1 << 18
 
     def __init__(self, block_pool: BlockPool) -> None:
-        # (hash, block) pairs inserted into the pool's cached-hash map so far
-        # (or tried: a pair the map lacks counts even where vLLM returns
-        # without inserting it, which is safe).
+        # (hash, block) pairs inserted into the pool's cached-hash map (or
+        # tried: counting one vLLM returns without inserting is safe).
         self.num_hash_insertions = 0
         # request id -> (the request, its tokens, its block hashes) at a lookup
-        # that found no hit, since which none of its hashes was inserted.
+        # with no hit, none of its hashes inserted since.
         self._missed: dict[str, tuple[Request, int, int]] = {}
         # block hash -> the remembered waiters whose hashes include it.
         self._waiters_by_hash: dict[bytes, set[str]] = {}
         self._num_remembered_hashes = 0
-        # Tokens appended to a waiting request (a stale output, async mode).
-        self.num_waiter_changes = 0
+        self.num_waiter_changes = 0  # stale outputs landed on waiters (async)
         self._idle_pass: PassKey | None = None
         self._idle_ids: frozenset[int] = frozenset()  # its entries' ids
-        # Its queue and the queue's insertions then (None for a queue
-        # without the count).
+        # Its queue and the queue's insertions then (None: a queue without the count).
         self._idle_queue: tuple[object, int] | None = None
         # Whether every waiter it met is remembered by rule 10 (a remembered
-        # waiter meets a pass differently only once forgotten), and the ids
-        # of the waiters that may meet a pass differently since it ended:
-        # forgotten by a hash insertion, or admitted (a preempted request
-        # comes back to the queue as the same object, with more tokens).
+        # waiter meets a pass differently only once forgotten), and the ids of
+        # those that may since: forgotten by a hash insertion, or admitted (a
+        # preempted request comes back as the same object, with more tokens).
         self._idle_covered = False
         self._changed_ids: set[int] = set()
         self._forgot = False  # whether an insertion forgot a waiter since it
@@ -59,8 +51,8 @@ class MissedPinLookups:
         self._count_insertions(block_pool)
 
     def _count_insertions(self, block_pool: BlockPool) -> None:
-        """Count every (hash, block) pair the cached-hash map gains (not one
-        it holds: a decode re-inserts it every step), forgetting its waiters."""
+        """Count every pair the map gains (not one it holds: a decode
+        re-inserts it every step), forgetting its waiters."""
 
         def inserted(key: Any) -> None:
             self.num_hash_insertions += 1
@@ -68,8 +60,7 @@ class MissedPinLookups:
 
         watch_hash_insertions(block_pool, inserted)
 
-    def _forget_waiters_of(self, block_hash: bytes) -> None:
-        """The waiters whose hashes include ``block_hash`` may hit now."""
+    def _forget_waiters_of(self, block_hash: bytes) -> None:  # they may hit now
         for request_id in self._waiters_by_hash.pop(block_hash, ()):
             missed = self._missed.pop(request_id, None)
             if missed is not None:
@@ -83,8 +74,7 @@ class MissedPinLookups:
         return self.memo_of(request) is not None
 
     def memo_of(self, request: Request) -> object | None:
-        """What remembers that its lookup finds no hit (None: not known); a
-        new object each time it is remembered."""
+        """What remembers that its lookup finds no hit (None: not known), a new object each time."""
         missed = self._missed.get(request.request_id)
         if (
             missed is not None
@@ -108,16 +98,9 @@ class MissedPinLookups:
             self._waiters_by_hash.setdefault(block_hash, set()).add(request_id)
         self._num_remembered_hashes += len(request.block_hashes)
 
-    # ------------------------------------------------------- whole passes
     def _pass_key(self, waiting: Iterable[object], pinned_ids: tuple[str, ...]) -> PassKey:
-        entries = tuple(waiting)
-        return (
-            self.num_hash_insertions,
-            self.num_waiter_changes,
-            pinned_ids,
-            tuple(map(id, entries)),
-            entries,
-        )
+        queue = tuple(waiting)
+        return (self.num_hash_insertions, self.num_waiter_changes, pinned_ids, tuple(map(id, queue)), queue)
 
     def knows_idle_pass(self, waiting: Iterable[object], pinned_ids: tuple[str, ...]) -> bool:
         """It would pass over every waiter, or meet the idle pass's queue."""
@@ -128,22 +111,18 @@ class MissedPinLookups:
             # Every waiter now met the idle pass, none is forgotten since,
             # and the admitted ones have left: each would be passed over.
             return True
-        if idle[0] != self.num_hash_insertions or self._changed_ids:
-            return False
-        # By identity: the entries themselves are not compared.
-        if idle[3] != tuple(map(id, waiting)):
+        # The entries by identity, not compared themselves.
+        if idle[0] != self.num_hash_insertions or self._changed_ids or idle[3] != tuple(map(id, waiting)):
             return False
         self._idle_queue = _queue_state(waiting)  # changed back: the next check is one number
         return True
 
-    def _only_removed_from(self, waiting: Iterable[object]) -> bool:
-        """The idle pass's queue, nothing put in it since."""
+    def _only_removed_from(self, waiting: Iterable[object]) -> bool:  # since the idle pass
         idle_queue = self._idle_queue
         return idle_queue is not None and idle_queue[0] is waiting and idle_queue[1] == _insertions(waiting)
 
     def idle_pass_entries(self, pinned_ids: tuple[str, ...]) -> frozenset[int]:
-        """A pass starts: the ids of the idle pass's entries that meet it as
-        they met that one, less those changed since."""
+        """A pass starts: the ids of the idle pass's entries that meet it as they met that one."""
         passed_over = self._passed_over(pinned_ids)
         # The waiters passed over carry that pass's cover into this one.
         self._pass_covered = self._idle_covered or not passed_over
@@ -155,15 +134,12 @@ class MissedPinLookups:
         return self._idle_ids.difference(self._changed_ids) if self._changed_ids else self._idle_ids
 
     def _passable_idle_pass(self, pinned_ids: tuple[str, ...]) -> PassKey | None:
-        """The idle pass, if a pass now passes over its waiters (less those
-        changed since): the same waiter tokens and pinned waiters, and the
-        same hash insertions or a pass that met only remembered waiters."""
+        """The idle pass, if a pass now passes over its waiters: the same waiter
+        tokens and pinned waiters, and no insertion or only remembered waiters met."""
         idle = self._idle_pass
         if idle is None or idle[1:3] != (self.num_waiter_changes, pinned_ids):
             return None
-        if idle[0] != self.num_hash_insertions and not self._idle_covered:
-            return None
-        return idle
+        return idle if idle[0] == self.num_hash_insertions or self._idle_covered else None
 
     def waiter_admitted(self, request: Request) -> None:
         self._changed_ids.add(id(request))

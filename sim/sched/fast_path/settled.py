@@ -27,9 +27,8 @@ class SettledSteps:
     def window(
         self, first_token: int, last_token: int, prompt_tokens: int | None = None
     ) -> tuple[int, ...] | None:
-        """The block per size holding the widened span; None where it touches
-        or crosses a boundary (below 0 crosses the one at 0). ``prompt_tokens``
-        None: the span reaches into the prompt."""
+        """The block per size holding the widened span; None where it touches or crosses a
+        boundary (below 0 crosses 0's). ``prompt_tokens`` None: it reaches into the prompt."""
         blocks = self._blocks(first_token, last_token, prompt_tokens)
         return None if blocks is None else tuple(index for index, _ in blocks)
 

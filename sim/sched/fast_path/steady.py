@@ -81,7 +81,7 @@ class SteadyLane(Generic[K]):
         self._taken = offer.taken
         if self.door.audit and offer.taken:
             self._audit_each(self._audit_taken, [self._kept[i] for i in offer.taken], "steady allocation")
-            self.door.audited.lane_steps += 1
+            self.door.audited["lane step"] += 1
         return output
 
     def _decodes_next(self, request: Request) -> bool:

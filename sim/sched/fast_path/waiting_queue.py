@@ -1,7 +1,6 @@
-"""The scheduler's waiting queue: a ``deque`` counting the calls that may put
-an entry in it (``insertions``). Rule 11 reads it: with none since an idle
-pin pass, every entry met that pass, in its order, and none need be compared
-(~1,000 waiters on an async saturated decode). vLLM's is a plain ``deque``."""
+"""The scheduler's waiting queue (vLLM's is a plain ``deque``), counting the calls that
+may put an entry in it (``insertions``). Rule 11 reads it: with none since an idle pin
+pass, every entry met that pass, in its order, and none need be compared."""
 
 from __future__ import annotations
 
