@@ -148,12 +148,18 @@ class AsyncSteadyLane(SteadyLane[_KeptAsync]):
         ):
             return None
         kept = _KeptAsync(
-            request=request, computed=request.num_computed_tokens, in_flight=request.num_in_flight_tokens,
-            placeholders=request.num_output_placeholders, eligible=request.next_decode_eligible_step,
-            num_tokens=request.num_tokens, limit=limit[0], cache_low=limit[1], cache_high=limit[2],
+            request=request,
+            computed=request.num_computed_tokens,
+            in_flight=request.num_in_flight_tokens,
+            placeholders=request.num_output_placeholders,
+            eligible=request.next_decode_eligible_step,
+            num_tokens=request.num_tokens,
+            limit=limit[0],
+            cache_low=limit[1],
+            cache_high=limit[2],
             stop_at=request.num_tokens + self.scheduler.stop_room(request),
             max_tokens_end=request.num_prompt_tokens + request.max_tokens,
-        )  # fmt: skip
+        )
         self._kept[request.request_id] = kept
         return kept
 

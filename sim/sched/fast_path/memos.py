@@ -190,11 +190,8 @@ class FastPath:
         self.door.check_unchanged(lambda: pins(scheduler._waiting_requests()), "pin pass")
 
     def _audit_waiting(self, step: _StepState) -> None:  # on a copy of the step's inputs
-        probe = type(step)(
-            token_budget=step.token_budget,
-            running_scheduled=step.running_scheduled,
-            prefill_scheduled=step.prefill_scheduled,
-        )
+        probe = type(step)(token_budget=step.token_budget)
+        probe.running_scheduled, probe.prefill_scheduled = step.running_scheduled, step.prefill_scheduled
         self.door.check_unchanged(lambda: self.scheduler._schedule_waiting(probe), "waiting loop")
         assert not probe.new_ids and not probe.resumed_ids, "a skipped waiting loop admits"
 

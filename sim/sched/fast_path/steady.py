@@ -111,9 +111,8 @@ class SteadyLane(Generic[K]):
         self._hand_over(kept)
         request, num_spec = kept.request, self.num_spec  # type: ignore[attr-defined]
         blocks = self.door.wrapped.allocate_slots(request, self.step_tokens, num_lookahead_tokens=num_spec)
-        assert blocks is not None and not any(blocks.blocks), (
-            f"{request.request_id}: a steady decode allocates"
-        )
+        allocated = blocks is None or any(blocks.blocks)
+        assert not allocated, f"{request.request_id}: a steady decode allocates"
 
     def _audit_cache(self, kept: K) -> None:
         """The caching after sampling, at the processed tokens (rule 9)."""
