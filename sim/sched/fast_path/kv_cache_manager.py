@@ -117,9 +117,9 @@ class FastPathKVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
         """Known to find nothing: vLLM's empty answer (rule 12); no hit: remembered (rule 10)."""
-        empty = self.empty_kv_cache_blocks, 0, 0
         if self.finds_nothing(request):
             self.last_lookup = (request, True)
+            empty = self.empty_kv_cache_blocks, 0, 0
             if self.audit:
                 found = self.check_unchanged(lambda: self.wrapped.get_computed_blocks(request), "lookup")
                 assert found == empty, f"{request.request_id}: a lookup finds"
